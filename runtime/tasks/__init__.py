@@ -1,0 +1,1 @@
+"""rlc.runtime.tasks package."""

@@ -1,0 +1,1 @@
+"""The contracts: the user's spec, the compiled plan, and the hardware / model data files."""

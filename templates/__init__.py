@@ -1,0 +1,1 @@
+"""rlc.templates package."""
