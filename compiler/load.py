@@ -1,0 +1,272 @@
+"""Load a spec file: YAML with line numbers → `Spec`, or diagnostics that say exactly what is wrong.
+
+Every structural problem in the file is reported at once (pydantic collects them all); each is mapped back
+to the YAML line it came from, and unknown keys get a did-you-mean drawn from the keys valid at that place.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rlc.compiler.diagnostics import Diagnostic, Report
+from rlc.schemas.spec import Spec
+
+Loc = tuple[str | int, ...]
+MAX_SPEC_BYTES = 1 << 20
+
+
+@dataclass
+class LineMap:
+    """Maps dotted spec paths to the 1-based line where the key (or item) appears in the YAML source."""
+
+    lines: dict[Loc, int] = field(default_factory=dict)
+
+    def line_for(self, loc: Loc | str) -> int | None:
+        """The line of `loc`, or of its nearest ancestor that appears in the file."""
+        if isinstance(loc, str):
+            loc = tuple(int(p) if p.isdigit() else p for p in loc.split(".") if p)
+        while loc:
+            if loc in self.lines:
+                return self.lines[loc]
+            loc = loc[:-1]
+        return self.lines.get((), None)
+
+
+@dataclass
+class LoadResult:
+    spec: Spec | None
+    report: Report
+    lines: LineMap
+    data: dict[str, Any] | None = None
+
+
+class _KeyTrackingLoader(yaml.SafeLoader):
+    """SafeLoader that records each mapping key's line and refuses duplicate keys."""
+
+
+def _walk_nodes(node: yaml.Node, loc: Loc, lines: dict[Loc, int], duplicates: list[tuple[Loc, int]]) -> None:
+    lines.setdefault(loc, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            child = (*loc, key)
+            if key in seen:
+                duplicates.append((child, key_node.start_mark.line + 1))
+            seen.add(key)
+            lines[child] = key_node.start_mark.line + 1
+            _walk_nodes(value_node, child, lines, duplicates)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            child = (*loc, index)
+            lines[child] = item.start_mark.line + 1
+            _walk_nodes(item, child, lines, duplicates)
+
+
+def dotted(loc: Loc) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse `--set a.b.c=value`; the value is read as YAML so numbers and booleans keep their types."""
+    if "=" not in text:
+        raise ValueError(f"--set expects key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ValueError(f"--set has an empty key in {text!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> None:
+    """Apply `--set` overrides in place, creating intermediate mappings as needed."""
+    for text in overrides:
+        parts, value = parse_override(text)
+        node: Any = data
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+
+
+def _model_classes(annotation: Any) -> list[type[BaseModel]]:
+    """Pydantic model classes reachable from a field annotation (through Optional, list, dict, Annotated)."""
+    found: list[type[BaseModel]] = []
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _model_classes(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType, list, dict, tuple):
+        for arg in typing.get_args(annotation):
+            found.extend(_model_classes(arg))
+    return found
+
+
+def _model_at(loc: Loc) -> type[BaseModel] | None:
+    """The spec section model that owns the mapping at `loc` (used to suggest valid keys)."""
+    model: type[BaseModel] = Spec
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        info = model.model_fields.get(part)
+        if info is None:
+            # dict keys such as placement.teachers.<name>: stay on the dict's value model
+            continue
+        classes = _model_classes(info.annotation)
+        if not classes:
+            return None
+        model = classes[0]
+    return model
+
+
+def did_you_mean(word: str, candidates: list[str]) -> str:
+    matches = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return matches[0] if matches else ""
+
+
+def _error_to_diagnostic(error: dict[str, Any], lines: LineMap, file: str) -> Diagnostic:
+    loc: Loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-after")))
+    path = dotted(loc)
+    line = lines.line_for(loc)
+    kind = error["type"]
+    value = error.get("input")
+    if kind == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        valid = sorted(parent.model_fields) if parent else []
+        guess = did_you_mean(str(loc[-1]), valid)
+        hint = f"did you mean `{guess}`?" if guess else f"valid keys here: {', '.join(valid)}"
+        return Diagnostic("RLC101", f"unknown key `{loc[-1]}`", path, hint=hint, line=line, file=file)
+    if kind == "missing":
+        return Diagnostic("RLC103", f"required key `{loc[-1]}` is missing", path, hint="add it", line=line, file=file)
+    if kind in ("literal_error", "enum"):
+        expected = error.get("ctx", {}).get("expected", "")
+        guess = did_you_mean(str(value), [e.strip(" '") for e in str(expected).replace(" or ", ",").split(",")])
+        hint = f"did you mean `{guess}`?" if guess else f"expected {expected}"
+        return Diagnostic("RLC104", f"{value!r} is not allowed", path, hint=hint, line=line, file=file)
+    message = error["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
+    code = "RLC102" if kind.endswith("_type") or kind.endswith("_parsing") else "RLC104"
+    return Diagnostic(code, f"{message}{shown}", path, line=line, file=file)
+
+
+def load_spec_text(
+    text: str | bytes,
+    file: str = "<spec>",
+    *,
+    target: str | None = None,
+    overrides: list[str] | None = None,
+) -> LoadResult:
+    """Parse and structurally validate spec text; never raises for a user's mistake."""
+    report = Report(file)
+    lines = LineMap()
+    if isinstance(text, bytes):
+        if b"\x00" in text:
+            report.add(Diagnostic("RLC004", "file is binary, not YAML text", file=file))
+            return LoadResult(None, report, lines)
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            report.add(
+                Diagnostic("RLC004", f"file is not UTF-8 text (byte {exc.start})", file=file, hint="save as UTF-8")
+            )
+            return LoadResult(None, report, lines)
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        root = yaml.compose(text, Loader=_KeyTrackingLoader)
+        data = yaml.load(text, Loader=_KeyTrackingLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        report.add(
+            Diagnostic(
+                "RLC001",
+                f"malformed YAML: {problem}",
+                line=mark.line + 1 if mark else None,
+                file=file,
+                hint="check indentation, colons and quotes near this line",
+            )
+        )
+        return LoadResult(None, report, lines)
+    except RecursionError:
+        report.add(Diagnostic("RLC001", "malformed YAML: nesting is too deep", file=file))
+        return LoadResult(None, report, lines)
+    if root is not None:
+        duplicates: list[tuple[Loc, int]] = []
+        _walk_nodes(root, (), lines.lines, duplicates)
+        for loc, line in duplicates:
+            report.add(
+                Diagnostic(
+                    "RLC005",
+                    f"key `{loc[-1]}` appears more than once; YAML keeps only the last",
+                    dotted(loc),
+                    line=line,
+                    file=file,
+                    hint="remove the duplicate",
+                )
+            )
+    if data is None:
+        report.add(Diagnostic("RLC002", "spec is empty", file=file, hint="run `rlc init` for a starter spec"))
+        return LoadResult(None, report, lines)
+    if not isinstance(data, dict):
+        report.add(
+            Diagnostic(
+                "RLC003",
+                f"spec must be a mapping of keys to values, got {type(data).__name__}",
+                file=file,
+                line=1,
+                hint="start with `name: my-run` on the first line",
+            )
+        )
+        return LoadResult(None, report, lines)
+    data = {str(k): v for k, v in data.items()}
+    try:
+        apply_overrides(data, overrides or [])
+    except (ValueError, AttributeError) as exc:
+        report.add(Diagnostic("RLC006", f"bad override: {exc}", file=file))
+        return LoadResult(None, report, lines, data)
+    if target is not None:
+        data["target"] = target
+    try:
+        spec = Spec.model_validate(data)
+    except ValidationError as exc:
+        for error in exc.errors():
+            report.add(_error_to_diagnostic(dict(error), lines, file))
+        return LoadResult(None, report, lines, data)
+    except (RecursionError, TypeError) as exc:
+        report.add(Diagnostic("RLC102", f"spec has an unsupported structure: {exc}", file=file))
+        return LoadResult(None, report, lines, data)
+    return LoadResult(spec, report, lines, data)
+
+
+def load_spec_file(path: str | Path, *, target: str | None = None, overrides: list[str] | None = None) -> LoadResult:
+    """Read a spec file from disk; a missing or unreadable file is a diagnostic, not an exception."""
+    path = Path(path)
+    file = str(path)
+    try:
+        if path.stat().st_size > MAX_SPEC_BYTES:
+            report = Report(file)
+            report.add(Diagnostic("RLC004", f"file is larger than {MAX_SPEC_BYTES} bytes; not a spec", file=file))
+            return LoadResult(None, report, LineMap())
+        raw = path.read_bytes()
+    except OSError as exc:
+        report = Report(file)
+        report.add(Diagnostic("RLC000", f"cannot read spec: {exc.strerror or exc}", file=file))
+        return LoadResult(None, report, LineMap())
+    return load_spec_text(raw, file, target=target, overrides=overrides)

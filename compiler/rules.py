@@ -1,0 +1,501 @@
+"""Semantic rules: checks that need the hardware target or the model architecture.
+
+Rules live in a registry; each one looks at the resolved problem and yields diagnostics. Every rule runs
+(none stops the others), so a user sees every problem in one pass. Codes are stable: RLC2xx.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from rlc.compiler.diagnostics import Diagnostic, Severity
+from rlc.compiler.load import LineMap
+from rlc.compiler.resolve import Problem
+from rlc.schemas.spec import BUILTIN_REWARDS, BUILTIN_TASKS
+
+GIB = 1024**3
+
+
+@dataclass
+class RuleContext:
+    problem: Problem
+    lines: LineMap
+    file: str
+
+    def diag(self, code: str, path: str, message: str, hint: str = "", severity: Severity = "error") -> Diagnostic:
+        return Diagnostic(code, message, path, severity, hint, self.lines.line_for(path), self.file)
+
+
+RuleFn = Callable[[RuleContext], Iterator[Diagnostic]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    code: str
+    summary: str
+    check: RuleFn
+
+
+RULES: list[Rule] = []
+
+
+def rule(code: str, summary: str) -> Callable[[RuleFn], RuleFn]:
+    """Register a semantic check under a stable code."""
+
+    def register(fn: RuleFn) -> RuleFn:
+        RULES.append(Rule(code, summary, fn))
+        return fn
+
+    return register
+
+
+def run_rules(problem: Problem, lines: LineMap, file: str) -> list[Diagnostic]:
+    ctx = RuleContext(problem, lines, file)
+    found: list[Diagnostic] = []
+    for registered in RULES:
+        found.extend(registered.check(ctx))
+    return found
+
+
+@rule("RLC201", "MTP speculative decoding needs a model with MTP layers")
+def check_mtp(ctx: RuleContext) -> Iterator[Diagnostic]:
+    mtp = ctx.problem.spec.rollout.mtp
+    arch = ctx.problem.arch
+    if mtp is None or mtp.method == "ngram":
+        return
+    if arch.mtp_layers == 0:
+        yield ctx.diag(
+            "RLC201",
+            "rollout.mtp",
+            f"model `{arch.id}` has no MTP layers, so MTP speculative decoding cannot run",
+            "remove rollout.mtp, or set rollout.mtp.method: ngram for prompt-lookup drafting",
+        )
+    elif mtp.method in ("mtp", "auto") and mtp.num_speculative_tokens > 4 * arch.mtp_layers:
+        yield ctx.diag(
+            "RLC201",
+            "rollout.mtp.num_speculative_tokens",
+            f"{mtp.num_speculative_tokens} draft tokens from {arch.mtp_layers} MTP layer(s): acceptance falls "
+            "quickly past a few tokens",
+            "1-3 draft tokens per MTP layer is the usual range",
+            "warning",
+        )
+
+
+@rule("RLC202", "MOPD teachers must share the student's vocabulary")
+def check_teacher_vocab(ctx: RuleContext) -> Iterator[Diagnostic]:
+    spec = ctx.problem.spec
+    if spec.distill is None:
+        return
+    student = ctx.problem.arch
+    for index, teacher in enumerate(spec.distill.teachers):
+        arch = ctx.problem.teacher_archs.get(teacher.name)
+        if arch is not None and arch.vocab_size != student.vocab_size:
+            yield ctx.diag(
+                "RLC202",
+                f"distill.teachers.{index}.model",
+                f"teacher `{teacher.name}` ({arch.id}) has vocabulary {arch.vocab_size} but the student "
+                f"({student.id}) has {student.vocab_size}; per-token distillation needs the same tokenizer",
+                "pick a teacher from the student's model family",
+            )
+
+
+@rule("RLC203", "Routing and teacher names must be consistent")
+def check_teacher_routing(ctx: RuleContext) -> Iterator[Diagnostic]:
+    spec = ctx.problem.spec
+    names = {t.name for t in spec.distill.teachers} if spec.distill else set()
+    for pinned in spec.placement.teachers:
+        if pinned not in names:
+            yield ctx.diag(
+                "RLC203",
+                f"placement.teachers.{pinned}",
+                f"placement pins teacher `{pinned}` but distill.teachers has no such teacher",
+                f"teachers are: {', '.join(sorted(names)) or 'none'}",
+            )
+    if spec.distill is None or spec.distill.routing != "domain":
+        return
+    if len(spec.distill.teachers) > 1 and spec.data.domain_key is None:
+        yield ctx.diag(
+            "RLC203",
+            "data.domain_key",
+            f"routing: domain with {len(spec.distill.teachers)} teachers needs each example's domain",
+            "set data.domain_key to the JSONL key naming the domain, or use routing: mixture",
+        )
+    domains: dict[str, str] = {}
+    for index, teacher in enumerate(spec.distill.teachers):
+        if teacher.domain is None and len(spec.distill.teachers) > 1:
+            yield ctx.diag(
+                "RLC203",
+                f"distill.teachers.{index}.domain",
+                f"teacher `{teacher.name}` has no domain, so routing: domain never sends it anything",
+                "give it a domain, or use routing: mixture",
+            )
+        elif teacher.domain is not None and teacher.domain in domains:
+            yield ctx.diag(
+                "RLC203",
+                f"distill.teachers.{index}.domain",
+                f"teachers `{domains[teacher.domain]}` and `{teacher.name}` both serve domain `{teacher.domain}`",
+                "give each domain one teacher, or use routing: mixture",
+            )
+        elif teacher.domain is not None:
+            domains[teacher.domain] = teacher.name
+
+
+@rule("RLC204", "Colocated mode with teachers must leave room for them")
+def check_colocated_teachers(ctx: RuleContext) -> Iterator[Diagnostic]:
+    p = ctx.problem
+    if p.spec.mode != "colocated" or p.spec.distill is None:
+        return
+    student_gib = p.arch.total_params() * 2 / GIB
+    teacher_gib = sum(a.total_params() * 2 / GIB for a in p.teacher_archs.values())
+    per_device = (student_gib + teacher_gib) / p.total_devices
+    budget = 0.5 * p.target.usable_hbm_gib
+    if per_device > budget:
+        yield ctx.diag(
+            "RLC204",
+            "mode",
+            f"colocated with teachers keeps student and teacher weights resident: {student_gib:.1f} + "
+            f"{teacher_gib:.1f} GiB bf16 over {p.total_devices} devices is {per_device:.1f} GiB per device, "
+            f"more than half of the {p.target.usable_hbm_gib:.1f} GiB usable",
+            "use mode: disaggregated so teachers get their own devices, or add nodes",
+        )
+
+
+@rule("RLC205", "LoRA rank must be sane for the model")
+def check_lora_rank(ctx: RuleContext) -> Iterator[Diagnostic]:
+    lora = ctx.problem.spec.lora
+    arch = ctx.problem.arch
+    if lora is None:
+        return
+    if lora.rank >= arch.hidden_size:
+        yield ctx.diag(
+            "RLC205",
+            "lora.rank",
+            f"LoRA rank {lora.rank} is not below the model width {arch.hidden_size}: the adapter is no "
+            "longer low-rank and costs more than full fine-tuning",
+            f"use a rank well below {arch.hidden_size} (8-128 is typical), or drop lora",
+        )
+    elif lora.rank > 512:
+        yield ctx.diag(
+            "RLC205",
+            "lora.rank",
+            f"LoRA rank {lora.rank} is unusually large (vLLM serves ranks up to 512)",
+            "8-128 is typical for RL",
+            "warning",
+        )
+    if isinstance(lora.target_modules, list) and not lora.target_modules:
+        yield ctx.diag("RLC205", "lora.target_modules", "target_modules is empty: nothing would train")
+
+
+@rule("RLC206", "Context must fit the model's positions")
+def check_context(ctx: RuleContext) -> Iterator[Diagnostic]:
+    spec, arch = ctx.problem.spec, ctx.problem.arch
+    total = spec.rollout.max_total_len
+    native = arch.max_position_embeddings
+    stretched = int(native * arch.rope_scaling_max_factor)
+    if total > stretched:
+        yield ctx.diag(
+            "RLC206",
+            "rollout.max_response_len",
+            f"prompt {spec.rollout.max_prompt_len} + response {spec.rollout.max_response_len} = {total} tokens "
+            f"exceeds {arch.id}'s {native} positions"
+            + (
+                f" even with rope scaling (x{arch.rope_scaling_max_factor:g} = {stretched})"
+                if stretched > native
+                else ""
+            ),
+            f"keep prompt + response within {stretched} tokens",
+        )
+    elif total > native:
+        factor = total / native
+        yield ctx.diag(
+            "RLC206",
+            "rollout.max_response_len",
+            f"{total} tokens exceeds {arch.id}'s native {native} positions; rope scaling (YaRN factor >= "
+            f"{factor:.2f}) will be set on both trainer and rollout",
+            "quality past the native window depends on the model's long-context training",
+            "warning",
+        )
+
+
+def _divides(part: int, whole: int) -> bool:
+    return part > 0 and whole % part == 0
+
+
+@rule("RLC207", "Pinned parallel degrees must divide heads, layers, experts and devices")
+def check_parallel_pins(ctx: RuleContext) -> Iterator[Diagnostic]:
+    p = ctx.problem
+    arch, pin = p.arch, p.spec.placement
+    train = pin.train
+    heads, kv, layers = arch.num_attention_heads, arch.num_kv_heads, arch.num_layers
+    experts = arch.moe.num_experts if arch.moe else 0
+    for role, tp in (("train", train.tp), ("rollout", pin.rollout.tp)):
+        if tp is None:
+            continue
+        if not _divides(tp, heads):
+            yield ctx.diag(
+                "RLC207",
+                f"placement.{role}.tp",
+                f"{role} TP({tp}) does not divide {arch.id}'s {heads} attention heads",
+                f"use a divisor of {heads}",
+            )
+        elif not (_divides(tp, kv) or _divides(kv, tp)):
+            yield ctx.diag(
+                "RLC207",
+                f"placement.{role}.tp",
+                f"{role} TP({tp}) and {kv} KV heads: neither divides the other, so KV heads cannot be split "
+                "or replicated evenly",
+                f"use a divisor or multiple of {kv}",
+            )
+        if tp > p.devices_per_node:
+            yield ctx.diag(
+                "RLC207",
+                f"placement.{role}.tp",
+                f"{role} TP({tp}) spans more than one node ({p.devices_per_node} devices per node); "
+                "tensor parallelism must stay inside a node",
+                f"use TP <= {p.devices_per_node} and add PP or DP",
+            )
+    if train.pp is not None and train.pp > layers:
+        yield ctx.diag(
+            "RLC207",
+            "placement.train.pp",
+            f"train PP({train.pp}) exceeds {arch.id}'s {layers} layers",
+            f"use PP <= {layers}",
+        )
+    elif train.pp is not None and layers % train.pp:
+        yield ctx.diag(
+            "RLC207",
+            "placement.train.pp",
+            f"train PP({train.pp}) does not divide {layers} layers: stages will be uneven",
+            "a divisor of the layer count balances stages",
+            "warning",
+        )
+    if train.cp is not None and train.cp > 1:
+        tp = train.tp or 1
+        if heads % (tp * train.cp):
+            yield ctx.diag(
+                "RLC207",
+                "placement.train.cp",
+                f"train TP({tp})·CP({train.cp})={tp * train.cp} does not divide {heads} attention heads "
+                "(Ulysses context parallelism splits heads)",
+                f"pick TP·CP dividing {heads}",
+            )
+    for role, ep in (("train", train.ep), ("rollout", pin.rollout.ep)):
+        if ep is None or ep == 1:
+            continue
+        if not experts:
+            yield ctx.diag(
+                "RLC207",
+                f"placement.{role}.ep",
+                f"{role} EP({ep}) on dense model {arch.id}: expert parallelism needs a mixture-of-experts model",
+                "remove ep",
+            )
+        elif not _divides(ep, experts):
+            yield ctx.diag(
+                "RLC207",
+                f"placement.{role}.ep",
+                f"{role} EP({ep}) does not divide {arch.id}'s {experts} experts",
+                f"use a divisor of {experts}",
+            )
+    if train.devices is not None:
+        group = (train.tp or 1) * (train.pp or 1) * (train.cp or 1)
+        if train.devices % group:
+            yield ctx.diag(
+                "RLC207",
+                "placement.train.devices",
+                f"train TP({train.tp or 1})·PP({train.pp or 1})·CP({train.cp or 1})={group} does not divide "
+                f"{train.devices} training devices",
+                f"use a multiple of {group} devices",
+            )
+    if pin.rollout.devices is not None and pin.rollout.tp is not None and pin.rollout.devices % pin.rollout.tp:
+        yield ctx.diag(
+            "RLC207",
+            "placement.rollout.devices",
+            f"rollout TP({pin.rollout.tp}) does not divide {pin.rollout.devices} rollout devices",
+            f"use a multiple of {pin.rollout.tp} devices",
+        )
+
+
+@rule("RLC208", "Pinned devices must fit in the cluster")
+def check_device_pins(ctx: RuleContext) -> Iterator[Diagnostic]:
+    p = ctx.problem
+    pin = p.spec.placement
+    total = p.total_devices
+    group = p.target.device_group_size
+    pinned = {"train": pin.train.devices, "rollout": pin.rollout.devices}
+    pinned.update({f"teachers.{name}": t.devices for name, t in pin.teachers.items()})
+    for role, count in pinned.items():
+        if count is None:
+            continue
+        if count > total:
+            yield ctx.diag(
+                "RLC208",
+                f"placement.{role}.devices",
+                f"{role} pins {count} devices but the cluster has {total} "
+                f"({p.spec.cluster.nodes} node(s) × {p.devices_per_node})",
+                f"use at most {total} devices or raise cluster.nodes",
+            )
+        elif group > 1 and count % group:
+            yield ctx.diag(
+                "RLC208",
+                f"placement.{role}.devices",
+                f"{role} pins {count} devices, but {p.target.id} dies come in pairs of {group}",
+                f"use a multiple of {group}",
+            )
+    if p.spec.mode == "disaggregated":
+        used = sum(c for c in pinned.values() if c)
+        if used > total:
+            parts = " + ".join(f"{r} {c}" for r, c in pinned.items() if c)
+            yield ctx.diag(
+                "RLC208",
+                "placement",
+                f"disaggregated pools need {parts} = {used} devices but the cluster has {total}",
+                "shrink a pool, use mode: colocated, or add nodes",
+            )
+    elif p.spec.mode == "colocated":
+        train, rollout = pin.train.devices, pin.rollout.devices
+        if train and rollout and train != rollout:
+            yield ctx.diag(
+                "RLC208",
+                "placement.rollout.devices",
+                f"colocated mode shares devices, but train pins {train} and rollout pins {rollout}",
+                "pin the same count, or neither",
+            )
+
+
+@rule("RLC209", "kl_coef > 0 needs a reference policy")
+def check_kl_reference(ctx: RuleContext) -> Iterator[Diagnostic]:
+    spec = ctx.problem.spec
+    algo = spec.algorithm
+    if algo.kl_coef > 0:
+        source = (
+            "the base model with LoRA adapters disabled (no extra weights)"
+            if spec.lora
+            else "a frozen copy of the initial policy (one more forward pass per step and its weights)"
+        )
+        yield ctx.diag(
+            "RLC209",
+            "algorithm.kl_coef",
+            f"kl_coef {algo.kl_coef:g} > 0 adds a reference policy: {source}",
+            "set kl_coef: 0 to train without a reference",
+            "info",
+        )
+    elif "kl_estimator" in algo.model_fields_set:
+        yield ctx.diag(
+            "RLC209",
+            "algorithm.kl_estimator",
+            "kl_estimator is set but kl_coef is 0, so no reference policy is used and it has no effect",
+            "set algorithm.kl_coef > 0 to enable the KL penalty",
+            "warning",
+        )
+
+
+# Largest model the cpu target trains: fp32 weights + grads + two Adam moments = 16 bytes per parameter.
+CPU_MAX_PARAMS = 200_000_000
+
+
+@rule("RLC210", "The cpu target runs only small models")
+def check_cpu_model_size(ctx: RuleContext) -> Iterator[Diagnostic]:
+    p = ctx.problem
+    if p.target.kind != "cpu":
+        return
+    params = p.arch.total_params()
+    if params > CPU_MAX_PARAMS:
+        yield ctx.diag(
+            "RLC210",
+            "model.name",
+            f"{p.arch.id} has {params / 1e9:.2f}B parameters; the cpu target trains in fp32 (16 bytes per "
+            f"parameter with Adam) and runs models up to {CPU_MAX_PARAMS / 1e6:.0f}M parameters",
+            "use model: {name: rlc-tiny} on cpu, or an npu target for this model",
+        )
+    for name, arch in p.teacher_archs.items():
+        if arch.total_params() > CPU_MAX_PARAMS:
+            yield ctx.diag(
+                "RLC210",
+                "distill.teachers",
+                f"teacher `{name}` ({arch.id}, {arch.total_params() / 1e9:.2f}B) is too large for the cpu target",
+                "use a small teacher on cpu",
+            )
+
+
+@rule("RLC211", "Model weights must be a local folder on real hardware")
+def check_model_paths(ctx: RuleContext) -> Iterator[Diagnostic]:
+    p = ctx.problem
+    builds_locally = p.target.kind == "cpu" and p.arch.id == "rlc-tiny"
+    if p.spec.model.path is None and not builds_locally:
+        yield ctx.diag(
+            "RLC211",
+            "model.path",
+            f"model.path is missing: {p.spec.target} runs load {p.arch.id} from a local Hugging Face folder",
+            "set model.path to the folder with config.json and *.safetensors on every node",
+        )
+    for index, teacher in enumerate(p.spec.distill.teachers if p.spec.distill else []):
+        if teacher.model.path is None and p.target.kind != "cpu":
+            yield ctx.diag(
+                "RLC211",
+                f"distill.teachers.{index}.model.path",
+                f"teacher `{teacher.name}` has no local path",
+                "set its model.path",
+            )
+
+
+@rule("RLC212", "Data and reward must name something that exists")
+def check_data_and_reward(ctx: RuleContext) -> Iterator[Diagnostic]:
+    from rlc.compiler.load import did_you_mean
+
+    spec = ctx.problem.spec
+    train = spec.data.train
+    looks_like_name = "/" not in train and "." not in train
+    if looks_like_name and train not in BUILTIN_TASKS:
+        guess = did_you_mean(train, list(BUILTIN_TASKS))
+        yield ctx.diag(
+            "RLC212",
+            "data.train",
+            f"`{train}` is neither a built-in task nor a file path",
+            f"did you mean `{guess}`?" if guess else f"built-in tasks: {', '.join(BUILTIN_TASKS)}; or a .jsonl path",
+        )
+    elif not looks_like_name and not train.endswith((".jsonl", ".json")):
+        yield ctx.diag(
+            "RLC212",
+            "data.train",
+            f"`{train}` does not end in .jsonl; rlc reads one JSON object per line",
+            "convert the dataset to JSONL",
+            "warning",
+        )
+    fn = spec.reward.fn
+    if ":" not in fn and fn not in BUILTIN_REWARDS:
+        guess = did_you_mean(fn, list(BUILTIN_REWARDS))
+        yield ctx.diag(
+            "RLC212",
+            "reward.fn",
+            f"unknown built-in reward `{fn}`",
+            f"did you mean `{guess}`?" if guess else f"built-ins: {', '.join(BUILTIN_REWARDS)}, or module:function",
+        )
+
+
+@rule("RLC213", "Settings that the chosen mode ignores")
+def check_mode_settings(ctx: RuleContext) -> Iterator[Diagnostic]:
+    spec = ctx.problem.spec
+    if (
+        spec.mode == "colocated"
+        and spec.algorithm.max_staleness > 0
+        and "max_staleness" in (spec.algorithm.model_fields_set)
+    ):
+        yield ctx.diag(
+            "RLC213",
+            "algorithm.max_staleness",
+            f"colocated mode alternates rollout and training, so it is strictly on-policy; max_staleness "
+            f"{spec.algorithm.max_staleness} has no effect",
+            "use mode: disaggregated for asynchronous training",
+            "warning",
+        )
+    budget = spec.train.micro_batch_tokens or spec.placement.train.micro_batch_tokens
+    if budget is not None and budget < spec.rollout.max_total_len:
+        path = "train.micro_batch_tokens" if spec.train.micro_batch_tokens else "placement.train.micro_batch_tokens"
+        yield ctx.diag(
+            "RLC213",
+            path,
+            f"micro-batch budget {budget} tokens is shorter than the longest sequence "
+            f"({spec.rollout.max_prompt_len} + {spec.rollout.max_response_len} = {spec.rollout.max_total_len})",
+            f"use at least {spec.rollout.max_total_len} tokens, or shorten rollout lengths",
+        )

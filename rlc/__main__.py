@@ -1,0 +1,5 @@
+"""`python -m rlc`."""
+
+from rlc.cli import main
+
+main()

@@ -1,0 +1,204 @@
+"""The `rlc` command line.
+
+Only the light compile-path libraries are imported at module level (typer, and lazily pydantic, pyyaml,
+jinja2, rich); `rlc run` imports the runtime (torch, ray, vllm) after the plan has been verified.
+Exit codes: 0 ok, 1 findings (invalid spec, refused plan, plans differ), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlc import __version__
+
+app = typer.Typer(
+    name="rlc",
+    help="Compile and run asynchronous RL post-training plans for Ascend A2/A3 clusters (and a cpu default).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+
+
+class OutputFormat(StrEnum):
+    text = "text"
+    json = "json"
+    github = "github"
+
+
+class ExplainFormat(StrEnum):
+    text = "text"
+    json = "json"
+
+
+TargetOption = Annotated[
+    str | None, typer.Option("--target", "-t", help="Hardware target; overrides the spec's `target`.")
+]
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="Override a spec value: --set algorithm.lr=2e-6 (repeatable)."),
+]
+
+
+def _usage_error(message: str) -> typer.Exit:
+    typer.echo(f"rlc: error: {message}", err=True)
+    return typer.Exit(EXIT_USAGE)
+
+
+def _check_target(target: str | None) -> None:
+    if target is None:
+        return
+    from rlc.schemas.spec import TARGET_NAMES
+
+    if target not in TARGET_NAMES:
+        from rlc.compiler.load import did_you_mean
+
+        guess = did_you_mean(target, list(TARGET_NAMES))
+        hint = f" (did you mean {guess}?)" if guess else ""
+        raise _usage_error(f"unknown target {target!r}{hint}; choose one of {', '.join(TARGET_NAMES)}")
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"rlc {__version__}")
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="Show the version.")
+    ] = False,
+) -> None:
+    """rlc: a spec in, a plan out, a run from the plan."""
+
+
+@app.command()
+def validate(
+    specs: Annotated[list[Path], typer.Argument(help="Spec files to check.", show_default=False)],
+    target: TargetOption = None,
+    set_: SetOption = None,
+    output_format: Annotated[
+        OutputFormat, typer.Option("--format", "-f", help="text, json (stable contract), github annotations.")
+    ] = OutputFormat.text,
+) -> None:
+    """Check specs and report every problem at once (exit 0 clean, 1 findings, 2 usage)."""
+    from rlc.compiler.diagnostics import render_github, render_json, render_text
+    from rlc.compiler.validate import check_file
+
+    _check_target(target)
+    reports = [check_file(path, target=target, overrides=set_ or []).report for path in specs]
+    render = {"text": render_text, "json": render_json, "github": render_github}[output_format.value]
+    text = render(reports)
+    if text:
+        typer.echo(text)
+    raise typer.Exit(EXIT_OK if all(r.ok for r in reports) else EXIT_FINDINGS)
+
+
+@app.command()
+def schema(
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to a file instead.")] = None,
+) -> None:
+    """Print the spec's JSON Schema (for editors and CI)."""
+    from rlc.schemas.schema_file import schema_text
+
+    text = schema_text()
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text)
+
+
+@app.command()
+def init(
+    name: Annotated[str, typer.Argument(help="Experiment name.")] = "my-rl-run",
+    target: Annotated[str, typer.Option("--target", "-t", help="Hardware target.")] = "cpu",
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="File to write (default: <name>.yaml).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+) -> None:
+    """Write a starter spec for a target."""
+    from rlc.compiler.starter import SCHEMA_NEIGHBOUR, starter_spec
+    from rlc.schemas.schema_file import schema_text
+
+    _check_target(target)
+    try:
+        text = starter_spec(name, target)
+    except ValueError as exc:
+        raise _usage_error(str(exc)) from None
+    path = output or Path(f"{name}.yaml")
+    if path.exists() and not force:
+        raise _usage_error(f"{path} exists; pass --force to overwrite")
+    path.write_text(text)
+    schema_path = path.parent / SCHEMA_NEIGHBOUR
+    if not schema_path.exists():
+        schema_path.write_text(schema_text())
+    typer.echo(f"wrote {path} (schema: {schema_path}); next: rlc validate {path}")
+
+
+@app.command()
+def models() -> None:
+    """List the model catalog."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from rlc.schemas.registry import load_arch, model_ids
+
+    table = Table("id", "params (B)", "active (B)", "layers", "hidden", "attention", "MoE", "MTP")
+    for model_id in model_ids():
+        arch = load_arch(model_id)
+        moe = f"{arch.moe.num_experts}x top-{arch.moe.experts_per_token}" if arch.moe else "-"
+        table.add_row(
+            arch.id,
+            f"{arch.params_b:g}",
+            f"{arch.active_params_b:g}",
+            str(arch.num_layers),
+            str(arch.hidden_size),
+            arch.attention.kind,
+            moe,
+            str(arch.mtp_layers),
+        )
+    Console().print(table)
+
+
+@app.command()
+def targets() -> None:
+    """List the hardware targets."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from rlc.schemas.registry import load_target, target_ids
+
+    table = Table("id", "chip", "devices/node", "HBM GiB", "usable GiB", "bf16 TFLOPS", "HBM GB/s")
+    for target_id in target_ids():
+        t = load_target(target_id)
+        table.add_row(
+            t.id,
+            t.chip,
+            str(t.devices_per_node),
+            f"{t.hbm_gib:g}",
+            f"{t.usable_hbm_gib:g}",
+            f"{t.bf16_tflops:g}",
+            f"{t.hbm_bandwidth_gbps:g}",
+        )
+    Console().print(table)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

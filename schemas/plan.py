@@ -1,0 +1,199 @@
+"""The plan: what the compiler decides and the runtime obeys.
+
+Fully explicit: every role with its devices, parallel degrees, engine arguments, memory estimate item by item
+and time estimate; the schedule; and every algorithm setting the runtime needs. The runtime reads nothing
+else — never the spec, never a default of its own that the plan could have fixed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PLAN_FORMAT_VERSION = 1
+
+RoleKind = Literal["train", "rollout", "teacher", "reward"]
+
+
+class PlanModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class NodeDevices(PlanModel):
+    node: int = Field(description="Node index, 0 is the head.")
+    local_ids: list[int] = Field(description="Device ids on that node (ASCEND_RT_VISIBLE_DEVICES numbering).")
+
+
+class Parallel(PlanModel):
+    tp: int = Field(1, description="Tensor parallel degree.")
+    pp: int = Field(1, description="Pipeline parallel degree.")
+    cp: int = Field(1, description="Context parallel degree.")
+    ep: int = Field(1, description="Expert parallel degree.")
+    dp: int = Field(1, description="Data parallel degree (for rollout: engine replicas).")
+
+
+class Memory(PlanModel):
+    items: dict[str, float] = Field(description="GiB per device by item (weights, grads, optimizer, ...).")
+    total_gib: float = Field(description="Sum of the items.")
+    capacity_gib: float = Field(description="Usable device memory minus the safety margin.")
+    phase: str = Field("steady", description="Which phase this peak belongs to (train, rollout, steady).")
+
+
+class Role(PlanModel):
+    name: str = Field(description="Unique role name: actor, rollout, teacher-<name>.")
+    kind: RoleKind
+    devices: int = Field(description="Device count.")
+    placement: list[NodeDevices] = Field(description="Device ids per node.")
+    parallel: Parallel
+    backend: str = Field(description="fsdp2, megatron, vllm, vllm-ascend, or python for reward workers.")
+    replicas: int = Field(1, description="Engine replicas (rollout/teacher) or data-parallel ranks (train).")
+    memory: Memory
+    engine: dict[str, Any] = Field(default_factory=dict, description="Engine or trainer arguments, verbatim.")
+    estimates: dict[str, float] = Field(default_factory=dict, description="Per-role time/throughput figures.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for this role's processes.")
+    notes: list[str] = Field(default_factory=list, description="Why the planner chose this.")
+
+
+class OffloadStep(PlanModel):
+    phase: Literal["before_rollout", "before_train"] = Field(description="When the move happens.")
+    action: Literal["offload", "onload", "sleep", "wake"] = Field(description="What happens.")
+    what: str = Field(description="params, optimizer, grads, rollout_weights, kv_cache.")
+
+
+class Schedule(PlanModel):
+    mode: Literal["colocated", "disaggregated"]
+    steps: int
+    batch_prompts: int
+    group_size: int
+    batch_samples: int = Field(description="batch_prompts × group_size.")
+    micro_batch_tokens: int = Field(description="Token budget of one packed training micro-batch.")
+    logprob_chunk_tokens: int = Field(description="Tokens per chunk in the log-prob computation.")
+    packing: bool
+    max_staleness: int = Field(description="0 = synchronous; colocated is always 0.")
+    weight_sync: Literal["broadcast", "disk", "inplace"]
+    offload: list[OffloadStep] = Field(default_factory=list, description="Colocated phase transitions.")
+    checkpoint_every: int
+    keep_checkpoints: int
+
+
+class AlgorithmSettings(PlanModel):
+    name: str
+    decoupled_loss: bool
+    clip: float
+    behave_imp_weight_cap: float
+    kl_coef: float
+    kl_estimator: str
+    normalize_std: bool
+    lr: float
+    weight_decay: float
+    grad_clip: float
+    seed: int
+
+
+class Sampling(PlanModel):
+    max_prompt_len: int
+    max_response_len: int
+    temperature: float
+    top_p: float
+    speculative: dict[str, Any] | None = Field(None, description="vLLM speculative_config, if any.")
+
+
+class DataSettings(PlanModel):
+    train: str
+    builtin: bool
+    prompt_key: str
+    answer_key: str
+    domain_key: str | None
+    digits: int
+    reward: str
+
+
+class ModelSettings(PlanModel):
+    id: str
+    path: str | None = Field(description="Local HF folder; None on cpu means build the tiny model.")
+    hf_architecture: str
+    params_b: float
+    vocab_size: int
+    build_tiny: bool = Field(False, description="Build the quickstart model at `path` when it is missing.")
+
+
+class LoraSettings(PlanModel):
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: str | list[str]
+    rollout: Literal["adapter", "merged"]
+
+
+class TeacherSettings(PlanModel):
+    name: str
+    role: str = Field(description="The teacher role in `roles`.")
+    model: ModelSettings
+    domain: str | None
+    weight: float
+
+
+class DistillSettings(PlanModel):
+    routing: Literal["domain", "mixture"]
+    loss: str
+    coef: float
+    teachers: list[TeacherSettings]
+
+
+class Estimates(PlanModel):
+    step_time_s: float
+    rollout_s: float
+    train_s: float
+    weight_sync_s: float
+    switch_s: float = Field(0.0, description="Colocated phase-switch cost (offload/onload, sleep/wake).")
+    tokens_per_s: float = Field(description="Trained tokens per second (the ranking score).")
+
+
+class Candidate(PlanModel):
+    """A layout the search considered: the winner's runners-up and why each lost."""
+
+    summary: str
+    tokens_per_s: float
+    step_time_s: float
+    verdict: str
+
+
+class Cluster(PlanModel):
+    nodes: int
+    devices_per_node: int
+    total_devices: int
+
+
+class Plan(PlanModel):
+    format_version: int = PLAN_FORMAT_VERSION
+    rlc_version: str
+    name: str
+    spec_hash: str = Field(description="sha256 of the resolved spec.")
+    target: str
+    target_kind: Literal["npu", "gpu", "cpu"]
+    platform: Literal["npu", "cuda", "cpu"]
+    cluster: Cluster
+    model: ModelSettings
+    roles: list[Role]
+    schedule: Schedule
+    algorithm: AlgorithmSettings
+    sampling: Sampling
+    data: DataSettings
+    lora: LoraSettings | None = None
+    distill: DistillSettings | None = None
+    run_dir: str
+    loggers: list[str]
+    env: dict[str, str] = Field(default_factory=dict, description="Environment for every process.")
+    estimates: Estimates
+    runners_up: list[Candidate] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+
+    def role(self, name: str) -> Role:
+        for role in self.roles:
+            if role.name == name:
+                return role
+        raise KeyError(name)
+
+    def roles_of(self, kind: RoleKind) -> list[Role]:
+        return [r for r in self.roles if r.kind == kind]

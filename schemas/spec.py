@@ -1,0 +1,309 @@
+"""The experiment spec: what users write.
+
+It speaks the user's language (model, target, nodes, mode, algorithm, data, reward, rollout, train, lora,
+distill, placement, output), never a framework's internals. Every model forbids unknown keys so that a typo
+is reported (with a did-you-mean) instead of silently ignored. Structural checks live here; checks that need
+the hardware profile or the model architecture live in `rlc.compiler.rules`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TargetName = Literal["a2", "a2-32g", "a3", "cpu", "h100", "h800", "h20", "a800"]
+TARGET_NAMES: tuple[str, ...] = TargetName.__args__  # type: ignore[attr-defined]
+
+BUILTIN_TASKS: tuple[str, ...] = ("arithmetic",)
+BUILTIN_REWARDS: tuple[str, ...] = ("exact_match", "math_exact")
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+class StrictModel(BaseModel):
+    """Base for every spec section: unknown keys are errors, values are not coerced across types."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class Cluster(StrictModel):
+    nodes: PositiveInt = Field(1, description="Number of nodes (hosts) in the cluster.")
+    devices_per_node: PositiveInt | None = Field(
+        None,
+        description="Accelerators per node. Defaults to the target's value (8 on a2, 16 dies on a3, 2 on cpu).",
+    )
+
+
+class MoeArch(StrictModel):
+    num_experts: PositiveInt = Field(description="Routed experts per MoE layer.")
+    experts_per_token: PositiveInt = Field(description="Routed experts activated per token (top-k).")
+    expert_intermediate_size: PositiveInt = Field(description="FFN width of one routed expert.")
+    num_shared_experts: int = Field(0, ge=0, description="Always-active shared experts per MoE layer.")
+    first_dense_layers: int = Field(0, ge=0, description="Leading layers that use a dense FFN instead.")
+
+
+class InlineArch(StrictModel):
+    """A model architecture given in the spec, for models the catalog does not know."""
+
+    num_layers: PositiveInt = Field(description="Decoder layers.")
+    hidden_size: PositiveInt = Field(description="Model width.")
+    num_attention_heads: PositiveInt = Field(description="Query heads.")
+    num_kv_heads: PositiveInt = Field(description="Key/value heads (GQA groups).")
+    head_dim: PositiveInt | None = Field(None, description="Per-head width; defaults to hidden / heads.")
+    intermediate_size: PositiveInt = Field(description="Dense FFN width.")
+    vocab_size: PositiveInt = Field(description="Vocabulary size.")
+    tie_word_embeddings: bool = Field(False, description="Whether the LM head shares the embedding matrix.")
+    max_position_embeddings: PositiveInt = Field(32768, description="Longest context the model was trained for.")
+    mtp_layers: int = Field(0, ge=0, description="Multi-token-prediction layers usable as a speculative drafter.")
+    moe: MoeArch | None = Field(None, description="Mixture-of-experts settings; omit for a dense model.")
+
+
+class ModelRef(StrictModel):
+    name: str | None = Field(
+        None,
+        description="Catalog id (e.g. qwen3-8b; case-insensitive, -instruct/-base suffixes allowed). "
+        "Omit it and give `arch` for a model the catalog does not know.",
+    )
+    path: str | None = Field(
+        None,
+        description="Local Hugging Face folder with config.json, tokenizer and safetensors weights. "
+        "On the cpu target the tiny quickstart model is built here when missing.",
+    )
+    arch: InlineArch | None = Field(None, description="Inline architecture, instead of a catalog id.")
+
+    @model_validator(mode="after")
+    def _name_or_arch(self) -> ModelRef:
+        if self.name is None and self.arch is None:
+            raise ValueError("give a catalog `name` (e.g. qwen3-8b) or an inline `arch` block")
+        return self
+
+
+class Algorithm(StrictModel):
+    name: Literal["grpo"] = Field("grpo", description="RL algorithm. GRPO: group-normalised advantages, no critic.")
+    group_size: Annotated[int, Field(ge=2)] = Field(8, description="Samples per prompt (the GRPO group).")
+    batch_prompts: PositiveInt = Field(64, description="Prompts per training step.")
+    max_staleness: int = Field(
+        2,
+        ge=0,
+        description="How many policy versions a sample may lag behind the trainer (0 = synchronous).",
+    )
+    decoupled_loss: bool = Field(
+        True, description="Decoupled PPO: clip against a recomputed proximal policy, reweight by behaviour."
+    )
+    clip: float = Field(0.2, gt=0.0, lt=1.0, description="PPO ratio clip epsilon.")
+    behave_imp_weight_cap: float = Field(
+        5.0, gt=1.0, description="Tokens whose behaviour importance weight exceeds this are masked out."
+    )
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL penalty to the reference policy (0 = none).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the penalty.")
+    normalize_std: bool = Field(True, description="Divide group-centred rewards by the group's std.")
+    lr: float = Field(1.0e-6, gt=0.0, le=1.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Global gradient-norm clip.")
+    steps: PositiveInt = Field(200, description="Training steps (policy updates).")
+    seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
+
+
+class Data(StrictModel):
+    train: str = Field(
+        description="JSONL file with one object per line, or a built-in task name (arithmetic).",
+    )
+    prompt_key: str = Field("prompt", description="JSONL key holding the prompt text.")
+    answer_key: str = Field("answer", description="JSONL key holding the reference answer for the reward.")
+    domain_key: str | None = Field(
+        None, description="JSONL key naming each example's domain (used to route MOPD teachers)."
+    )
+    digits: Annotated[int, Field(ge=1, le=6)] = Field(
+        1, description="Built-in arithmetic task only: digits per operand."
+    )
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.train in BUILTIN_TASKS
+
+
+class Reward(StrictModel):
+    fn: str = Field(
+        "math_exact",
+        description="Built-in reward (exact_match, math_exact) or a custom one as `package.module:function`.",
+        pattern=r"^([A-Za-z_][A-Za-z0-9_]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$",
+    )
+
+
+class Mtp(StrictModel):
+    num_speculative_tokens: Annotated[int, Field(ge=1, le=15)] = Field(
+        1, description="Draft tokens proposed per step (vLLM requires k + 1 <= 16)."
+    )
+    method: Literal["auto", "mtp", "ngram"] = Field(
+        "auto",
+        description="Drafter: the model's own MTP layers (auto picks them when the model has any) or n-gram "
+        "prompt lookup (works on every model and on the cpu target).",
+    )
+    acceptance_rate: float = Field(
+        0.7,
+        gt=0.0,
+        lt=1.0,
+        description="Assumed per-token draft acceptance, used only by the planner's rollout time estimate.",
+    )
+
+
+class Rollout(StrictModel):
+    max_prompt_len: PositiveInt = Field(2048, description="Longest prompt in tokens.")
+    max_response_len: PositiveInt = Field(8192, description="Longest generated response in tokens.")
+    temperature: float = Field(1.0, gt=0.0, le=4.0, description="Sampling temperature.")
+    top_p: Fraction = Field(1.0, description="Nucleus sampling mass.")
+    mtp: Mtp | None = Field(None, description="Speculative decoding in rollout (MTP layers or n-gram).")
+    weight_sync: Literal["auto", "broadcast", "disk"] = Field(
+        "auto",
+        description="How new weights reach the engines: a collective broadcast from trainer rank 0, or "
+        "safetensors on shared disk. auto: broadcast when disaggregated, in-place when colocated.",
+    )
+
+    @property
+    def max_total_len(self) -> int:
+        return self.max_prompt_len + self.max_response_len
+
+
+class Offload(StrictModel):
+    params: bool = Field(False, description="Keep training parameters on host memory when not in use.")
+    optimizer: bool = Field(False, description="Keep optimizer states on host memory when not in use.")
+
+
+class Train(StrictModel):
+    backend: Literal["auto", "fsdp2", "megatron"] = Field(
+        "auto", description="Training backend; auto picks fsdp2 for dense models that fit it, else megatron."
+    )
+    packing: bool = Field(True, description="Pack sequences into token-budget micro-batches (no padding).")
+    recompute: Literal["auto", "none", "selective", "full"] = Field(
+        "auto", description="Activation recomputation; auto lets the planner pick the cheapest that fits."
+    )
+    offload: Offload = Field(default_factory=Offload, description="Host offload of training state.")
+    micro_batch_tokens: PositiveInt | None = Field(
+        None, description="Tokens per packed micro-batch; the planner picks one when omitted."
+    )
+    logprob_chunk_tokens: PositiveInt = Field(
+        1024, description="Tokens per chunk when computing log-probs, so full-vocab logits never materialise."
+    )
+
+
+class Lora(StrictModel):
+    rank: PositiveInt = Field(32, description="LoRA rank r.")
+    alpha: float = Field(64.0, gt=0.0, description="LoRA scaling alpha (effective scale alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear", description="Which linear layers get adapters: all-linear or a list of module names."
+    )
+    rollout: Literal["auto", "adapter", "merged"] = Field(
+        "auto",
+        description="How rollout sees the adapter: vLLM serves it (adapter) or it is merged into the base "
+        "weights before each sync (merged). auto picks adapter where the engine supports LoRA.",
+    )
+
+
+class Teacher(StrictModel):
+    name: str = Field(description="Teacher name, used in metrics (distill/<name>/...).", pattern=r"^[a-z0-9_-]+$")
+    model: ModelRef = Field(description="The teacher model (catalog id or inline arch, plus local path).")
+    domain: str | None = Field(None, description="Dataset domain this teacher serves (routing: domain).")
+    weight: float = Field(1.0, gt=0.0, description="Mixture weight (routing: mixture).")
+
+
+class Distill(StrictModel):
+    teachers: list[Teacher] = Field(min_length=1, description="Teachers for multi-teacher on-policy distillation.")
+    routing: Literal["domain", "mixture"] = Field(
+        "domain", description="domain: each trajectory goes to its domain's teacher; mixture: all, by weight."
+    )
+    loss: Literal["reverse_kl"] = Field("reverse_kl", description="Per-token distillation loss.")
+    coef: float = Field(1.0, ge=0.0, description="Weight of the distillation term next to the RL loss.")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Distill:
+        names = [t.name for t in self.teachers]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"teacher names must be unique; repeated: {', '.join(duplicated)}")
+        return self
+
+
+class TrainPin(StrictModel):
+    devices: PositiveInt | None = Field(None, description="Devices for the trainer.")
+    backend: Literal["fsdp2", "megatron"] | None = Field(None, description="Training backend.")
+    tp: PositiveInt | None = Field(None, description="Tensor parallel degree.")
+    pp: PositiveInt | None = Field(None, description="Pipeline parallel degree.")
+    cp: PositiveInt | None = Field(None, description="Context parallel degree.")
+    ep: PositiveInt | None = Field(None, description="Expert parallel degree.")
+    recompute: Literal["none", "selective", "full"] | None = Field(None, description="Activation recompute.")
+    offload: Offload | None = Field(None, description="Host offload of training state.")
+    micro_batch_tokens: PositiveInt | None = Field(None, description="Tokens per micro-batch.")
+
+
+class RolloutPin(StrictModel):
+    devices: PositiveInt | None = Field(None, description="Devices for rollout engines.")
+    tp: PositiveInt | None = Field(None, description="Tensor parallel degree per engine.")
+    ep: PositiveInt | None = Field(None, description="Expert parallel degree per engine (MoE).")
+    memory_fraction: Fraction | None = Field(None, description="Share of device memory vLLM may use.")
+    max_num_seqs: PositiveInt | None = Field(None, description="Concurrent sequences per engine.")
+
+
+class TeacherPin(StrictModel):
+    devices: PositiveInt | None = Field(None, description="Devices for this teacher's engines.")
+    tp: PositiveInt | None = Field(None, description="Tensor parallel degree per teacher engine.")
+    memory_fraction: Fraction | None = Field(None, description="Share of device memory the teacher may use.")
+
+
+class Placement(StrictModel):
+    train: TrainPin = Field(default_factory=TrainPin, description="Pins for the trainer.")
+    rollout: RolloutPin = Field(default_factory=RolloutPin, description="Pins for the rollout engines.")
+    teachers: dict[str, TeacherPin] = Field(default_factory=dict, description="Pins per teacher name.")
+
+
+class Output(StrictModel):
+    dir: str | None = Field(None, description="Run directory; defaults to runs/<name>.")
+    loggers: list[Literal["jsonl", "tensorboard"]] = Field(
+        default_factory=lambda: ["jsonl", "tensorboard"], description="Metric sinks."
+    )
+    checkpoint_every: PositiveInt = Field(50, description="Save a checkpoint every N steps (and at the end).")
+    keep_checkpoints: PositiveInt = Field(2, description="How many recent checkpoints to keep.")
+
+
+class Spec(StrictModel):
+    """An RL post-training experiment."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        validate_default=True,
+        json_schema_extra={"title": "rlc experiment spec"},
+    )
+
+    name: str = Field(
+        description="Experiment name: lowercase letters, digits, '.', '_' and '-'.",
+        pattern=r"^[a-z0-9][a-z0-9._-]*$",
+        max_length=63,
+    )
+    target: TargetName | None = Field(None, description="Hardware target; `--target` on the command line overrides it.")
+    cluster: Cluster = Field(default_factory=Cluster, description="Cluster size.")
+    model: ModelRef = Field(description="The policy model being trained.")
+    mode: Literal["colocated", "disaggregated", "auto"] = Field(
+        "auto",
+        description="colocated: training and rollout time-share devices; disaggregated: separate pools "
+        "running asynchronously; auto: the planner picks the faster.",
+    )
+    algorithm: Algorithm = Field(default_factory=Algorithm, description="RL algorithm settings.")
+    data: Data = Field(description="Training prompts.")
+    reward: Reward = Field(default_factory=Reward, description="Reward function.")
+    rollout: Rollout = Field(default_factory=Rollout, description="Generation settings.")
+    train: Train = Field(default_factory=Train, description="Trainer settings.")
+    lora: Lora | None = Field(None, description="LoRA adapters instead of full fine-tuning.")
+    distill: Distill | None = Field(None, description="Multi-teacher on-policy distillation (MOPD).")
+    placement: Placement = Field(default_factory=Placement, description="Optional pins for the planner.")
+    output: Output = Field(default_factory=Output, description="Where metrics and checkpoints go.")
+
+    @property
+    def run_dir(self) -> str:
+        return self.output.dir or f"runs/{self.name}"
+
+
+def spec_json_schema() -> dict[str, object]:
+    """The spec's JSON Schema (for editors via yaml-language-server, and for CI)."""
+    return Spec.model_json_schema(mode="validation")
