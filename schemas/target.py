@@ -1,0 +1,152 @@
+"""Hardware targets: the data-file contract for `schemas/targets/*.yaml`.
+
+A target says what one device is (memory the runtime can really allocate, peak compute, link bandwidths),
+how devices group on a node, and how the runtime must address them (Ray resource name, visible-devices
+variable, collective backend, torch device). The memory and cost models read nothing else about the
+hardware, so every number carries a source or an uncertainty note, enforced by a validator.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PositiveInt = Annotated[int, Field(ge=1)]
+PositiveFloat = Annotated[float, Field(gt=0.0)]
+Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+def numeric_field_names(model: type[BaseModel], prefix: str = "", nested: bool = True) -> list[str]:
+    """Dotted names of the int/float fields of `model` (optional ones too), descending into nested models."""
+    names: list[str] = []
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if nested:
+                names.extend(numeric_field_names(annotation, f"{prefix}{name}."))
+            continue
+        args = typing.get_args(annotation) or (annotation,)
+        if any(arg in (int, float) for arg in args):
+            names.append(prefix + name)
+    return names
+
+
+class Efficiency(BaseModel):
+    """Achieved fractions of peak, so the cost model turns peaks into time estimates."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    train_mfu: Fraction = Field(description="Fraction of bf16_tflops achieved by training (model FLOPs utilisation).")
+    prefill_mfu: Fraction = Field(description="Fraction of bf16_tflops achieved by rollout prefill.")
+    decode_bandwidth_efficiency: Fraction = Field(
+        description="Fraction of hbm_bandwidth_gbps achieved by memory-bound decode (weights + KV reads)."
+    )
+    collective_efficiency: Fraction = Field(
+        description="Fraction of link bandwidth achieved as collective bus bandwidth (all-reduce, broadcast)."
+    )
+
+
+class TargetProfile(BaseModel):
+    """One hardware target: a device and the node it sits in."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(description="Target name used in specs (`target: a3`); equals the file name without .yaml.")
+    description: str = Field(description="Human-readable product name and what one device means here.")
+    kind: Literal["npu", "gpu", "cpu"] = Field(description="Device family; selects the runtime platform adapter.")
+    chip: str = Field(description="Chip name, e.g. Ascend 910B, Ascend 910C (per die), H100 SXM.")
+    soc_names: list[str] = Field(
+        default_factory=list,
+        description="SoC / product names the runtime may report (acl.get_soc_name, torch device name) for detection.",
+    )
+    devices_per_node: PositiveInt = Field(
+        description="Devices the runtime sees per node (torch_npu devices: A2 chips, A3 dies; GPUs; CPU workers)."
+    )
+    hbm_gib: PositiveFloat = Field(description="Device memory per device, GiB (physical).")
+    usable_hbm_gib: PositiveFloat = Field(
+        description="Memory per device the runtime can actually allocate (torch total capacity), GiB."
+    )
+    reserve_gib: float = Field(
+        ge=0.0,
+        description=(
+            "Per-device memory to keep free for communication buffers, allocator fragmentation and runtime "
+            "workspaces, GiB; the planner budgets usable_hbm_gib − reserve_gib."
+        ),
+    )
+    bf16_tflops: PositiveFloat = Field(description="Dense peak bf16 TFLOPS per device (no sparsity).")
+    hbm_bandwidth_gbps: PositiveFloat = Field(description="Device memory bandwidth per device, GB/s.")
+    intra_node_bandwidth_gbps: PositiveFloat = Field(
+        description="Per-device bandwidth to other devices in the node (HCCS, NVLink), GB/s, one direction."
+    )
+    inter_node_bandwidth_gbps: PositiveFloat = Field(
+        description="Per-device scale-out bandwidth to other nodes (RoCE, InfiniBand), GB/s, one direction."
+    )
+    host_memory_gib: PositiveFloat = Field(description="Host RAM per node, GiB (bounds offloaded states).")
+    host_to_device_bandwidth_gbps: PositiveFloat = Field(
+        description="Effective host↔device copy bandwidth per device, GB/s (offload and reload timing)."
+    )
+    device_group_size: PositiveInt = Field(
+        1,
+        description=(
+            "Allocation granule: device counts per node must be multiples of it (2 on A3, whose dies come in "
+            "pairs on one package; 1 elsewhere)."
+        ),
+    )
+    ray_resource: str = Field(
+        description="Ray resource name a device is requested by: NPU, GPU, or a logical name for cpu workers."
+    )
+    visible_devices_env: str = Field(
+        description="Environment variable that masks visible devices (ASCEND_RT_VISIBLE_DEVICES, ...); '' if none."
+    )
+    collective_backend: Literal["hccl", "nccl", "gloo"] = Field(
+        description="torch.distributed backend for collectives between devices."
+    )
+    torch_device: Literal["npu", "cuda", "cpu"] = Field(description="torch device type string.")
+    efficiency: Efficiency = Field(description="Achieved fractions of the peaks above, for the cost model.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Default runtime environment for every process on this target; plans may override entries.",
+    )
+    sources: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Field name (dotted for nested fields) -> source citation or uncertainty note. Every numeric field "
+            "has an entry."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TargetProfile:
+        missing = [name for name in numeric_field_names(type(self)) if name not in self.sources]
+        if missing:
+            raise ValueError(f"sources has no entry for {', '.join(missing)}")
+        known = set(type(self).model_fields) | set(numeric_field_names(type(self)))
+        unknown = sorted(key for key in self.sources if key not in known)
+        if unknown:
+            raise ValueError(f"sources names unknown fields: {', '.join(unknown)}")
+        empty = sorted(key for key, text in self.sources.items() if not text.strip())
+        if empty:
+            raise ValueError(f"sources entries are empty: {', '.join(empty)}")
+        if self.usable_hbm_gib > self.hbm_gib:
+            raise ValueError(f"usable_hbm_gib {self.usable_hbm_gib} exceeds hbm_gib {self.hbm_gib}")
+        if self.reserve_gib >= self.usable_hbm_gib:
+            raise ValueError(f"reserve_gib {self.reserve_gib} leaves nothing of usable_hbm_gib")
+        if self.devices_per_node % self.device_group_size:
+            raise ValueError(
+                f"devices_per_node {self.devices_per_node} is not a multiple of "
+                f"device_group_size {self.device_group_size}"
+            )
+        expected = {"npu": ("hccl", "npu"), "gpu": ("nccl", "cuda"), "cpu": ("gloo", "cpu")}[self.kind]
+        if (self.collective_backend, self.torch_device) != expected:
+            raise ValueError(
+                f"kind {self.kind!r} expects collective_backend {expected[0]!r} and torch_device "
+                f"{expected[1]!r}, got {self.collective_backend!r} and {self.torch_device!r}"
+            )
+        return self
+
+    @property
+    def budget_gib(self) -> float:
+        """Per-device memory the planner may fill: usable_hbm_gib − reserve_gib."""
+        return self.usable_hbm_gib - self.reserve_gib
