@@ -1,0 +1,139 @@
+"""The command line as users and CI meet it: exit codes, formats, and a light, fast start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from rlc.cli import app
+from rlc.schemas.schema_file import committed_schema_text, schema_text
+
+ROOT = Path(__file__).parent.parent
+runner = CliRunner()
+
+BAD = "name: bad\ntarget: a2\nmodel: {name: qwen3-8b, path: /m}\ndata: {train: /d.jsonl}\nalgoritm: {}\n"
+
+
+def write(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_validate_examples_exit_zero() -> None:
+    result = runner.invoke(app, ["validate", *map(str, sorted((ROOT / "examples").glob("*.yaml")))])
+    assert result.exit_code == 0, result.output
+    assert "ok (0 error(s)" in result.output
+
+
+def test_validate_findings_exit_one_text(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["validate", str(write(tmp_path, BAD))])
+    assert result.exit_code == 1
+    assert "spec.yaml:5: error[RLC101] algoritm: unknown key `algoritm`" in result.output
+    assert "did you mean `algorithm`?" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_validate_json_contract(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["validate", "--format", "json", str(write(tmp_path, BAD))])
+    assert result.exit_code == 1
+    payload = json.loads(result.output)
+    assert payload["version"] == 1 and payload["ok"] is False
+    diagnostic = payload["files"][0]["diagnostics"][0]
+    assert set(diagnostic) == {"code", "severity", "path", "line", "message", "hint", "file"}
+    assert diagnostic["code"] == "RLC101" and diagnostic["line"] == 5
+
+
+def test_validate_github_annotations(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["validate", "--format", "github", str(write(tmp_path, BAD))])
+    assert result.exit_code == 1
+    assert result.output.startswith("::error file=")
+    assert ",line=5," in result.output
+
+
+def test_validate_many_files_one_bad(tmp_path: Path) -> None:
+    good = ROOT / "examples" / "quickstart.yaml"
+    result = runner.invoke(app, ["validate", str(good), str(write(tmp_path, BAD))])
+    assert result.exit_code == 1
+    assert "quickstart.yaml: ok" in result.output
+
+
+def test_validate_usage_errors(tmp_path: Path) -> None:
+    assert runner.invoke(app, ["validate"]).exit_code == 2
+    result = runner.invoke(app, ["validate", "--target", "a33", str(write(tmp_path, BAD))])
+    assert result.exit_code == 2
+    assert "did you mean a3" in result.output
+
+
+def test_validate_set_override(tmp_path: Path) -> None:
+    good = ROOT / "examples" / "a2-qwen3-8b-grpo.yaml"
+    result = runner.invoke(app, ["validate", str(good), "--set", "algorithm.clip=3"])
+    assert result.exit_code == 1
+    assert "algorithm.clip" in result.output
+
+
+def test_validate_missing_file_is_a_finding(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["validate", str(tmp_path / "absent.yaml")])
+    assert result.exit_code == 1
+    assert "cannot read spec" in result.output
+
+
+def test_schema_matches_committed_copy() -> None:
+    assert schema_text() == committed_schema_text(), "run `rlc schema -o schemas/spec.schema.json`"
+
+
+def test_schema_command_prints_json() -> None:
+    result = runner.invoke(app, ["schema"])
+    assert result.exit_code == 0
+    schema = json.loads(result.output)
+    assert "algorithm" in schema["properties"]
+
+
+def test_init_writes_valid_starters(tmp_path: Path) -> None:
+    for target in ("cpu", "a2", "a3"):
+        out = tmp_path / f"{target}.yaml"
+        result = runner.invoke(app, ["init", f"run-{target}", "--target", target, "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        assert out.read_text().startswith("# yaml-language-server: $schema=./rlc.schema.json")
+        assert (tmp_path / "rlc.schema.json").exists()
+        check = runner.invoke(app, ["validate", str(out)])
+        assert check.exit_code == 0, check.output
+    again = runner.invoke(app, ["init", "run-cpu", "-o", str(tmp_path / "cpu.yaml")])
+    assert again.exit_code == 2
+    assert runner.invoke(app, ["init", "Bad Name"]).exit_code == 2
+
+
+def test_models_and_targets_list() -> None:
+    models = runner.invoke(app, ["models"], env={"COLUMNS": "200"})
+    assert models.exit_code == 0 and "qwen3-235b-a22b" in models.output
+    targets = runner.invoke(app, ["targets"], env={"COLUMNS": "200"})
+    assert targets.exit_code == 0 and "a3" in targets.output
+
+
+def test_examples_parse_as_yaml() -> None:
+    for path in (ROOT / "examples").glob("*.yaml"):
+        assert isinstance(yaml.safe_load(path.read_text()), dict)
+
+
+def test_compile_path_imports_nothing_heavy() -> None:
+    code = (
+        "import sys\n"
+        "from rlc.cli import app\n"
+        "from rlc.compiler.validate import check_file\n"
+        f"check_file({str(ROOT / 'examples' / 'quickstart.yaml')!r})\n"
+        "heavy = [m for m in ('torch', 'ray', 'vllm', 'transformers') if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_help_runs_as_a_subprocess() -> None:
+    out = subprocess.run([sys.executable, "-m", "rlc", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    assert "validate" in out.stdout
