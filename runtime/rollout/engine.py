@@ -166,9 +166,7 @@ class RolloutEngine:
         self._after_update(version)
         return time.perf_counter() - t0
 
-    def init_sync_group(
-        self, host: str, port: int, rank: int, world_size: int, backend: str | None = None
-    ) -> int:
+    def init_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str | None = None) -> int:
         """Join the trainer's weight-sync group as ``rank`` (and up, one per worker).
 
         Blocks until the trainer's ``SyncSender`` joins too: issue it as a Ray call concurrently

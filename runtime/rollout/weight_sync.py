@@ -53,9 +53,7 @@ def dtype_from_str(name: str) -> torch.dtype:
 
 def tensor_meta(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> list[TensorMeta]:
     """The announcement a receiver needs, in the order the sender will broadcast."""
-    return [
-        (name, tuple(t.shape), str(dtype or t.dtype).removeprefix("torch.")) for name, t in state_dict.items()
-    ]
+    return [(name, tuple(t.shape), str(dtype or t.dtype).removeprefix("torch.")) for name, t in state_dict.items()]
 
 
 def plan_buckets(meta: Sequence[TensorMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[int]]:

@@ -1,0 +1,172 @@
+"""A data-parallel group of ``TrainerWorker`` Ray actors, driven as one trainer.
+
+The group finds a rendezvous address on the node that will host rank 0 (a probe task scheduled
+exactly like rank 0), starts one actor per rank, splits batches across ranks, and gathers results.
+Every trainer method is collective, so the group always calls all ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..platform import Platform, get_platform
+from ..rollout.weight_sync import TensorMeta
+
+__all__ = ["TrainerGroup", "split_batch"]
+
+
+def split_batch(batch: Mapping[str, Any], parts: int) -> list[dict[str, Any]]:
+    """Split a batch of per-sequence lists into ``parts`` contiguous, nearly equal shares.
+
+    Keys whose value is not a list of the batch's length (scalars, configs) are copied to every share.
+    """
+    n = len(batch["input_ids"])
+    bounds = [n * i // parts for i in range(parts + 1)]
+    shares = []
+    for i in range(parts):
+        lo, hi = bounds[i], bounds[i + 1]
+        shares.append({k: (v[lo:hi] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in batch.items()})
+    return shares
+
+
+def _probe_address() -> tuple[str, int]:
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+class TrainerGroup:
+    """``world_size`` trainer actors (one per device) forming one FSDP2 group."""
+
+    def __init__(
+        self,
+        world_size: int,
+        model_path: str,
+        platform: str | Platform = "cpu",
+        train_cfg: Mapping[str, Any] | None = None,
+        *,
+        placement_group: Any = None,
+        bundle_indices: Sequence[int] | None = None,
+        num_cpus: float = 1,
+        resources: Mapping[str, float] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """Start the actors; returns once every rank has joined the group and sharded its model."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .trainer import TrainerWorker
+
+        self.world_size = world_size
+        self.platform = get_platform(platform)
+        if bundle_indices is not None and len(bundle_indices) != world_size:
+            raise ValueError(f"{len(bundle_indices)} bundle indices for {world_size} ranks")
+
+        def options(rank: int) -> dict[str, Any]:
+            opts: dict[str, Any] = {"num_cpus": num_cpus}
+            if resources:
+                opts["resources"] = dict(resources)
+            if env:
+                opts["runtime_env"] = {"env_vars": dict(env)}
+            if placement_group is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group,
+                    placement_group_bundle_index=bundle_indices[rank] if bundle_indices is not None else rank,
+                )
+            return opts
+
+        probe = ray.remote(_probe_address).options(**{k: v for k, v in options(0).items() if k != "runtime_env"})
+        self.master_addr, self.master_port = ray.get(probe.remote())
+        actor_cls = ray.remote(TrainerWorker)
+        self.workers = [
+            actor_cls.options(**options(rank)).remote(
+                rank, world_size, self.master_addr, self.master_port, model_path, self.platform, train_cfg
+            )
+            for rank in range(world_size)
+        ]
+        ray.get([w.weight_meta.remote() for w in self.workers])  # wait for construction
+
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def _all_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def compute_logprobs(self, batch: Mapping[str, Any]) -> list[list[float]]:
+        """Per-token log-probs of every sequence, in batch order."""
+        import ray
+
+        shares = split_batch(batch, self.world_size)
+        parts = ray.get([w.compute_logprobs.remote(s) for w, s in zip(self.workers, shares, strict=True)])
+        return [row for part in parts for row in part]
+
+    def train_step(self, batch: Mapping[str, Any], loss_fn_cfg: Mapping[str, Any] | None = None) -> dict[str, float]:
+        """One optimizer step over the whole batch; returns the group-wide stats (rank 0's)."""
+        import ray
+
+        shares = split_batch(batch, self.world_size)
+        stats = ray.get([w.train_step.remote(s, loss_fn_cfg) for w, s in zip(self.workers, shares, strict=True)])
+        return stats[0]
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate on every rank."""
+        self._all("set_lr", lr)
+
+    def weight_meta(self, dtype: str | None = None) -> list[TensorMeta]:
+        """What engines need to receive a broadcast (names, global shapes, dtypes)."""
+        import ray
+
+        return ray.get(self.workers[0].weight_meta.remote(dtype))
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Gathered weights from rank 0 (ships them to the driver: tests and small models only)."""
+        return self._all("full_state_dict")[0]
+
+    def save_weights(self, out_dir: str) -> str:
+        """Write an HF folder engines can reload from; returns the safetensors path."""
+        return self._all("save_weights", out_dir)[0]
+
+    def weight_sync_address(self) -> tuple[str, int]:
+        """A host and free port on rank 0's node for the weight-sync group."""
+        import ray
+
+        # Asked of rank 0 itself: the port must be free where the sender binds it.
+        host, port = ray.get(self.workers[0].sync_address.remote())
+        return host, port
+
+    def sync_weights_broadcast_async(
+        self, host: str, port: int, world_size: int, meta: Sequence[TensorMeta] | None = None
+    ) -> list[Any]:
+        """Start the broadcast on every rank and return Ray refs, so engines can be driven alongside.
+
+        The caller issues the engines' ``init_sync_group`` / ``update_weights_broadcast`` calls,
+        then waits on these refs and the engines' together.
+        """
+        return self._all_async("sync_weights_broadcast", host, port, world_size, meta)
+
+    def save_checkpoint(self, ckpt_dir: str) -> str:
+        """Collective checkpoint: HF weights plus sharded optimizer state."""
+        return self._all("save_checkpoint", ckpt_dir)[0]
+
+    def load_checkpoint(self, ckpt_dir: str) -> int:
+        """Restore from ``save_checkpoint``; returns the restored step."""
+        return self._all("load_checkpoint", ckpt_dir)[0]
+
+    def shutdown(self) -> None:
+        """Leave the process groups and end the actors."""
+        import ray
+
+        try:
+            self._all("shutdown")
+        finally:
+            for w in self.workers:
+                ray.kill(w)
+            self.workers = []

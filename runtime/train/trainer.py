@@ -1,0 +1,405 @@
+"""One rank of the FSDP2 policy trainer: log-probs, a policy-gradient step, state dicts, checkpoints.
+
+A ``TrainerWorker`` is one process (a Ray actor per device). ``TrainerGroup`` creates ``world_size``
+of them and fans calls out; every public method here is collective, so all ranks must be called.
+
+Batches are dicts of per-sequence lists. ``input_ids`` holds full sequences (prompt + response)
+and ``loss_mask`` marks the response tokens. Per-token arrays (``behaviour_logprobs``,
+``proximal_logprobs``, ``ref_logprobs``, ``teacher_logprobs``, ``advantages``) are aligned with
+``input_ids``: entry ``t`` is about token ``t``, i.e. log p(x_t | x_<t); entry 0 is unused.
+``advantages`` may also be one number per sequence (GRPO). The forward is a plain padded batch
+with an attention mask; sequence packing plugs in at ``_forward_logprobs``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..algo.logprobs import entropy_from_logits, logprobs_from_logits
+from ..platform import Platform, get_platform
+from ..rollout.weight_sync import SyncSender, TensorMeta, tensor_meta, write_safetensors
+
+__all__ = ["DEFAULT_TRAIN_CFG", "TrainerWorker"]
+
+DEFAULT_TRAIN_CFG: dict[str, Any] = {
+    "lr": 1e-5,
+    "weight_decay": 0.0,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "max_grad_norm": 1.0,
+    "micro_batch_size": 8,  # sequences per forward; packing will replace this with a token budget
+    "temperature": 1.0,  # log-probs are of softmax(logits / T), matching the engines' sampling
+    "seed": 0,
+    "gradient_checkpointing": False,
+    "master_dtype": "float32",  # optimizer and master weights
+    "param_dtype": None,  # compute dtype under FSDP2 mixed precision; None = master_dtype
+    "local_rank": 0,  # device index inside this process's visible devices
+}
+
+_PER_TOKEN_KEYS = (
+    "behaviour_logprobs",
+    "proximal_logprobs",
+    "ref_logprobs",
+    "teacher_logprobs",
+    "advantages",
+)
+
+
+class TrainerWorker:
+    """One FSDP2 rank holding a shard of the policy and of its AdamW state."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        model_path: str,
+        platform: str | Platform = "cpu",
+        train_cfg: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Join the trainer process group, load the HF model, shard it, build the optimizer."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        self.rank, self.world_size = rank, world_size
+        self.platform = get_platform(platform)
+        self.cfg = {**DEFAULT_TRAIN_CFG, **dict(train_cfg or {})}
+        self.model_path = str(model_path)
+        self.device = self.platform.set_device(int(self.cfg["local_rank"]))
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=self.platform.dist_backend,
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=rank,
+                world_size=world_size,
+                device_id=None if self.platform.name == "cpu" else self.device,
+            )
+        torch.manual_seed(int(self.cfg["seed"]))
+
+        master = getattr(torch, self.cfg["master_dtype"])
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=master)
+        if self.cfg["gradient_checkpointing"]:
+            model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        model.to(self.device)
+        param_dtype = getattr(torch, self.cfg["param_dtype"]) if self.cfg["param_dtype"] else master
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        # One FSDP unit per decoder layer overlaps each layer's all-gather with the previous compute;
+        # the root unit holds embeddings, final norm and (tied) lm_head.
+        for layer in _decoder_layers(model):
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        self.model = model
+        self.pad_id = _pad_id(model.config)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=float(self.cfg["lr"]),
+            betas=tuple(self.cfg["betas"]),
+            eps=float(self.cfg["eps"]),
+            weight_decay=float(self.cfg["weight_decay"]),
+        )
+        self.step = 0
+        self._sender: SyncSender | None = None
+        self._sender_key: tuple[str, int, int] | None = None
+
+    # ---------------------------------------------------------------- forward
+
+    def _ids_and_attention(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded token ids and the matching attention mask."""
+        attn = self._pad(seqs, [[1.0] * len(s) for s in seqs]).long()
+        return self._pad(seqs), attn
+
+    def _pad(self, seqs: Sequence[Sequence[int]], rows: Sequence[Sequence[float]] | None = None) -> torch.Tensor:
+        width = max(len(s) for s in seqs)
+        if rows is None:
+            out = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                out[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+        else:
+            out = torch.zeros((len(seqs), width), dtype=torch.float32)
+            for i, r in enumerate(rows):
+                out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
+        return out.to(self.device)
+
+    def _forward_logprobs(
+        self, input_ids: torch.Tensor, attn: torch.Tensor, with_entropy: bool, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log p(x_t | x_<t) aligned with ``input_ids`` (column 0 is 0), and entropy."""
+        logits = self.model(input_ids=input_ids, attention_mask=attn).logits
+        temp = float(self.cfg["temperature"])
+        lp = torch.nn.functional.pad(logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temp), (1, 0))
+        ent = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent = torch.nn.functional.pad(entropy_from_logits(logits[:, :-1], temp), (1, 0))
+        return lp, ent
+
+    def _micro_batches(self, n: int) -> list[slice]:
+        """Slices of this rank's sequences, padded to the group's maximum count with empty slices.
+
+        FSDP2 all-gathers inside every forward, so all ranks must run the same number of them.
+        """
+        mbs = max(1, int(self.cfg["micro_batch_size"]))
+        mine = [slice(i, min(i + mbs, n)) for i in range(0, n, mbs)]
+        count = torch.tensor([len(mine)], dtype=torch.long)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return mine + [slice(0, 0)] * (int(count.item()) - len(mine))
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Mapping[str, Any]) -> list[list[float]]:
+        """Log-probs of each sequence's tokens under the current weights (proximal or reference).
+
+        Returns one list per sequence, aligned with its ``input_ids`` (entry 0 is 0.0).
+        """
+        self.model.eval()
+        seqs = batch["input_ids"]
+        out: list[list[float]] = []
+        for sl in self._micro_batches(len(seqs)):
+            ids_list = seqs[sl] or [[self.pad_id, self.pad_id]]  # a dummy keeps collectives in step
+            ids, attn = self._ids_and_attention(ids_list)
+            lp, _ = self._forward_logprobs(ids, attn, with_entropy=False)
+            if seqs[sl]:
+                out.extend(lp[i, : len(s)].float().cpu().tolist() for i, s in enumerate(ids_list))
+        return out
+
+    # ---------------------------------------------------------------- training
+
+    def train_step(self, batch: Mapping[str, Any], loss_fn_cfg: Mapping[str, Any] | None = None) -> dict[str, float]:
+        """One optimizer step on this rank's share of a batch; returns group-wide stats.
+
+        ``loss_fn_cfg``: ``kind`` ("ppo", default, AReaL's decoupled PPO; or "distill", reverse-KL
+        to ``teacher_logprobs``), ``clip``, ``behave_imp_weight_cap``, ``clip_higher``,
+        ``dual_clip``, ``decoupled``, ``kl_coef`` (k3 penalty to ``ref_logprobs``),
+        ``entropy_coef``. The loss is a token mean over the whole group's masked tokens.
+        """
+        from ..algo import loss as L
+
+        cfg = dict(loss_fn_cfg or {})
+        kind = cfg.pop("kind", "ppo")
+        kl_coef = float(cfg.pop("kl_coef", 0.0))
+        entropy_coef = float(cfg.pop("entropy_coef", 0.0))
+        t0 = time.perf_counter()
+        self.model.train()
+        seqs = batch["input_ids"]
+        masks = batch["loss_mask"]
+        local_tokens = sum(sum(1 for m in row[1:] if m) for row in masks)
+        total = torch.tensor([float(local_tokens)])
+        dist.all_reduce(total)
+        global_tokens = max(float(total.item()), 1.0)
+        # FSDP2 averages gradients over ranks; scaling by world size turns that into a global sum,
+        # so the gradient is that of the token mean over every rank's tokens.
+        scale = float(self.world_size)
+
+        sums: dict[str, float] = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        for sl in self._micro_batches(len(seqs)):
+            real = bool(seqs[sl])
+            ids_list = seqs[sl] if real else [[self.pad_id, self.pad_id]]
+            ids, attn = self._ids_and_attention(ids_list)
+            mask = self._pad(ids_list, masks[sl] if real else [[0.0, 0.0]]) > 0
+            mask[:, 0] = False
+            lp, ent = self._forward_logprobs(ids, attn, with_entropy=True, entropy_grad=bool(entropy_coef))
+            tok = {k: self._per_token(batch, k, sl, ids_list) for k in _PER_TOKEN_KEYS if k in batch}
+            if kind == "ppo":
+                behaviour = tok["behaviour_logprobs"]
+                loss, stats = L.decoupled_ppo_loss(
+                    lp,
+                    tok.get("proximal_logprobs", behaviour),
+                    behaviour,
+                    tok["advantages"],
+                    mask,
+                    token_count=global_tokens,
+                    **cfg,
+                )
+            elif kind == "distill":
+                loss, stats = L.reverse_kl_distill(lp, tok["teacher_logprobs"], mask, token_count=global_tokens)
+            else:
+                raise ValueError(f"unknown loss kind {kind!r}; expected 'ppo' or 'distill'")
+            if kl_coef and "ref_logprobs" in tok:
+                kl_tok = L.kl_penalty(lp, tok["ref_logprobs"])
+                loss = loss + kl_coef * L.masked_mean(kl_tok, mask, global_tokens)
+                stats["kl_ref"] = L.masked_mean(kl_tok.detach(), mask)
+            if entropy_coef:
+                loss = loss - entropy_coef * L.masked_mean(ent, mask, global_tokens)
+            (loss * scale).backward()
+            n = float(mask.sum())
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+            sums["entropy"] = sums.get("entropy", 0.0) + float((ent.detach() * mask).sum())
+            for k, v in stats.items():
+                if k != "n_tokens" and torch.is_tensor(v) and v.numel() == 1:
+                    sums[k] = sums.get(k, 0.0) + float(v) * n  # token-weighted across micro-batches/ranks
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.cfg["max_grad_norm"]))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.step += 1
+
+        keys = sorted(sums)
+        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(vec)
+        out = {k: float(v) for k, v in zip(keys, vec.tolist(), strict=True)}
+        result = {"loss": out.pop("loss")}
+        for k, v in out.items():
+            result[k] = v / global_tokens
+        result.update(
+            grad_norm=float(grad_norm),
+            n_tokens=global_tokens,
+            step=float(self.step),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            time_s=time.perf_counter() - t0,
+        )
+        return result
+
+    def _per_token(self, batch: Mapping[str, Any], key: str, sl: slice, ids_list: Sequence[Sequence[int]]):
+        rows = batch[key][sl] if batch["input_ids"][sl] else [[0.0, 0.0]]
+        if rows and not isinstance(rows[0], (list, tuple)):  # one number per sequence (GRPO advantage)
+            rows = [[float(v)] * len(s) for v, s in zip(rows, ids_list, strict=True)]
+        return self._pad(ids_list, rows)
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate (the controller owns the schedule)."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = float(lr)
+
+    # ---------------------------------------------------------------- weights out
+
+    def weight_meta(self, dtype: str | None = None) -> list[TensorMeta]:
+        """Names, global shapes and dtypes of the full state dict, without gathering it."""
+        sd = self.model.state_dict()  # DTensor shapes are global
+        return [(k, tuple(v.shape), (dtype or str(v.dtype)).removeprefix("torch.")) for k, v in sd.items()]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded weights in HF names, on CPU, on rank 0 (None elsewhere). Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if self.rank == 0 else None
+
+    def save_weights(self, out_dir: str) -> str | None:
+        """HF-format folder an engine can load or reload from (weights, config, tokenizer). Collective."""
+        sd = self.full_state_dict()
+        if self.rank != 0:
+            return None
+        out = Path(out_dir)
+        path = write_safetensors(sd, out)
+        self.model.config.save_pretrained(out)
+        _copy_tokenizer(self.model_path, out)
+        return str(path)
+
+    def sync_weights_broadcast(
+        self, host: str, port: int, world_size: int, meta: Sequence[TensorMeta] | None = None
+    ) -> float:
+        """Gather the full weights and broadcast them from rank 0 to the engines. Collective.
+
+        Rank 0 joins the stateless sync group on first use (engines join concurrently with
+        ``init_sync_group``) and reuses it afterwards. Returns seconds taken.
+        """
+        t0 = time.perf_counter()
+        sd = self.full_state_dict()
+        if self.rank == 0:
+            key = (host, int(port), int(world_size))
+            if self._sender_key != key:
+                self.close_weight_sync()
+                self._sender = SyncSender(host, port, world_size, backend=self.platform.dist_backend)
+                self._sender_key = key
+            self._sender.broadcast(sd, meta if meta is not None else tensor_meta(sd), device=self.device)
+        return time.perf_counter() - t0
+
+    def close_weight_sync(self) -> None:
+        """Leave the weight-sync group, if this rank joined one."""
+        if self._sender is not None:
+            self._sender.close()
+        self._sender, self._sender_key = None, None
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, ckpt_dir: str) -> str:
+        """Weights as an HF folder (rank 0) and sharded optimizer state (every rank). Collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        root = Path(ckpt_dir)
+        self.save_weights(str(root / "hf"))
+        optim = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.save({"optim": optim}, checkpoint_id=str(root / "optim"))
+        if self.rank == 0:
+            (root / "trainer_state.json").write_text(json.dumps({"step": self.step}, sort_keys=True))
+        dist.barrier()
+        return str(root)
+
+    def load_checkpoint(self, ckpt_dir: str) -> int:
+        """Restore weights, optimizer state and step from ``save_checkpoint``'s folder. Collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from ..rollout.weight_sync import iter_safetensors
+
+        root = Path(ckpt_dir)
+        full = dict(iter_safetensors(root / "hf"))
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        optim = get_optimizer_state_dict(self.model, self.optimizer)
+        state = {"optim": optim}
+        dcp.load(state, checkpoint_id=str(root / "optim"))
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        self.step = int(json.loads((root / "trainer_state.json").read_text())["step"])
+        return self.step
+
+    # ---------------------------------------------------------------- misc
+
+    def sync_address(self) -> tuple[str, int]:
+        """This rank's IP and a port free on its node, for a weight-sync group rank 0 will host."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def shutdown(self) -> None:
+        """Leave every process group."""
+        self.close_weight_sync()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find decoder layers on {type(model).__name__}")
+    return list(layers)
+
+
+def _pad_id(config: Any) -> int:
+    for attr in ("pad_token_id", "eos_token_id"):
+        v = getattr(config, attr, None)
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if v is not None:
+            return int(v)
+    return 0
+
+
+def _copy_tokenizer(src: str, dst: Path) -> None:
+    """Copy tokenizer and generation files so ``dst`` is a complete model folder for vLLM."""
+    for name in os.listdir(src):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config", "chat_template")):
+            shutil.copy2(os.path.join(src, name), dst / name)
