@@ -1,0 +1,129 @@
+"""Rule rewards and loading user reward functions from ``"pkg.module:function"`` strings.
+
+A reward function takes the decoded completion and the reference answer (plus keyword extras such
+as the prompt) and returns a float. Spec files name them by import path, so a typo must fail at
+start-up with a message that says what was wrong, not as an AttributeError mid-run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import re
+from collections.abc import Callable
+from fractions import Fraction
+
+__all__ = ["BUILTIN_REWARDS", "RewardFn", "RewardLoadError", "exact_match", "load_reward", "math_exact"]
+
+RewardFn = Callable[..., float]
+
+
+def exact_match(completion: str, answer: str, **_: object) -> float:
+    """1.0 when the completion, stripped of surrounding whitespace, equals the answer exactly."""
+    return 1.0 if completion.strip() == str(answer).strip() else 0.0
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def _boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), honouring nested braces."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None  # unbalanced: treat as no boxed answer
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer in a completion: the last ``\\boxed{}``, else the last number, else None."""
+    boxed = _boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def _normalise(ans: str) -> str:
+    s = ans.strip().strip("$").strip()
+    s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
+    s = re.sub(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}", r"\1/\2", s)
+    s = s.replace("\\left", "").replace("\\right", "").replace("\\!", "").replace("\\,", "")
+    s = s.replace(" ", "").rstrip(".")
+    if re.fullmatch(r"-?[\d,]+(\.\d+)?", s):
+        s = s.replace(",", "")
+    return s
+
+
+def _as_number(s: str) -> Fraction | None:
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def math_exact(completion: str, answer: str, **_: object) -> float:
+    """1.0 when the completion's final answer equals the reference after normalisation.
+
+    The final answer is the last ``\\boxed{...}`` or else the last number. Both sides drop ``$``,
+    spaces, thousands separators, ``\\text{}``; ``\\frac{a}{b}`` becomes ``a/b``; numbers compare by
+    value (``7.0`` = ``7``, ``1/2`` = ``0.5``), anything else as strings.
+    """
+    got = extract_answer(completion)
+    if got is None:
+        return 0.0
+    a, b = _normalise(got), _normalise(str(answer))
+    if a == b:
+        return 1.0
+    na, nb = _as_number(a), _as_number(b)
+    return 1.0 if na is not None and nb is not None and na == nb else 0.0
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math_exact": math_exact}
+
+
+class RewardLoadError(ImportError):
+    """A reward path could not be resolved to a callable; the message says which part failed."""
+
+
+def load_reward(path: str) -> RewardFn:
+    """Resolve a built-in name (``exact_match``, ``math_exact``) or ``"pkg.module:function"``."""
+    if path in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[path]
+    if ":" not in path:
+        close = difflib.get_close_matches(path, BUILTIN_REWARDS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise RewardLoadError(
+            f"reward {path!r} is neither a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) nor of the form "
+            f"'pkg.module:function'{hint}"
+        )
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise RewardLoadError(f"reward {path!r} must be 'pkg.module:function' with both parts non-empty")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise RewardLoadError(
+            f"reward {path!r}: cannot import module {module_name!r} ({exc}); is it installed or on PYTHONPATH?"
+        ) from exc
+    except Exception as exc:  # the user's module raised while importing
+        raise RewardLoadError(f"reward {path!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
+    obj: object = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise RewardLoadError(f"reward {path!r}: module {module_name!r} has no attribute {part!r}{hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardLoadError(f"reward {path!r} is a {type(obj).__name__}, not a callable")
+    return obj  # type: ignore[return-value]

@@ -1,0 +1,30 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# ---------------------------------------------------------------------------------------------
+# Runtime fixtures (tiny quickstart model). torch/transformers are imported lazily so the
+# compile-path tests never pay for them.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The quickstart model (seed 0, default warm-up), built once per test session (~1 s)."""
+    from rlc.runtime.tasks.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path):
+    """The quickstart model loaded in float32, eval mode, with sdpa attention."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
