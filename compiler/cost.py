@@ -1,0 +1,430 @@
+"""Time model: seconds per RL step for a layout, split into rollout, training, weight sync and switch.
+
+The planner ranks layouts by trained tokens per second, so the model only has to order layouts correctly
+and land in the right range; it is a roofline (max of bytes over bandwidth and FLOPs over peak, each scaled by
+the target's measured efficiency) plus explicit communication terms. Every formula names its source; the
+fixed assumptions (response length, overlap, latencies) are module constants with a stated reason.
+Pure functions only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+
+from rlc.compiler.memory import (
+    ModelSizes,
+    RolloutLayout,
+    TrainLayout,
+    dtype_bytes,
+    kv_bytes_per_token_device,
+)
+from rlc.schemas.target import TargetProfile
+
+#: Mean response length as a fraction of max_response_len. RL responses are long-tailed: most finish well
+#: before the cap while a few hit it (AReaL, StreamRL report means around half the cap on math tasks).
+RESPONSE_FRACTION = 0.5
+#: Mean prompt length as a fraction of max_prompt_len (the cap is set for the longest prompt).
+PROMPT_FRACTION = 0.5
+#: Latency of one small collective (ring start-up), seconds. HCCL small-message all-reduce on A2 measures in
+#: the tens of microseconds (research notes §1.3: 18 GB/s bus bandwidth for a 2-NPU all-reduce); NCCL ~10 µs.
+COLLECTIVE_LATENCY_S = {"npu": 30e-6, "gpu": 10e-6, "cpu": 100e-6}
+#: Fixed per-decode-step cost of the engine (scheduler, sampling, kernel launches in eager mode), seconds.
+DECODE_STEP_OVERHEAD_S = {"npu": 4e-3, "gpu": 2e-3, "cpu": 2e-3}
+#: Share of data-parallel gradient/parameter traffic hidden behind compute (FSDP2 prefetch, Megatron
+#: overlap_grad_reduce). Half is a conservative middle of what torchtitan and Megatron report.
+DP_OVERLAP = 0.5
+#: Shared-filesystem bandwidth for disk weight sync, GB/s (one writer, readers in parallel).
+DISK_GBPS = 2.0
+#: Concurrency left in the long tail of a synchronous rollout, as a fraction of the full batch: the last
+#: sequences to finish decode almost alone (bandwidth-bound steps at tiny batch).
+TAIL_CONCURRENCY_FRACTION = 0.125
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one RL step processes; derived from the spec once."""
+
+    samples: int
+    prompt_tokens: float
+    response_tokens: float
+    max_prompt: int
+    max_response: int
+    staleness: int
+    decoupled: bool
+    reference: bool
+    lora: bool
+    mtp_tokens: int = 0
+    mtp_acceptance: float = 0.0
+    mtp_draft_layers: int = 0
+
+    @property
+    def context_tokens(self) -> float:
+        """Mean sequence length (prompt + response)."""
+        return self.prompt_tokens + self.response_tokens
+
+    @property
+    def trained_tokens(self) -> float:
+        """Tokens the trainer consumes per step: the ranking numerator."""
+        return self.samples * self.context_tokens
+
+
+def workload(
+    *,
+    batch_prompts: int,
+    group_size: int,
+    max_prompt_len: int,
+    max_response_len: int,
+    staleness: int,
+    decoupled: bool,
+    reference: bool,
+    lora: bool,
+    mtp_tokens: int = 0,
+    mtp_acceptance: float = 0.0,
+    mtp_draft_layers: int = 0,
+) -> Workload:
+    """Build a Workload with the documented mean-length assumptions."""
+    return Workload(
+        samples=batch_prompts * group_size,
+        prompt_tokens=max_prompt_len * PROMPT_FRACTION,
+        response_tokens=max_response_len * RESPONSE_FRACTION,
+        max_prompt=max_prompt_len,
+        max_response=max_response_len,
+        staleness=staleness,
+        decoupled=decoupled,
+        reference=reference,
+        lora=lora,
+        mtp_tokens=mtp_tokens,
+        mtp_acceptance=mtp_acceptance,
+        mtp_draft_layers=mtp_draft_layers,
+    )
+
+
+def accepted_tokens_per_step(k: int, a: float) -> float:
+    """Expected tokens emitted per verification step with k draft tokens and per-token acceptance a.
+
+    Leviathan et al. 2023 (speculative decoding, eq. 1): E = (1 − a^(k+1)) / (1 − a); 1 without drafting.
+    """
+    if k <= 0:
+        return 1.0
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def _collective_s(target: TargetProfile, num_bytes: float, bandwidth_gbps: float, count: float = 1.0) -> float:
+    """α–β model: count × latency + bytes / (link bandwidth × collective efficiency)."""
+    bw = bandwidth_gbps * 1e9 * target.efficiency.collective_efficiency
+    return count * COLLECTIVE_LATENCY_S[target.kind] + num_bytes / bw
+
+
+def _link_gbps(target: TargetProfile, group: int, devices_per_node: int) -> float:
+    """Intra-node bandwidth when a group fits in one node, else the scale-out bandwidth."""
+    return target.intra_node_bandwidth_gbps if group <= devices_per_node else target.inter_node_bandwidth_gbps
+
+
+# --------------------------------------------------------------------------------------------- rollout
+
+
+@dataclass(frozen=True)
+class RolloutTime:
+    """Rollout seconds per step: synchronous (batch waits for its longest sequence) and streaming."""
+
+    sync_s: float
+    async_s: float
+    prefill_s: float
+    step_s: float
+    concurrency: int
+    tokens_per_s: float
+
+
+def decode_step_s(
+    sizes: ModelSizes,
+    layout: RolloutLayout,
+    target: TargetProfile,
+    batch: int,
+    context: float,
+    devices_per_node: int,
+    draft_tokens: int = 0,
+    draft_layers: int = 0,
+) -> float:
+    """Time of one decode step for `batch` sequences per attention rank at mean `context`.
+
+    Roofline (Williams et al. 2009; the standard LLM-inference analysis): max(bytes read / (HBM bw ·
+    decode efficiency), FLOPs / (peak · prefill MFU)). Bytes = weights on the device (for MoE only the experts
+    the step's tokens touch: E_local·(1 − (1 − k/E)^tokens)) + the KV of every sequence; FLOPs = 2 · active
+    params per token / t, plus attention 4·n_q·d_h·context per full layer. Verification of k draft tokens
+    multiplies the FLOPs by k + 1; an MTP drafter reads its layer k more times. TP adds two all-reduces per
+    layer, EP two all-to-alls per MoE layer; a fixed engine overhead covers scheduling and launches.
+    """
+    arch = sizes.arch
+    b = dtype_bytes(target)
+    tokens_step = batch * (draft_tokens + 1)
+    engine_tokens = tokens_step * layout.attention_dp
+    dense_bytes = (sizes.dense + sizes.embedding + sizes.head) / layout.tp * b
+    expert_bytes = 0.0
+    if arch.moe is not None:
+        shards = layout.ep if layout.ep > 1 else layout.tp
+        touched = 1 - (1 - arch.moe.experts_per_token / arch.moe.num_experts) ** engine_tokens
+        expert_bytes = sizes.expert / shards * b * touched
+    kv = kv_bytes_per_token_device(arch, layout.tp, b) * context * batch
+    draft = draft_tokens * draft_layers * (sizes.max_layer / layout.tp) * b
+    read = dense_bytes + expert_bytes + kv + draft
+    active_dense = sizes.active - sizes.active_expert
+    flops = 2 * active_dense / layout.tp * tokens_step
+    flops += 2 * sizes.active_expert * engine_tokens / layout.engine_devices
+    full_layers = arch.num_full_attention_layers()
+    flops += 4 * arch.num_attention_heads * arch.head_dim * full_layers * context * tokens_step / layout.tp
+    t = max(
+        read / (target.hbm_bandwidth_gbps * 1e9 * target.efficiency.decode_bandwidth_efficiency),
+        flops / (target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu),
+    )
+    if layout.tp > 1:
+        volume = tokens_step * arch.hidden_size * b * 2 * (layout.tp - 1) / layout.tp
+        t += _collective_s(target, 2 * arch.num_layers * volume, target.intra_node_bandwidth_gbps, 2 * arch.num_layers)
+    if arch.moe is not None and layout.ep > 1:
+        moe_layers = arch.num_layers - arch.moe.first_dense_layers
+        volume = tokens_step * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep
+        link = _link_gbps(target, layout.ep, devices_per_node)
+        t += _collective_s(target, 2 * moe_layers * volume, link, 2 * moe_layers)
+    return t + DECODE_STEP_OVERHEAD_S[target.kind]
+
+
+def rollout_time(
+    sizes: ModelSizes,
+    layout: RolloutLayout,
+    target: TargetProfile,
+    work: Workload,
+    devices_per_node: int,
+    max_seqs: int,
+) -> RolloutTime:
+    """Seconds to generate one step's samples on this rollout pool.
+
+    Samples spread evenly over the pool's attention ranks (replicas × attention-DP); each runs
+    c = min(max_num_seqs, its samples) sequences at once. Decode steps per sequence = mean response /
+    accepted tokens per step. Synchronous: waves of c sequences each take the mean-length steps, then the
+    long tail (max − mean response) decodes at 1/8 concurrency. Streaming (async, staleness > 0): only the
+    throughput counts, tokens / (c · tokens-per-step / step time). Prefill: 2 · active params · prompt
+    tokens / (devices · peak · prefill MFU) (Kaplan et al. 2020 forward FLOPs).
+    """
+    ranks = layout.replicas * layout.attention_dp
+    per_rank = ceil(work.samples / ranks)
+    c = max(1, min(max_seqs, per_rank))
+    ctx = work.prompt_tokens + work.response_tokens / 2
+    k = work.mtp_tokens
+    tau = accepted_tokens_per_step(k, work.mtp_acceptance)
+    step = decode_step_s(sizes, layout, target, c, ctx, devices_per_node, k, work.mtp_draft_layers)
+    waves = ceil(per_rank / c)
+    mean_steps = work.response_tokens / tau
+    tail_c = max(1, int(c * TAIL_CONCURRENCY_FRACTION))
+    tail_step = decode_step_s(
+        sizes,
+        layout,
+        target,
+        tail_c,
+        work.prompt_tokens + work.response_tokens,
+        devices_per_node,
+        k,
+        work.mtp_draft_layers,
+    )
+    tail = max(0.0, work.max_response - work.response_tokens) / tau * tail_step
+    devices = layout.replicas * layout.engine_devices
+    prefill_flops = 2 * sizes.active * work.samples * work.prompt_tokens
+    prefill = prefill_flops / (devices * target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu)
+    sync = waves * mean_steps * step + tail + prefill
+    tokens = per_rank * work.response_tokens
+    rate = c * tau / step
+    stream = tokens / rate + prefill
+    return RolloutTime(sync, stream, prefill, step, c, work.samples * work.response_tokens / stream)
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class TrainTime:
+    """Training seconds per step and its parts."""
+
+    compute_s: float
+    bubble: float
+    tp_s: float
+    cp_s: float
+    ep_s: float
+    dp_s: float
+    offload_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s / (1 - self.bubble) + self.tp_s + self.cp_s + self.ep_s + self.dp_s + self.offload_s
+
+
+def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
+    """FLOPs per step for the trainer (forward + backward + extra forwards).
+
+    6·N_active·T for forward and backward (Kaplan et al. 2020; Narayanan et al. 2021 eq. 3) — 4·N·T with
+    LoRA, whose frozen weights need no weight gradients — plus causal attention 3 · 2·n_q·d_h·ctx per token
+    per full layer. Extra forwards of 2·N·T (+ attention): full recompute (one more forward), selective
+    (about a tenth of one), the decoupled loss' proximal log-probs (AReaL: recompute_logprob) and a KL
+    reference policy.
+    """
+    arch = sizes.arch
+    tokens = work.trained_tokens
+    attn_fwd = 2 * arch.num_attention_heads * arch.head_dim * arch.num_full_attention_layers() * work.context_tokens
+    fwd = (2 * sizes.active + attn_fwd) * tokens
+    flops = (2 if work.lora else 3) * fwd
+    extra = {"full": 1.0, "selective": 0.1}.get(recompute, 0.0)
+    extra += 1.0 if work.decoupled else 0.0
+    extra += 1.0 if work.reference else 0.0
+    return flops + extra * fwd
+
+
+def train_time(
+    sizes: ModelSizes, layout: TrainLayout, target: TargetProfile, work: Workload, devices_per_node: int
+) -> TrainTime:
+    """Seconds per training step for `layout`.
+
+    Compute: train_flops / (devices · peak · train MFU). PP bubble (pp − 1)/(m + pp − 1) with m micro-batches
+    per pipeline (Narayanan et al. 2021, 1F1B). TP: 4 all-reduces per layer per micro-batch (2 forward,
+    2 backward; Shoeybi et al. 2019), ring volume 2(t−1)/t · tokens · h · bytes. CP (Ulysses, Jacobs et al.
+    2023): 4 all-to-alls of q,k,v,o forward and backward, (c−1)/c of the local tokens' heads. EP: dispatch and
+    combine all-to-alls per MoE layer, forward and backward (Lepikhin et al. 2020). DP: FSDP2 all-gathers
+    parameters for forward and backward of every micro-batch and reduce-scatters gradients once; Megatron's
+    distributed optimizer reduce-scatters gradients and all-gathers parameters once per step; half of it hides
+    behind compute. Offload: parameters cross the host link per micro-batch (forward, backward) and the
+    optimizer's 16 B/param are swapped in and out for a host-side step.
+    """
+    arch = sizes.arch
+    b = dtype_bytes(target)
+    kind = target.kind
+    flops = train_flops(sizes, work, layout.recompute)
+    compute = flops / (layout.devices * target.bf16_tflops * 1e12 * target.efficiency.train_mfu)
+    tokens_rank = work.trained_tokens / layout.dp
+    micro = max(1, ceil(tokens_rank / layout.micro_batch_tokens))
+    bubble = (layout.pp - 1) / (micro + layout.pp - 1)
+    passes = 2.0 + (1.0 if layout.recompute == "full" else 0.0) + (1.0 if work.decoupled else 0.0)
+    stage_layers = ceil(arch.num_layers / layout.pp)
+    local = tokens_rank / layout.cp
+    tp_s = cp_s = ep_s = 0.0
+    if layout.tp > 1:
+        volume = 2 * (layout.tp - 1) / layout.tp * local * arch.hidden_size * b
+        count = 2 * passes * stage_layers
+        tp_s = _collective_s(target, count * volume, target.intra_node_bandwidth_gbps, count * micro)
+    if layout.cp > 1:
+        width = (2 * arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim
+        volume = (layout.cp - 1) / layout.cp * local * width * b / layout.tp
+        link = _link_gbps(target, layout.tp * layout.cp, devices_per_node)
+        cp_s = _collective_s(target, passes * stage_layers * volume, link, 4 * passes * stage_layers * micro)
+    if arch.moe is not None and layout.ep > 1:
+        moe_share = (arch.num_layers - arch.moe.first_dense_layers) / arch.num_layers
+        volume = local * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep
+        link = _link_gbps(target, layout.ep * layout.etp, devices_per_node)
+        count = 2 * passes * stage_layers * moe_share
+        ep_s = _collective_s(target, count * volume / layout.tp, link, count * micro)
+    dp_s = 0.0
+    group = layout.devices // (layout.tp * layout.pp) if layout.backend == "fsdp2" else layout.dp * layout.cp
+    if group > 1:
+        replica = sizes.total / (layout.tp * layout.pp)
+        ring = (group - 1) / group
+        link = _link_gbps(target, layout.devices, devices_per_node)
+        if layout.backend == "fsdp2":
+            volume = (2 * micro * b + b) * replica * ring
+            count = 3 * micro * arch.num_layers
+        else:
+            volume = 2 * b * replica * ring
+            count = 2
+        dp_s = max(0.0, _collective_s(target, volume, link, count) - DP_OVERLAP * compute)
+        dp_s = max(dp_s, (1 - DP_OVERLAP) * _collective_s(target, volume, link, count))
+    offload_s = 0.0
+    host = target.host_to_device_bandwidth_gbps * 1e9
+    shard = sizes.total / layout.devices if layout.backend == "fsdp2" else sizes.total / (layout.tp * layout.pp)
+    if layout.offload_params and not work.lora:
+        offload_s += (2 * micro + 1) * shard * b / host
+    if layout.offload_optimizer and not work.lora:
+        offload_s += 2 * 16 * shard / max(1, group) / host
+    del kind
+    return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s)
+
+
+# --------------------------------------------------------------------------------------------- sync and step
+
+
+def weight_sync_s(
+    sizes: ModelSizes,
+    target: TargetProfile,
+    method: str,
+    *,
+    cross_node: bool,
+    adapter_params: int = 0,
+) -> float:
+    """Seconds to move new weights from the trainer to the engines.
+
+    Volume: the full model in compute dtype (total params × bytes), or only the LoRA adapters when the
+    engine serves them. broadcast: one pipelined broadcast from trainer rank 0 (bytes / link bw; across
+    nodes the scale-out link bounds it) after gathering the shards on that rank (same volume, intra-node).
+    inplace (colocated): each device copies the gathered tensors into the engine's slots at intra-node
+    speed. disk: safetensors written once and read in parallel at DISK_GBPS.
+    """
+    b = dtype_bytes(target)
+    volume = (adapter_params or sizes.total) * b
+    if method == "disk":
+        return 2 * volume / (DISK_GBPS * 1e9)
+    intra = _collective_s(target, volume, target.intra_node_bandwidth_gbps)
+    if method == "inplace":
+        return intra
+    link = target.inter_node_bandwidth_gbps if cross_node else target.intra_node_bandwidth_gbps
+    return intra + _collective_s(target, volume, link)
+
+
+def switch_s(target: TargetProfile, train_state_gib: float) -> float:
+    """Colocated phase switch per step: training state to host before rollout and back before training.
+
+    2 × state bytes / host↔device bandwidth (the engine's weights are discarded at sleep level 2 and
+    refilled by the in-place sync, its KV cache is dropped and re-allocated, both cheap). 0 on cpu, where
+    nothing moves.
+    """
+    if target.kind == "cpu":
+        return 0.0
+    return 2 * train_state_gib * 1024**3 / (target.host_to_device_bandwidth_gbps * 1e9)
+
+
+def teacher_time_s(sizes: ModelSizes, devices: int, target: TargetProfile, work: Workload, share: float) -> float:
+    """Forward-only teacher scoring: 2 · active params · (share of samples · mean length) / (devices · peak · MFU)."""
+    flops = 2 * sizes.active * work.samples * share * work.context_tokens
+    return flops / (devices * target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One RL step's estimate and its split."""
+
+    step_s: float
+    rollout_s: float
+    train_s: float
+    teacher_s: float
+    sync_s: float
+    switch_s: float
+    tokens_per_s: float
+
+
+def step_time(
+    mode: str,
+    work: Workload,
+    rollout: RolloutTime,
+    train_s: float,
+    teacher_s: float,
+    sync_s: float,
+    switch: float,
+) -> StepTime:
+    """Combine the phases.
+
+    Disaggregated with staleness > 0 (AReaL-style asynchrony): rollout streams while the trainer works, so
+    step ≈ max(rollout, teachers, train) + sync. Staleness 0 serialises them: rollout (waiting for its long
+    tail) + teachers + train + sync. Colocated: rollout + teachers + train + sync + switch.
+    """
+    if mode == "disaggregated" and work.staleness > 0:
+        r = rollout.async_s
+        step = max(r, teacher_s, train_s) + sync_s
+    else:
+        r = rollout.sync_s
+        step = r + teacher_s + train_s + sync_s + (switch if mode == "colocated" else 0.0)
+    if mode != "colocated":
+        switch = 0.0
+    return StepTime(step, r, train_s, teacher_s, sync_s, switch, work.trained_tokens / step)

@@ -1,0 +1,682 @@
+"""Layout search: split devices between roles and pick each role's parallel degrees and budgets.
+
+Roles are independent given their device counts, so the search finds the best few layouts per role and
+device count once (memoised), then combines them over the device splits. Candidates that do not fit memory
+are kept with their verdict so that the plan can say why a layout lost, and so that an infeasible spec gets
+the closest breakdown in its diagnostic. Pruning (first fitting recompute/offload per degree tuple, dominated
+pipeline depths skipped, coarse-then-fine splits on large clusters) keeps a 1,024-device MoE search fast;
+`exhaustive=True` turns it off for tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import ceil
+
+from rlc.compiler import cost, memory
+from rlc.compiler.memory import MemoryBreakdown, ModelSizes, RolloutLayout, TrainLayout
+from rlc.compiler.resolve import Problem
+from rlc.schemas.target import TargetProfile
+
+#: Highest vLLM memory share the planner chooses on its own; above it long prefills have OOMed even though
+#: the static budget fit (vllm-ascend issue 3357: Qwen3-235B TP16 at 0.95 with a 90K prompt).
+MAX_AUTO_FRACTION = 0.9
+#: Concurrent sequences the planner allows per vLLM scheduler when nothing is pinned.
+MAX_AUTO_SEQS = 1024
+#: Splits evaluated in the coarse pass of a large cluster before refining around the best.
+COARSE_SPLITS = 12
+RECOMPUTE_ORDER = ("none", "selective", "full")
+OFFLOAD_ORDER = ((False, False), (False, True), (True, True))
+#: Micro-batch token budgets tried, as multiples of the longest sequence, largest first: bigger micro-batches
+#: keep the device busier, so the largest that fits is taken.
+MBT_MULTIPLES = (4, 2, 1)
+
+
+def _pow2_upto(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything the search reads, derived once from the problem."""
+
+    problem: Problem
+    sizes: ModelSizes
+    target: TargetProfile
+    devices_per_node: int
+    nodes: int
+    total: int
+    work: cost.Workload
+    max_model_len: int
+    longest: int
+    lora_rank: int | None
+    lora_targets: str | list[str]
+    lora_adapter: bool
+    reference: bool
+    mtp: bool
+    teacher_sizes: dict[str, ModelSizes]
+    exhaustive: bool
+
+    @property
+    def spec(self):  # type: ignore[no-untyped-def]
+        return self.problem.spec
+
+
+def lora_rollout_mode(problem: Problem) -> str:
+    """adapter when the engine serves LoRA well, else merged.
+
+    auto → adapter, except MoE models on NPUs: vllm-ascend's LoRA is experimental and excludes fused MC2
+    and dynamic EPLB (research notes §3.6), so the adapters are merged into the base before each sync.
+    """
+    lora = problem.spec.lora
+    if lora is None:
+        return "merged"
+    if lora.rollout != "auto":
+        return lora.rollout
+    return "merged" if (problem.arch.is_moe and problem.target.kind == "npu") else "adapter"
+
+
+def make_context(problem: Problem, exhaustive: bool = False) -> Context:
+    """Derive the search context from a resolved problem."""
+    spec = problem.spec
+    mtp = spec.rollout.mtp
+    uses_mtp_layers = mtp is not None and mtp.method != "ngram" and problem.arch.mtp_layers > 0
+    longest = spec.rollout.max_total_len
+    work = cost.workload(
+        batch_prompts=spec.algorithm.batch_prompts,
+        group_size=spec.algorithm.group_size,
+        max_prompt_len=spec.rollout.max_prompt_len,
+        max_response_len=spec.rollout.max_response_len,
+        staleness=spec.algorithm.max_staleness,
+        decoupled=spec.algorithm.decoupled_loss,
+        reference=spec.algorithm.kl_coef > 0 and spec.lora is None,
+        lora=spec.lora is not None,
+        mtp_tokens=mtp.num_speculative_tokens if mtp else 0,
+        mtp_acceptance=mtp.acceptance_rate if mtp else 0.0,
+        mtp_draft_layers=1 if uses_mtp_layers else 0,
+    )
+    return Context(
+        problem=problem,
+        sizes=memory.model_sizes(problem.arch),
+        target=problem.target,
+        devices_per_node=problem.devices_per_node,
+        nodes=spec.cluster.nodes,
+        total=problem.total_devices,
+        work=work,
+        max_model_len=longest,
+        longest=longest,
+        lora_rank=spec.lora.rank if spec.lora else None,
+        lora_targets=spec.lora.target_modules if spec.lora else "all-linear",
+        lora_adapter=spec.lora is not None and lora_rollout_mode(problem) == "adapter",
+        reference=spec.algorithm.kl_coef > 0 and spec.lora is None,
+        mtp=uses_mtp_layers,
+        teacher_sizes={name: memory.model_sizes(a) for name, a in sorted(problem.teacher_archs.items())},
+        exhaustive=exhaustive,
+    )
+
+
+# --------------------------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class TrainOption:
+    layout: TrainLayout
+    memory: MemoryBreakdown
+    time: cost.TrainTime
+
+    @property
+    def seconds(self) -> float:
+        return self.time.total_s
+
+
+@dataclass(frozen=True)
+class RolloutOption:
+    layout: RolloutLayout
+    memory: MemoryBreakdown
+    seqs: int
+    time: cost.RolloutTime
+
+
+@dataclass(frozen=True)
+class TeacherOption:
+    name: str
+    layout: RolloutLayout
+    memory: MemoryBreakdown
+    seqs: int
+    seconds: float
+
+
+@dataclass
+class RoleSearch:
+    """Fitting options for one role and device count, best first, and the closest miss."""
+
+    options: list = field(default_factory=list)
+    closest: MemoryBreakdown | None = None
+    closest_layout: object | None = None
+    reason: str = ""
+
+    def miss(self, breakdown: MemoryBreakdown, layout: object) -> None:
+        """Remember the layout closest to fitting (device overflow; host-memory misses rank last)."""
+        if self.closest is None or _overflow(breakdown) < _overflow(self.closest):
+            self.closest, self.closest_layout = breakdown, layout
+
+
+def _overflow(b: MemoryBreakdown) -> float:
+    return b.total_gib - b.capacity_gib + (1e6 if b.problems else 0.0)
+
+
+def _record(failures: dict[str, RoleSearch], role: str, found: RoleSearch) -> None:
+    """Keep, per role, the closest miss over every device count tried."""
+    held = failures.get(role)
+    if (
+        held is None
+        or held.closest is None
+        or (found.closest is not None and _overflow(found.closest) < _overflow(held.closest))
+    ):
+        failures[role] = found
+
+
+def _tp_ok(arch, tp: int) -> bool:  # type: ignore[no-untyped-def]
+    kv = arch.num_kv_heads
+    return arch.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+
+
+def train_search(ctx: Context, n: int, resident_gib: float = 0.0) -> RoleSearch:
+    """Best trainer layouts on `n` devices (fitting ones sorted by time, then summary)."""
+    spec, arch = ctx.spec, ctx.sizes.arch
+    pin = spec.placement.train
+    found = RoleSearch()
+    backend_pin = pin.backend or (spec.train.backend if spec.train.backend != "auto" else None)
+    if backend_pin:
+        backends = [backend_pin]
+    elif arch.is_moe or any(v and v > 1 for v in (pin.tp, pin.pp, pin.ep)):
+        backends = ["megatron"]
+    else:
+        backends = ["fsdp2", "megatron"]
+    recomputes = (
+        [pin.recompute]
+        if pin.recompute
+        else ([spec.train.recompute] if spec.train.recompute != "auto" else list(RECOMPUTE_ORDER))
+    )
+    off_pin = pin.offload or (
+        spec.train.offload if (spec.train.offload.params or spec.train.offload.optimizer) else None
+    )
+    offloads = [(off_pin.params, off_pin.optimizer)] if off_pin else list(OFFLOAD_ORDER)
+    mbt_pin = pin.micro_batch_tokens or spec.train.micro_batch_tokens
+    mbts = [mbt_pin] if mbt_pin else [_round_up(ctx.longest * m, 128) for m in MBT_MULTIPLES]
+    dpn = ctx.devices_per_node
+    long_cp = max(1, ctx.longest // 4096)
+    for backend in backends:
+        if backend == "fsdp2":
+            tps, pps, eps = [1], [1], [1]
+        else:
+            tps = [pin.tp] if pin.tp else [t for t in _pow2_upto(min(dpn, n)) if _tp_ok(arch, t)]
+            pps = [pin.pp] if pin.pp else [p for p in _pow2_upto(min(arch.num_layers, n))]
+            if arch.moe is None:
+                eps = [1]
+            else:
+                eps = (
+                    [pin.ep]
+                    if pin.ep
+                    else [e for e in _pow2_upto(min(arch.moe.num_experts, n)) if arch.moe.num_experts % e == 0]
+                )
+        cps_all = [pin.cp] if pin.cp else _pow2_upto(min(16, n))
+        for tp in tps:
+            for cp in cps_all:
+                if not pin.cp and not ctx.exhaustive and cp > long_cp:
+                    continue
+                if arch.num_attention_heads % (tp * cp):
+                    continue
+                for ep in eps:
+                    for pp in pps:
+                        if n % (tp * pp * cp):
+                            continue
+                        dp = n // (tp * pp * cp)
+                        if ep > 1 and (tp * cp * dp) % ep:
+                            continue
+                        cheapest_fit = _train_degree(
+                            ctx, found, n, backend, tp, pp, cp, ep, recomputes, offloads, mbts, resident_gib
+                        )
+                        if cheapest_fit and not ctx.exhaustive:
+                            break
+        if backend == "fsdp2" and found.options and not backend_pin:
+            break  # fsdp2 for dense models that fit; megatron only when it does not
+    found.options.sort(key=lambda o: (round(o.seconds, 6), o.layout.summary()))
+    del found.options[3 if not ctx.exhaustive else len(found.options) :]
+    return found
+
+
+def _train_degree(
+    ctx: Context,
+    found: RoleSearch,
+    n: int,
+    backend: str,
+    tp: int,
+    pp: int,
+    cp: int,
+    ep: int,
+    recomputes: list[str],
+    offloads: list[tuple[bool, bool]],
+    mbts: list[int],
+    resident: float,
+) -> bool:
+    """Evaluate one degree tuple; True when it fits at the cheapest recompute/offload (dominates deeper PP)."""
+    first = True
+    for rc in recomputes:
+        for off_p, off_o in offloads:
+            fitted = None
+            for mbt in mbts:
+                layout = TrainLayout(n, backend, tp, pp, cp, ep, rc, off_p, off_o, mbt)
+                mem = memory.train_memory(
+                    ctx.sizes,
+                    layout,
+                    ctx.target,
+                    logprob_chunk_tokens=ctx.spec.train.logprob_chunk_tokens,
+                    lora_rank=ctx.lora_rank,
+                    lora_targets=ctx.lora_targets,
+                    reference=ctx.reference,
+                    devices_per_node=ctx.devices_per_node,
+                    resident_gib=resident,
+                )
+                if mem.fits:
+                    fitted = (layout, mem)
+                    break
+                found.miss(mem, layout)
+            if fitted is not None:
+                t = cost.train_time(ctx.sizes, fitted[0], ctx.target, ctx.work, ctx.devices_per_node)
+                found.options.append(TrainOption(fitted[0], fitted[1], t))
+                if not ctx.exhaustive:
+                    return first
+            first = False
+    return False
+
+
+def _groups_in_nodes(start: int, count: int, group: int, dpn: int) -> bool:
+    """Every consecutive `group` of devices from `start` lies inside one node (TP never spans nodes)."""
+    return all((s // dpn) == ((s + group - 1) // dpn) for s in range(start, start + count, group))
+
+
+def rollout_search(
+    ctx: Context, n: int, start: int, outside_gib: float, *, sync: bool, fraction: float | None = None
+) -> RoleSearch:
+    """Best vLLM layouts on `n` devices starting at global device index `start`."""
+    arch = ctx.sizes.arch
+    pin = ctx.spec.placement.rollout
+    found = RoleSearch()
+    dpn = ctx.devices_per_node
+    tps = [pin.tp] if pin.tp else [t for t in _pow2_upto(min(dpn, n)) if arch.num_attention_heads % t == 0]
+    if fraction is None:
+        fraction = pin.memory_fraction or round(
+            min(MAX_AUTO_FRACTION, memory.max_memory_fraction(ctx.target, outside_gib)) - 0.005, 2
+        )
+    if fraction <= 0.02:
+        found.reason = f"no memory left for rollout engines beside {outside_gib:.1f} GiB of other roles"
+        return found
+    for tp in tps:
+        if n % tp or not _groups_in_nodes(start, n, tp, dpn):
+            continue
+        if arch.moe is None:
+            eps = [1]
+        elif pin.ep:
+            eps = [pin.ep]
+        else:
+            eps = [1] + [
+                e
+                for e in _pow2_upto(min(n, arch.moe.num_experts))
+                if e > tp and e % tp == 0 and arch.moe.num_experts % e == 0
+            ]
+        for ep in eps:
+            engine = max(tp, ep)
+            if n % engine or engine % tp:
+                continue
+            layout = RolloutLayout(n, tp, ep, fraction, pin.max_num_seqs or 0, _batched_tokens(ctx))
+            mem, seqs = memory.rollout_memory(
+                ctx.sizes,
+                layout,
+                ctx.target,
+                max_model_len=ctx.max_model_len,
+                mtp=ctx.mtp,
+                lora_rank=ctx.lora_rank if ctx.lora_adapter else None,
+                lora_targets=ctx.lora_targets,
+                resident_gib=outside_gib,
+                planned_context=ctx.work.context_tokens,
+            )
+            if not mem.fits:
+                found.miss(mem, layout)
+                continue
+            max_seqs = pin.max_num_seqs or max(1, min(seqs, MAX_AUTO_SEQS))
+            layout = RolloutLayout(n, tp, ep, fraction, max_seqs, max(_batched_tokens(ctx), max_seqs))
+            t = cost.rollout_time(ctx.sizes, layout, ctx.target, ctx.work, dpn, max_seqs)
+            found.options.append(RolloutOption(layout, mem, seqs, t))
+    key = (lambda o: o.time.sync_s) if sync else (lambda o: o.time.async_s)
+    found.options.sort(key=lambda o: (round(key(o), 6), o.layout.summary()))
+    del found.options[2 if not ctx.exhaustive else len(found.options) :]
+    return found
+
+
+def _batched_tokens(ctx: Context) -> int:
+    """vLLM max_num_batched_tokens: 8192 (chunked prefill) on accelerators, 2048 on the cpu target."""
+    return 2048 if ctx.target.kind == "cpu" else 8192
+
+
+TEACHER_BATCHED_TOKENS = 4096
+
+
+def teacher_search(
+    ctx: Context, name: str, n: int, start: int, outside_gib: float, fraction: float | None = None
+) -> RoleSearch:
+    """Forward-only vLLM engines for one teacher on `n` devices (prompt log-probs of student samples)."""
+    sizes = ctx.teacher_sizes[name]
+    arch = sizes.arch
+    pin = ctx.spec.placement.teachers.get(name)
+    found = RoleSearch()
+    dpn = ctx.devices_per_node
+    tps = [pin.tp] if pin and pin.tp else [t for t in _pow2_upto(min(dpn, n)) if arch.num_attention_heads % t == 0]
+    tokens = TEACHER_BATCHED_TOKENS
+    logits = memory.gib(tokens * arch.vocab_size * 4 * 2)
+    frac = (
+        (pin.memory_fraction if pin else None)
+        or fraction
+        or round(min(MAX_AUTO_FRACTION, memory.max_memory_fraction(ctx.target, outside_gib + logits)) - 0.005, 2)
+    )
+    share = _teacher_share(ctx, name)
+    for tp in tps:
+        if n % tp or not _groups_in_nodes(start, n, tp, dpn):
+            continue
+        layout = RolloutLayout(n, tp, 1, frac, 0, tokens)
+        mem, seqs = memory.rollout_memory(
+            sizes,
+            layout,
+            ctx.target,
+            max_model_len=ctx.max_model_len,
+            resident_gib=outside_gib,
+            role=f"teacher-{name}",
+            prompt_logprobs=True,
+            planned_context=ctx.work.context_tokens,
+        )
+        if not mem.fits:
+            found.miss(mem, layout)
+            continue
+        layout = RolloutLayout(n, tp, 1, frac, max(1, min(seqs, MAX_AUTO_SEQS)), tokens)
+        seconds = cost.teacher_time_s(sizes, n, ctx.target, ctx.work, share)
+        seconds += ctx.work.samples * share / layout.replicas * 0.0  # engines run in parallel
+        found.options.append(TeacherOption(name, layout, mem, seqs, seconds + 0.01 * tp))
+    found.options.sort(key=lambda o: (round(o.seconds, 6), o.layout.tp))
+    return found
+
+
+def _teacher_share(ctx: Context, name: str) -> float:
+    """Share of samples a teacher scores: 1/teachers under domain routing, all of them under mixture."""
+    distill = ctx.spec.distill
+    if distill is None:
+        return 0.0
+    return 1.0 if distill.routing == "mixture" else 1.0 / len(distill.teachers)
+
+
+# --------------------------------------------------------------------------------------------- candidates
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One complete layout with its estimate."""
+
+    mode: str
+    train: TrainOption
+    rollout: RolloutOption
+    teachers: tuple[TeacherOption, ...]
+    step: cost.StepTime
+    train_start: int = 0
+    rollout_start: int = 0
+    teacher_starts: tuple[int, ...] = ()
+
+    @property
+    def summary(self) -> str:
+        parts = [
+            f"{self.mode}: train {self.train.layout.devices} [{self.train.layout.summary()}]",
+            f"rollout {self.rollout.layout.devices} [{self.rollout.layout.summary()}]",
+        ]
+        parts += [f"teacher-{t.name} {t.layout.devices} [t{t.layout.tp}]" for t in self.teachers]
+        return " + ".join(parts)
+
+    def key(self) -> tuple:
+        return (-round(self.step.tokens_per_s, 3), self.train.layout.devices, self.summary)
+
+
+@dataclass
+class SearchResult:
+    """The winner, the ranked runners-up and, when nothing fits, why."""
+
+    best: Candidate | None
+    ranked: list[Candidate]
+    failures: dict[str, RoleSearch]
+    evaluated: int = 0
+
+
+def _combine(
+    ctx: Context,
+    mode: str,
+    tr: TrainOption,
+    ro: RolloutOption,
+    teachers: tuple[TeacherOption, ...],
+    starts: tuple[int, int, tuple[int, ...]],
+    state_gib: float,
+) -> Candidate:
+    sizes, target, work = ctx.sizes, ctx.target, ctx.work
+    adapter = memory.lora_params(sizes.arch, ctx.lora_rank, ctx.lora_targets) if ctx.lora_adapter else 0
+    method = _sync_method(ctx, mode)
+    cross = mode == "disaggregated" and ctx.nodes > 1
+    sync = cost.weight_sync_s(sizes, target, method, cross_node=cross, adapter_params=adapter)
+    switch = cost.switch_s(target, state_gib) if mode == "colocated" else 0.0
+    teacher_s = max((t.seconds for t in teachers), default=0.0)
+    step = cost.step_time(mode, work, ro.time, tr.seconds, teacher_s, sync, switch)
+    return Candidate(mode, tr, ro, teachers, step, starts[0], starts[1], starts[2])
+
+
+def _sync_method(ctx: Context, mode: str) -> str:
+    if ctx.spec.rollout.weight_sync == "disk":
+        return "disk"
+    if mode == "colocated":
+        return "inplace"
+    return "broadcast"
+
+
+def _colocated(ctx: Context, result: SearchResult) -> list[Candidate]:
+    """All roles share every device: train phase and rollout phase must each fit beside what stays."""
+    n, target = ctx.total, ctx.target
+    pins = ctx.spec.placement
+    if (pins.train.devices and pins.train.devices != n) or (pins.rollout.devices and pins.rollout.devices != n):
+        n = pins.train.devices or pins.rollout.devices or n
+    teachers: list[TeacherOption] = []
+    teacher_gib = 0.0
+    for name in ctx.teacher_sizes:
+        pin = pins.teachers.get(name)
+        chosen = None
+        for frac in [pin.memory_fraction] if pin and pin.memory_fraction else [0.1, 0.15, 0.2, 0.3, 0.4, 0.5]:
+            ts = teacher_search(ctx, name, n, 0, teacher_gib, fraction=frac)
+            if ts.options:
+                chosen = ts.options[0]
+                break
+            result.failures.setdefault(f"teacher-{name}", ts)
+        if chosen is None:
+            return []
+        result.failures.pop(f"teacher-{name}", None)
+        teachers.append(chosen)
+        teacher_gib += chosen.memory.total_gib - target.reserve_gib - chosen.memory.items.get("other_roles", 0.0)
+    out: list[Candidate] = []
+    cpu = target.kind == "cpu"
+    fractions: list[float | None] = [None]
+    if cpu:
+        fractions = [pins.rollout.memory_fraction] if pins.rollout.memory_fraction else [0.5, 0.4, 0.3, 0.2, 0.1]
+    for frac in fractions:
+        rollout_resident = (frac or 0.0) * target.usable_hbm_gib if cpu else 0.0
+        ts = train_search(ctx, n, teacher_gib + rollout_resident)
+        result.evaluated += 1
+        if not ts.options:
+            result.failures["train"] = ts
+            continue
+        result.failures.pop("train", None)
+        train_resident = 0.0
+        if cpu:
+            best = ts.options[0].memory
+            train_resident = best.total_gib - target.reserve_gib - best.items.get("other_roles", 0.0)
+        rs = rollout_search(ctx, n, 0, teacher_gib + train_resident, sync=True, fraction=frac)
+        if not rs.options:
+            result.failures["rollout"] = rs
+            continue
+        result.failures.pop("rollout", None)
+        for tr in ts.options:
+            state = memory.train_state_gib(tr.memory)
+            host = state * min(ctx.devices_per_node, n)
+            if not cpu and host > target.host_memory_gib * memory.HOST_MEMORY_FRACTION:
+                continue
+            for ro in rs.options:
+                out.append(
+                    _combine(ctx, "colocated", tr, ro, tuple(teachers), (0, 0, tuple(0 for _ in teachers)), state)
+                )
+        if out:
+            break
+    return out
+
+
+def _pool_granularity(ctx: Context) -> int:
+    """Pools split a single node in die pairs (device_group_size); several nodes in whole nodes."""
+    return ctx.target.device_group_size if ctx.nodes == 1 else ctx.devices_per_node
+
+
+def _disaggregated(ctx: Context, result: SearchResult) -> list[Candidate]:
+    """Separate pools for train, rollout and each teacher, over the device splits."""
+    pins = ctx.spec.placement
+    g = _pool_granularity(ctx)
+    total = ctx.total
+    teachers: list[TeacherOption] = []
+    used = 0
+    teacher_counts: list[int] = []
+    for name in ctx.teacher_sizes:
+        pin = pins.teachers.get(name)
+        counts = [pin.devices] if pin and pin.devices else list(range(g, total, g))
+        chosen = None
+        for count in counts:
+            start = total - used - count
+            if start < 2 * g and not (pin and pin.devices):
+                break
+            ts = teacher_search(ctx, name, count, start, 0.0)
+            if ts.options:
+                chosen = ts.options[0]
+                break
+            result.failures[f"teacher-{name}"] = ts
+        if chosen is None:
+            return []
+        result.failures.pop(f"teacher-{name}", None)
+        teachers.append(chosen)
+        teacher_counts.append(chosen.layout.devices)
+        used += chosen.layout.devices
+    remaining = total - used
+    if pins.train.devices and pins.rollout.devices:
+        splits = [pins.train.devices] if pins.train.devices + pins.rollout.devices <= remaining else []
+        rollout_fixed: int | None = pins.rollout.devices
+    elif pins.train.devices:
+        splits, rollout_fixed = [pins.train.devices], None
+    elif pins.rollout.devices:
+        splits, rollout_fixed = [remaining - pins.rollout.devices], pins.rollout.devices
+    else:
+        splits, rollout_fixed = list(range(g, remaining - g + 1, g)), None
+    splits = [s for s in splits if 0 < s < remaining]
+    sync = ctx.work.staleness == 0
+    starts_t: list[int] = []
+    acc = remaining
+    for count in teacher_counts:
+        starts_t.append(acc)
+        acc += count
+
+    def evaluate(n_train: int) -> list[Candidate]:
+        n_roll = rollout_fixed or remaining - n_train
+        if n_roll <= 0 or n_train + n_roll > remaining:
+            return []
+        ts = train_search(ctx, n_train)
+        rs = rollout_search(ctx, n_roll, n_train, 0.0, sync=sync)
+        result.evaluated += 1
+        if not ts.options:
+            _record(result.failures, "train", ts)
+        if not rs.options:
+            _record(result.failures, "rollout", rs)
+        out = []
+        for i, tr in enumerate(ts.options[:2]):
+            for j, ro in enumerate(rs.options[:2]):
+                if i and j:
+                    continue
+                out.append(_combine(ctx, "disaggregated", tr, ro, tuple(teachers), (0, n_train, tuple(starts_t)), 0.0))
+        return out
+
+    cands: list[Candidate] = []
+    if ctx.exhaustive or len(splits) <= COARSE_SPLITS:
+        for s in splits:
+            cands += evaluate(s)
+    else:
+        step = ceil(len(splits) / COARSE_SPLITS)
+        coarse = splits[::step]
+        seen: set[int] = set()
+        for s in coarse:
+            seen.add(s)
+            cands += evaluate(s)
+        if cands:
+            best = min(cands, key=Candidate.key).train.layout.devices
+            idx = splits.index(best)
+            for s in splits[max(0, idx - step) : idx + step + 1]:
+                if s not in seen:
+                    cands += evaluate(s)
+    if cands:
+        result.failures.pop("train", None)
+        result.failures.pop("rollout", None)
+    return cands
+
+
+def search(problem: Problem, exhaustive: bool = False) -> SearchResult:
+    """Find the fastest layout that fits (and the ranked rest) for the problem's mode."""
+    ctx = make_context(problem, exhaustive)
+    return search_context(ctx)
+
+
+def search_context(ctx: Context) -> SearchResult:
+    """Search colocated and/or disaggregated layouts; on failure keep the most telling misses.
+
+    When nothing fits, colocated misses are reported first: sharing every device is the most memory a role
+    can get, so its closest breakdown is the honest lower bound.
+    """
+    result = SearchResult(None, [], {})
+    mode = ctx.spec.mode
+    cands: list[Candidate] = []
+    colocated_failures: dict[str, RoleSearch] = {}
+    if mode in ("colocated", "auto"):
+        cands += _colocated(ctx, result)
+        colocated_failures, result.failures = result.failures, {}
+    if mode in ("disaggregated", "auto") and ctx.total >= 2 * ctx.target.device_group_size:
+        cands += _disaggregated(ctx, result)
+    if cands:
+        result.failures = {}
+    elif colocated_failures:
+        result.failures = colocated_failures
+    unique: dict[str, Candidate] = {}
+    for c in sorted(cands, key=Candidate.key):
+        unique.setdefault(c.summary, c)
+    ranked = list(unique.values())
+    result.ranked = ranked
+    result.best = ranked[0] if ranked else None
+    return result
+
+
+def runner_up_verdict(winner: Candidate, other: Candidate) -> str:
+    """Why `other` lost to `winner`, in numbers."""
+    if other.step.tokens_per_s < winner.step.tokens_per_s - 1e-9:
+        return f"slower: {other.step.tokens_per_s:,.0f} vs {winner.step.tokens_per_s:,.0f} tok/s"
+    return (
+        f"as fast ({other.step.tokens_per_s:,.0f} tok/s) but loses the tie-break "
+        f"(more training devices or later in order)"
+    )
