@@ -1,0 +1,404 @@
+"""The single controller: asynchronous GRPO over rollout engines and an FSDP2 trainer group.
+
+One driver thread feeds prompts to the engines and collects finished groups; it admits new rollouts only
+under the staleness bound (`StalenessGate`). A second thread owns every trainer call (proximal and
+reference log-probs, the optimizer step, the weight sync, checkpoints), because trainer calls are
+collective and must reach all ranks in the same order. While it trains, engines keep generating with the
+weights they hold, and each sample carries the policy version that produced it.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlc.runtime.checkpoint import ControllerState, finalize, staging_dir
+from rlc.runtime.metrics import MetricsLogger
+from rlc.runtime.prompts import PromptItem, PromptStream
+from rlc.runtime.staleness import StalenessGate
+from rlc.schemas.plan import Plan
+
+# Chunks in flight per engine: two keeps an engine busy while the driver collects the other.
+CHUNKS_PER_ENGINE = 2
+
+
+@dataclass
+class Group:
+    """One prompt's samples: the unit of GRPO advantage normalisation."""
+
+    item: PromptItem
+    output_ids: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[int]
+    rewards: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Chunk:
+    engine: int
+    items: list[PromptItem]
+    submitted_at: float
+
+
+class RolloutPool:
+    """The rollout engine actors, with restart on failure."""
+
+    def __init__(self, plan: Plan, make_engine) -> None:  # type: ignore[no-untyped-def]
+        self.plan = plan
+        self._make = make_engine
+        role = plan.roles_of("rollout")[0]
+        self.replicas = role.replicas
+        self.tp = role.parallel.tp
+        self.engines = [make_engine(i) for i in range(self.replicas)]
+        self.restarts = 0
+        self.sync_backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[plan.platform]
+
+    def wait_ready(self) -> list[float]:
+        import ray
+
+        return ray.get([e.ready.remote() for e in self.engines])
+
+    def restart(self, index: int) -> None:
+        import ray
+
+        try:
+            ray.kill(self.engines[index], no_restart=True)
+        except Exception:
+            pass
+        self.engines[index] = self._make(index)
+        ray.get(self.engines[index].ready.remote())
+        self.restarts += 1
+
+    def shutdown(self) -> None:
+        import ray
+
+        for engine in self.engines:
+            try:
+                ray.kill(engine, no_restart=True)
+            except Exception:
+                pass
+        self.engines = []
+
+
+class Controller:
+    """Runs a plan's training loop; see the module docstring for the concurrency design."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        run_dir: Path,
+        tokenizer: Any,
+        reward_fn: Any,
+        rollout: RolloutPool,
+        trainer: Any,
+        *,
+        start: ControllerState | None = None,
+    ) -> None:
+        self.plan = plan
+        self.run_dir = run_dir
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.rollout = rollout
+        self.trainer = trainer
+        sched = plan.schedule
+        self.batch_prompts = sched.batch_prompts
+        self.group_size = sched.group_size
+        self.colocated = sched.mode == "colocated"
+        staleness = 0 if self.colocated else sched.max_staleness
+        self.step = start.step if start else 0
+        self.version = start.version if start else 0
+        self.gate = StalenessGate(sched.batch_samples, staleness, submitted=self.version * sched.batch_samples)
+        self.prompts = PromptStream(
+            plan.data, tokenizer, plan.algorithm.seed, plan.sampling.max_prompt_len, start.data_cursor if start else 0
+        )
+        if start and start.rng:
+            random.setstate(_rng_from_json(start.rng))
+        else:
+            random.seed(plan.algorithm.seed)
+        self.chunk_prompts = max(1, min(8, self.batch_prompts // max(1, 2 * rollout.replicas)))
+        self.finished: list[Group] = []
+        self.inflight: dict[Any, Chunk] = {}
+        self._trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlc-trainer")
+        self._training: Future | None = None
+        self._sync_group: tuple[str, int] | None = None
+        self._in_group: set[int] = set()
+        self.reference: Any = None
+        self._stop = threading.Event()
+        self.eos_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
+        self._step_started = time.perf_counter()
+        self._rollout_tokens = 0
+        self._rollout_busy_s = 0.0
+        self.logger = MetricsLogger(run_dir, plan.loggers, plan.schedule.steps, self.step)
+        if self.colocated and plan.platform == "cpu":
+            self.logger.message(
+                "colocated on cpu: vLLM sleep mode is not supported here, so engines keep their memory "
+                "between phases; rollout and training still alternate"
+            )
+
+    # ------------------------------------------------------------------ rollout side
+
+    def _requests(self, items: list[PromptItem]) -> list[dict[str, Any]]:
+        s = self.plan.sampling
+        return [
+            {
+                "prompt_ids": list(item.prompt_ids),
+                "n": self.group_size,
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "max_tokens": s.max_response_len,
+                "stop_token_ids": self.eos_ids,
+            }
+            for item in items
+        ]
+
+    def _submit(self, engine: int, items: list[PromptItem]) -> None:
+        ref = self.rollout.engines[engine].generate.remote(self._requests(items))
+        self.inflight[ref] = Chunk(engine, items, time.perf_counter())
+
+    def _fill(self) -> None:
+        """Admit chunks while the staleness bound allows (and, colocated, only between train phases)."""
+        if self.colocated and self._training is not None:
+            return
+        per_engine = {i: 0 for i in range(self.rollout.replicas)}
+        for chunk in self.inflight.values():
+            per_engine[chunk.engine] += 1
+        for engine in sorted(per_engine, key=per_engine.get):  # type: ignore[arg-type]
+            while per_engine[engine] < CHUNKS_PER_ENGINE:
+                samples = self.chunk_prompts * self.group_size
+                if not self.gate.can_admit(samples, self.version):
+                    return
+                self.gate.admit(samples)
+                self._submit(engine, self.prompts.take(self.chunk_prompts))
+                per_engine[engine] += 1
+
+    def _collect(self, timeout: float) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        if not self.inflight:
+            time.sleep(min(timeout, 0.05))
+            return
+        ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=timeout)
+        for ref in ready:
+            chunk = self.inflight.pop(ref)
+            try:
+                results = ray.get(ref)
+            except RayActorError:
+                self._engine_died(chunk)
+                continue
+            self._rollout_busy_s += time.perf_counter() - chunk.submitted_at
+            for item, samples in zip(chunk.items, results, strict=True):
+                group = Group(
+                    item,
+                    [list(s.output_ids) for s in samples],
+                    [list(s.logprobs) for s in samples],
+                    [int(s.version) for s in samples],
+                )
+                group.rewards = [
+                    float(self.reward_fn(self.tokenizer.decode(ids, skip_special_tokens=True), item.answer))
+                    for ids in group.output_ids
+                ]
+                self._rollout_tokens += sum(len(ids) for ids in group.output_ids)
+                self.finished.append(group)
+
+    def _engine_died(self, chunk: Chunk) -> None:
+        """Restart the engine, bring it to the current weights, and re-issue every prompt it held."""
+        lost = [c for c in self.inflight.values() if c.engine == chunk.engine]
+        for ref in [r for r, c in self.inflight.items() if c.engine == chunk.engine]:
+            del self.inflight[ref]
+        self.logger.message(
+            f"rollout engine {chunk.engine} died; restarting it and re-issuing {len(lost) + 1} chunk(s)"
+        )
+        self.rollout.restart(chunk.engine)
+        self._in_group.discard(chunk.engine)
+        self._sync_group = None  # the broadcast group must be rebuilt with the new engine
+        if self.version > 0:
+            future = self._trainer_thread.submit(self._load_current_weights, chunk.engine)
+            future.result()
+        for old in [chunk, *lost]:
+            self._submit(chunk.engine, old.items)
+
+    def _load_current_weights(self, engine: int) -> None:
+        import ray
+
+        path = self.trainer.save_weights(str(self.run_dir / "sync" / "latest"))
+        ray.get(self.rollout.engines[engine].update_weights_from_path.remote(str(Path(path).parent), self.version))
+
+    # ------------------------------------------------------------------ trainer side (one thread)
+
+    def _build_batch(self, groups: list[Group]) -> tuple[dict[str, Any], dict[str, float]]:
+        import torch
+
+        from rlc.runtime.algo.advantages import group_advantages
+
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        advantages = group_advantages(
+            rewards.flatten(), self.group_size, scale_by_std=self.plan.algorithm.normalize_std
+        ).reshape(rewards.shape)
+        input_ids, loss_mask, behaviour, adv, lags, lengths = [], [], [], [], [], []
+        for g_index, group in enumerate(groups):
+            prompt = list(group.item.prompt_ids)
+            for s_index, (out, lps, version) in enumerate(
+                zip(group.output_ids, group.logprobs, group.versions, strict=True)
+            ):
+                input_ids.append(prompt + out)
+                loss_mask.append([0] * len(prompt) + [1] * len(out))
+                behaviour.append([0.0] * len(prompt) + list(lps))
+                adv.append(float(advantages[g_index, s_index]))
+                lags.append(self.version - version)
+                lengths.append(len(out))
+        batch = {
+            "input_ids": input_ids,
+            "loss_mask": loss_mask,
+            "behaviour_logprobs": behaviour,
+            "advantages": adv,
+        }
+        flat = rewards.flatten().tolist()
+        stats = {
+            "reward/mean": statistics.fmean(flat),
+            "reward/std": statistics.pstdev(flat),
+            "staleness/mean": statistics.fmean(lags),
+            "staleness/max": float(max(lags)),
+            "response_len/mean": statistics.fmean(lengths),
+            "train/tokens": float(sum(len(x) for x in input_ids)),
+        }
+        return batch, stats
+
+    def _train_and_sync(self, groups: list[Group]) -> dict[str, float]:
+        algo = self.plan.algorithm
+        batch, stats = self._build_batch(groups)
+        t0 = time.perf_counter()
+        if algo.decoupled_loss:
+            batch["proximal_logprobs"] = self.trainer.compute_logprobs(batch)
+        loss_cfg = {
+            "clip": algo.clip,
+            "behave_imp_weight_cap": algo.behave_imp_weight_cap,
+            "decoupled": algo.decoupled_loss,
+        }
+        if algo.kl_coef > 0:
+            batch["ref_logprobs"] = self.reference.compute_logprobs(batch)
+            loss_cfg["kl_coef"] = algo.kl_coef
+        result = self.trainer.train_step(batch, loss_cfg)
+        train_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._sync_weights(self.version + 1)
+        sync_s = time.perf_counter() - t1
+        stats.update(
+            {
+                "loss/policy": result.get("loss", float("nan")),
+                "grad_norm": result.get("grad_norm", float("nan")),
+                "entropy": result.get("entropy", float("nan")),
+                "behave_imp_weight/mean": result.get("behave_imp_weight_mean", 1.0),
+                "behave_imp_weight/max": result.get("behave_imp_weight_max", 1.0),
+                "clip_fraction": result.get("clip_fraction", 0.0),
+                "time/train_s": train_s,
+                "time/weight_sync_s": sync_s,
+                "throughput/train_tokens_per_s": stats["train/tokens"] / train_s if train_s > 0 else 0.0,
+            }
+        )
+        return stats
+
+    def _sync_weights(self, version: int) -> None:
+        """Move the trainer's weights into every engine: a broadcast group, or safetensors on disk."""
+        import ray
+
+        engines = self.rollout.engines
+        if self.plan.schedule.weight_sync != "broadcast":
+            path = self.trainer.save_weights(str(self.run_dir / "sync" / "latest"))
+            ray.get([e.update_weights_from_path.remote(str(Path(path).parent), version) for e in engines])
+            return
+        meta = self.trainer.weight_meta()
+        world = 1 + len(engines) * self.rollout.tp
+        refs: list[Any] = []
+        if self._sync_group is None:
+            ray.get([engines[i].close_sync_group.remote() for i in sorted(self._in_group)])
+            self._sync_group = self.trainer.weight_sync_address()
+            host, port = self._sync_group
+            backend = self.rollout.sync_backend
+            refs = [
+                e.init_sync_group.remote(host, port, 1 + i * self.rollout.tp, world, backend)
+                for i, e in enumerate(engines)
+            ]
+            self._in_group = set(range(len(engines)))
+        host, port = self._sync_group
+        refs += [e.update_weights_broadcast.remote(meta, version) for e in engines]
+        refs += self.trainer.sync_weights_broadcast_async(host, port, world, meta)
+        ray.get(refs)
+
+    def _checkpoint(self) -> None:
+        staged = staging_dir(self.run_dir, self.step)
+        self.trainer.save_checkpoint(str(staged))
+        state = ControllerState(
+            step=self.step,
+            version=self.version,
+            data_cursor=self.prompts.cursor,
+            rng=_rng_to_json(random.getstate()),
+            plan_hash=self.plan.spec_hash,
+        )
+        finalize(self.run_dir, staged, state, self.plan.schedule.keep_checkpoints)
+
+    # ------------------------------------------------------------------ the loop
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        total = self.plan.schedule.steps
+        try:
+            while self.step < total and not self._stop.is_set():
+                self._fill()
+                self._collect(timeout=0.05)
+                if self._training is None and len(self.finished) >= self.batch_prompts:
+                    self.finished.sort(key=lambda g: g.item.cursor)
+                    groups, self.finished = self.finished[: self.batch_prompts], self.finished[self.batch_prompts :]
+                    rollout_wait = time.perf_counter() - self._step_started
+                    self._training = self._trainer_thread.submit(self._train_and_sync, groups)
+                    self._training.rollout_wait = rollout_wait  # type: ignore[attr-defined]
+                if self._training is not None and self._training.done():
+                    self._finish_step(self._training)
+                    self._training = None
+            return self.step
+        finally:
+            if self._training is not None:
+                self._training.cancel()
+
+    def _finish_step(self, future: Future) -> None:
+        stats = future.result()
+        self.version += 1
+        self.step += 1
+        now = time.perf_counter()
+        step_s = now - self._step_started
+        metrics = {
+            "step": self.step,
+            "version": self.version,
+            **stats,
+            "time/rollout_s": future.rollout_wait,  # type: ignore[attr-defined]
+            "time/step_s": step_s,
+            "throughput/rollout_tokens_per_s": self._rollout_tokens / step_s if step_s > 0 else 0.0,
+            "rollout/engine_restarts": float(self.rollout.restarts),
+        }
+        self._step_started = now
+        self._rollout_tokens = 0
+        self.logger.log(metrics)
+        every = self.plan.schedule.checkpoint_every
+        if self.step % every == 0 or self.step == self.plan.schedule.steps:
+            self._trainer_thread.submit(self._checkpoint).result()
+
+    def close(self) -> None:
+        self.logger.close()
+        self._trainer_thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _rng_to_json(state: tuple) -> dict[str, Any]:
+    version, internal, gauss = state
+    return {"version": version, "internal": list(internal), "gauss": gauss}
+
+
+def _rng_from_json(data: dict[str, Any]) -> tuple:
+    return (data["version"], tuple(data["internal"]), data["gauss"])

@@ -1,0 +1,235 @@
+"""`rlc run`: check what the plan needs, start Ray and the roles, run the controller, shut down cleanly.
+
+Everything that can be wrong with the inputs (model folder, dataset, reward function, a checkpoint from
+another plan) is checked before any actor starts, and reported as a `RunError` with a clear message.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from rlc.schemas.plan import Plan
+
+
+class RunError(RuntimeError):
+    """A problem with the run's inputs or environment, reported to the user without a traceback."""
+
+
+def _model_path(plan: Plan) -> Path:
+    if plan.model.path is None:
+        raise RunError("the plan has no model path")
+    return Path(plan.model.path)
+
+
+def prepare_model(plan: Plan, log) -> Path:  # type: ignore[no-untyped-def]
+    """Build the quickstart model when the plan asks for it; otherwise check the folder is a HF model."""
+    path = _model_path(plan)
+    if plan.model.build_tiny and not (path / "config.json").is_file():
+        from rlc.runtime.tasks.tiny_model import build_tiny_model
+
+        log(f"building the quickstart model in {path} (one-time, a few seconds)")
+        build_tiny_model(path, seed=plan.algorithm.seed)
+    if not path.is_dir():
+        raise RunError(f"model folder not found: {path} (model.path in the spec; it must exist on every node)")
+    if not (path / "config.json").is_file():
+        raise RunError(f"{path} is not a Hugging Face model folder: config.json is missing")
+    if not any(path.glob("*.safetensors")):
+        raise RunError(f"{path} has no *.safetensors weights")
+    return path
+
+
+def load_inputs(plan: Plan, model_path: Path) -> tuple[Any, Any]:
+    """The tokenizer and reward function; raises RunError for a bad dataset or reward path."""
+    from transformers import AutoTokenizer
+
+    from rlc.runtime.prompts import PromptStream
+    from rlc.runtime.tasks.datasets import DatasetError
+    from rlc.runtime.tasks.rewards import RewardLoadError, load_reward
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    except (OSError, ValueError) as exc:
+        raise RunError(f"cannot load the tokenizer from {model_path}: {exc}") from None
+    try:
+        reward_fn = load_reward(plan.data.reward)
+    except RewardLoadError as exc:
+        raise RunError(str(exc)) from None
+    try:
+        PromptStream(plan.data, tokenizer, plan.algorithm.seed, plan.sampling.max_prompt_len).check()
+    except (DatasetError, ValueError, StopIteration) as exc:
+        raise RunError(f"cannot read the training data: {exc}") from None
+    return tokenizer, reward_fn
+
+
+def start_ray(plan: Plan, log) -> None:  # type: ignore[no-untyped-def]
+    """Join the cluster when launched as a Ray job; otherwise start an embedded local Ray sized by the plan."""
+    import ray
+
+    from rlc.schemas.registry import load_target
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
+        return
+    target = load_target(plan.target)
+    devices = plan.cluster.total_devices
+    cpus = max(os.cpu_count() or 1, devices + 2)
+    log(f"starting a local Ray with {devices} logical `{target.ray_resource}` device(s)")
+    ray.init(
+        num_cpus=cpus,
+        resources={target.ray_resource: devices},
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": dict(plan.env)},
+    )
+
+
+def _placement_group(bundles: list[dict[str, float]], name: str) -> Any:
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group(bundles, strategy="PACK", name=name)
+    if not ray.get(pg.ready(), timeout=600):
+        raise RunError(f"Ray could not place role {name}: the cluster lacks {bundles}")
+    return pg
+
+
+def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, Any]:
+    """Placement groups, the trainer group, the rollout engines, and the reference policy if any."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from rlc.runtime.controller import RolloutPool
+    from rlc.runtime.rollout.engine import rollout_engine_actor
+    from rlc.runtime.train.group import TrainerGroup
+    from rlc.schemas.registry import load_target
+
+    resource = load_target(plan.target).ray_resource
+    actor = plan.roles_of("train")[0]
+    rollout = plan.roles_of("rollout")[0]
+    train_pg = _placement_group([{resource: 1}] * actor.devices, "rlc-actor")
+    rollout_pg = _placement_group([{resource: rollout.parallel.tp}] * rollout.replicas, "rlc-rollout")
+    train_cfg = {
+        "lr": plan.algorithm.lr,
+        "weight_decay": plan.algorithm.weight_decay,
+        "max_grad_norm": plan.algorithm.grad_clip,
+        "temperature": plan.sampling.temperature,
+        "seed": plan.algorithm.seed,
+        **{k: v for k, v in actor.engine.items() if k in ("micro_batch_size", "gradient_checkpointing")},
+    }
+    env = {**plan.env, **actor.env}
+    # A KL reference shares the trainer's devices: each takes half of a device's logical resource.
+    share = 0.5 if plan.algorithm.kl_coef > 0 else 1.0
+    trainer = TrainerGroup(
+        actor.devices,
+        str(model_path),
+        plan.platform,
+        train_cfg,
+        placement_group=train_pg,
+        num_cpus=0,
+        resources={resource: share},
+        env=env,
+    )
+    reference = None
+    if plan.algorithm.kl_coef > 0:
+        reference = TrainerGroup(
+            actor.devices,
+            str(model_path),
+            plan.platform,
+            {**train_cfg, "lr": 0.0},
+            placement_group=train_pg,
+            num_cpus=0,
+            resources={resource: share},
+            env=env,
+        )
+    engine_env = {**plan.env, **rollout.env}
+    engine_args = {**rollout.engine, "model": str(model_path)}
+
+    def make_engine(index: int) -> Any:
+        cls = rollout_engine_actor(
+            num_cpus=0,
+            resources={resource: rollout.parallel.tp},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=rollout_pg, placement_group_bundle_index=index
+            ),
+            runtime_env={"env_vars": engine_env},
+            max_concurrency=1,
+        )
+        return cls.remote(engine_args, plan.platform, engine_env, version)
+
+    pool = RolloutPool(plan, make_engine)
+    pool.wait_ready()
+    return trainer, pool, reference
+
+
+def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> int:
+    """Execute a verified plan; returns the number of steps trained in total."""
+    from rlc.runtime.checkpoint import latest_checkpoint
+
+    run_dir = Path(run_dir or plan.run_dir)
+    log = lambda text: print(f"rlc: {text}", flush=True)  # noqa: E731
+    start = None
+    if resume:
+        found = latest_checkpoint(run_dir)
+        if found is None:
+            raise RunError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+        checkpoint, start = found
+        if start.plan_hash and start.plan_hash != plan.spec_hash:
+            raise RunError(
+                f"--resume: {checkpoint} was written by another plan (spec hash {start.plan_hash[:12]}, this plan "
+                f"{plan.spec_hash[:12]}); use a fresh --run-dir"
+            )
+        if start.step >= plan.schedule.steps:
+            log(f"{checkpoint.name} already reached step {start.step} of {plan.schedule.steps}; nothing to do")
+            return start.step
+    elif (run_dir / "metrics.jsonl").exists() and (run_dir / "checkpoints").exists():
+        log(f"{run_dir} holds an earlier run; starting over (use --resume to continue it)")
+        shutil.rmtree(run_dir / "checkpoints")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_path = prepare_model(plan, log)
+    tokenizer, reward_fn = load_inputs(plan, model_path)
+    (run_dir / "plan.json").write_text(plan.model_dump_json(indent=2) + "\n")
+
+    import ray
+
+    from rlc.runtime.controller import Controller
+
+    start_ray(plan, log)
+    trainer = pool = controller = None
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        log("starting trainer and rollout engines")
+        trainer, pool, reference = build_roles(plan, model_path, start.version if start else 0)
+        controller = Controller(plan, run_dir, tokenizer, reward_fn, pool, trainer, start=start)
+        controller.reference = reference
+        if start is not None:
+            trainer.load_checkpoint(str(checkpoint))
+            controller._sync_weights(start.version)
+            log(f"resumed from {checkpoint.name} at step {start.step}")
+
+        def interrupt(signum: int, frame: Any) -> None:
+            log("interrupted: finishing the current step's bookkeeping and shutting down")
+            controller.stop()
+            signal.signal(signal.SIGINT, previous)
+
+        signal.signal(signal.SIGINT, interrupt)
+        steps = controller.run()
+        log(f"done: {steps} step(s); metrics in {run_dir / 'metrics.jsonl'}")
+        return steps
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if controller is not None:
+            controller.close()
+        for part in (pool, trainer):
+            if part is not None:
+                try:
+                    part.shutdown()
+                except Exception as exc:
+                    print(f"rlc: warning: shutdown: {exc}", file=sys.stderr)
+        if ray.is_initialized() and not (os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID")):
+            ray.shutdown()

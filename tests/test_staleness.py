@@ -1,0 +1,55 @@
+"""The admission rule that bounds off-policyness."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlc.runtime.staleness import StalenessGate
+
+
+def test_zero_staleness_is_synchronous() -> None:
+    gate = StalenessGate(batch_samples=8, max_staleness=0)
+    assert gate.can_admit(8, version=0)
+    gate.admit(8)
+    assert not gate.can_admit(1, version=0)
+    assert gate.can_admit(8, version=1)
+
+
+def test_staleness_two_allows_three_batches_ahead() -> None:
+    gate = StalenessGate(batch_samples=4, max_staleness=2)
+    for _ in range(3):
+        assert gate.can_admit(4, version=0)
+        gate.admit(4)
+    assert not gate.can_admit(4, version=0)
+    assert gate.can_admit(4, version=1)
+
+
+def test_retract_frees_slots() -> None:
+    gate = StalenessGate(batch_samples=4, max_staleness=0)
+    gate.admit(4)
+    gate.retract(4)
+    assert gate.can_admit(4, version=0)
+
+
+@given(st.integers(1, 16), st.integers(0, 4), st.lists(st.integers(1, 8), max_size=40))
+def test_trained_samples_never_exceed_the_bound(batch: int, staleness: int, chunks: list[int]) -> None:
+    """Simulate: admit chunks whenever allowed; train whenever a batch is ready; every trained sample's
+    version lag stays within max_staleness."""
+    gate = StalenessGate(batch_samples=batch, max_staleness=staleness)
+    version = 0
+    finished: list[int] = []  # versions of finished samples, oldest first
+    for chunk in chunks:
+        while not gate.can_admit(chunk, version):
+            if len(finished) < batch:
+                break
+            trained, finished = finished[:batch], finished[batch:]
+            assert all(version - v <= staleness for v in trained)
+            version += 1
+        if gate.can_admit(chunk, version):
+            gate.admit(chunk)
+            finished.extend([version] * chunk)
+    while len(finished) >= batch:
+        trained, finished = finished[:batch], finished[batch:]
+        assert all(version - v <= staleness for v in trained)
+        version += 1
