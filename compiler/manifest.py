@@ -1,0 +1,171 @@
+"""The plan directory's manifest: what was compiled, by which rlc, and the sha256 of every file.
+
+`rlc run` obeys a plan only if the directory is exactly what `rlc compile` wrote (the spirit of
+`uv --locked` and Terraform's saved plans): a hand edit, a missing or stray file, an unknown plan format or
+an rlc of another major.minor is refused with the file named and the fix. This module is on the start-up
+path of `rlc run`, so it imports nothing heavy (hashlib, json, and the plan schema only when loading).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlc import __version__
+from rlc.compiler.diagnostics import Diagnostic
+
+if TYPE_CHECKING:
+    from rlc.schemas.plan import Plan
+
+MANIFEST = "manifest.json"
+PLAN_FILE = "plan.json"
+#: Plan formats this rlc can run (the schema's PLAN_FORMAT_VERSION and any older ones still readable).
+SUPPORTED_FORMATS: tuple[int, ...] = (1,)
+#: Entries a Kubernetes ConfigMap volume adds next to the files (atomic-writer internals); never plan content.
+_CONFIGMAP_INTERNALS = ".."
+
+RECOMPILE = "recompile the plan with `rlc compile <spec> ...` (compiled plans are not edited by hand)"
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 16), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def dumps_json(data: Any) -> str:
+    """Canonical JSON text: sorted keys, two-space indent, UTF-8 kept readable, trailing newline."""
+    return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+
+
+def major_minor(version: str) -> tuple[str, str]:
+    parts = [*version.split("+")[0].split("."), "", ""][:2]
+    return parts[0], parts[1]
+
+
+def build_manifest(files: dict[str, bytes], *, spec_hash: str, plan_hash: str, format_version: int) -> dict[str, Any]:
+    """The manifest for a plan directory whose other files (relative path → content) are `files`."""
+    return {
+        "plan_format": format_version,
+        "rlc_version": __version__,
+        "spec_hash": spec_hash,
+        "plan_hash": plan_hash,
+        "files": {name: sha256_bytes(content) for name, content in sorted(files.items())},
+    }
+
+
+def read_manifest(plan_dir: Path) -> dict[str, Any] | None:
+    """The parsed manifest, or None when there is none or it is not a plan manifest."""
+    try:
+        data = json.loads((plan_dir / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict) or "plan_format" not in data:
+        return None
+    return data
+
+
+def list_files(plan_dir: Path) -> list[str]:
+    """Every regular file under `plan_dir` as a sorted POSIX relative path (ConfigMap internals skipped)."""
+    found: list[str] = []
+    for path in sorted(plan_dir.rglob("*")):
+        rel = path.relative_to(plan_dir)
+        if rel.parts[0].startswith(_CONFIGMAP_INTERNALS):
+            continue
+        if path.is_file() or (path.is_symlink() and not path.is_dir()):
+            found.append(rel.as_posix())
+    return found
+
+
+def _error(code: str, message: str, file: str, hint: str, severity: str = "error") -> Diagnostic:
+    return Diagnostic(code, message, path=file, severity=severity, hint=hint, file=file)  # type: ignore[arg-type]
+
+
+def verify_plan_dir(plan_dir: Path, *, allow_modified: bool = False) -> list[Diagnostic]:
+    """Check a plan directory against its manifest; an empty list means `rlc run` may use it.
+
+    Errors: no manifest, unknown plan format, rlc of another major.minor, a missing, modified or extra file.
+    With `allow_modified`, modified and extra files are warnings instead (a deliberate local experiment);
+    missing files and version problems stay errors.
+    """
+    plan_dir = Path(plan_dir)
+    where = str(plan_dir)
+    if not plan_dir.is_dir():
+        return [_error("RLC701", f"plan directory {where} does not exist", where, "run `rlc compile` first")]
+    manifest = read_manifest(plan_dir)
+    if manifest is None:
+        return [
+            _error(
+                "RLC701",
+                f"{MANIFEST} is missing or unreadable; {where} is not a compiled plan",
+                str(plan_dir / MANIFEST),
+                RECOMPILE,
+            )
+        ]
+    found: list[Diagnostic] = []
+    manifest_file = str(plan_dir / MANIFEST)
+    fmt = manifest.get("plan_format")
+    if fmt not in SUPPORTED_FORMATS:
+        supported = ", ".join(str(v) for v in SUPPORTED_FORMATS)
+        found.append(
+            _error(
+                "RLC702",
+                f"plan format {fmt!r} is not supported by rlc {__version__} (supported: {supported})",
+                manifest_file,
+                f"{RECOMPILE}, or use the rlc that compiled it",
+            )
+        )
+    version = str(manifest.get("rlc_version", ""))
+    if major_minor(version) != major_minor(__version__):
+        found.append(
+            _error(
+                "RLC703",
+                f"plan was compiled by rlc {version or '?'} but this is rlc {__version__} (major.minor must match)",
+                manifest_file,
+                f"{RECOMPILE} with rlc {__version__}, or install rlc {version}",
+            )
+        )
+    listed: dict[str, str] = {str(k): str(v) for k, v in manifest["files"].items()}
+    present = set(list_files(plan_dir)) - {MANIFEST}
+    changed = "warning" if allow_modified else "error"
+    for name in sorted(listed):
+        file = str(plan_dir / name)
+        if name not in present:
+            found.append(_error("RLC704", f"{name} is missing from the plan", file, RECOMPILE))
+        elif sha256_file(plan_dir / name) != listed[name]:
+            found.append(
+                _error(
+                    "RLC705",
+                    f"{name} changed after compile (sha256 mismatch)",
+                    file,
+                    f"{RECOMPILE}, or pass --allow-modified to run it anyway",
+                    changed,
+                )
+            )
+    for name in sorted(present - set(listed)):
+        found.append(
+            _error(
+                "RLC706",
+                f"{name} is not part of the compiled plan",
+                str(plan_dir / name),
+                f"remove it, or {RECOMPILE}",
+                changed,
+            )
+        )
+    return found
+
+
+def load_plan(plan_dir: Path) -> Plan:
+    """The Plan in `plan_dir/plan.json` (call verify_plan_dir first; this only parses and validates)."""
+    from rlc.schemas.plan import Plan
+
+    text = (Path(plan_dir) / PLAN_FILE).read_text(encoding="utf-8")
+    return Plan.model_validate_json(text)

@@ -1,0 +1,264 @@
+"""launch.sh: syntax, shellcheck, and that hostile strings from the spec are only ever data, never code.
+
+Hostile values go into every free-text field of the spec that reaches the script (model path, data file,
+teacher path, run dir). The script is run for real on the cpu target with `ray`, `rlc`, `npu-smi` and
+`python3` replaced by shims that record their argv, so the test sees exactly what would have been executed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+from plan_fixtures import A3_SPEC, CPU_SPEC, a2_plan, a3_plan, cpu_plan, spec_from
+
+from rlc.compiler.emit import emit_plan_dir
+from rlc.compiler.manifest import read_manifest
+
+HOSTILE = [
+    "/m/a b$(touch CANARY)",
+    "/d/`touch CANARY`;touch CANARY",
+    "/t/'quote\"dq\\back'",
+    "runs/x\ny $HOME; rm -rf CANARY && touch CANARY",
+    "/u/模型 ünï ☃ | & > CANARY",
+]
+
+SHIM = """#!/usr/bin/env bash
+# Records its name and argv (NUL-separated, one record per call) and plays a tiny part of the real tool.
+{ printf '%s\\0' "$(basename "$0")" "$@"; printf '\\036\\0'; } >>"$RLC_SHIM_LOG"
+name="$(basename "$0")"
+case "$name" in
+  python3)
+    if [[ "${2:-}" == *cluster_resources* ]]; then echo "${RLC_SHIM_CLUSTER:-1 2}"; fi
+    ;;
+  ray)
+    if [[ "${1:-}" == start && "${2:-}" == --address=* && -n "${RLC_SHIM_FAIL_JOINS:-}" ]]; then
+      count_file="$RLC_SHIM_LOG.joins"
+      count=$(( $(cat "$count_file" 2>/dev/null || echo 0) + 1 ))
+      echo "$count" >"$count_file"
+      if (( count <= RLC_SHIM_FAIL_JOINS )); then exit 1; fi
+    fi
+    ;;
+esac
+exit 0
+"""
+
+
+def _hostile_cpu_plan_dir(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    model, data, teacher, run_dir = HOSTILE[0], HOSTILE[1], HOSTILE[2], HOSTILE[3]
+    spec = spec_from(CPU_SPEC).model_copy(deep=True)
+    spec.model.path = model
+    spec.data.train = data
+    spec.output.dir = run_dir
+    plan = cpu_plan(model_path=model, data=data, run_dir=run_dir, teacher_path=teacher, build_tiny=False)
+    out = tmp_path / "plan"
+    emit_plan_dir(plan, spec, out, provenance={})
+    return out, {"model": model, "data": data, "teacher": teacher, "run_dir": run_dir}
+
+
+def _canaries(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*CANARY*") if p.is_file() and p.name == "CANARY"]
+
+
+def _argv_lines(printed: str, cwd: Path) -> list[list[str]]:
+    """Turn each dry-run line (printf %q words) back into argv by letting bash parse it as data."""
+    commands: list[list[str]] = []
+    for line in printed.splitlines():
+        if not line.strip() or line.startswith(("export ", "source ")):
+            continue
+        parsed = subprocess.run(
+            ["bash", "-c", f"printf '%s\\0' {line}"], capture_output=True, cwd=cwd, check=True, timeout=10
+        )
+        commands.append(parsed.stdout.decode().split("\0")[:-1])
+    return commands
+
+
+def _exported(printed: str, name: str, cwd: Path) -> str:
+    """The value a dry run's `export NAME=%q` line sets, read back by bash."""
+    line = next(line for line in printed.splitlines() if line.startswith(f"export {name}="))
+    script = f'{line}; printf "%s" "${name}"'
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=cwd, check=True).stdout
+
+
+@pytest.fixture
+def shims(tmp_path: Path) -> tuple[Path, Path]:
+    folder = tmp_path / "shims"
+    folder.mkdir()
+    for name in ("ray", "rlc", "npu-smi", "python3"):
+        path = folder / name
+        path.write_text(SHIM)
+        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return folder, tmp_path / "calls.log"
+
+
+def _calls(log: Path) -> list[list[str]]:
+    if not log.exists():
+        return []
+    records = log.read_bytes().decode().split("\x1e\0")
+    return [r.split("\0")[:-1] for r in records if r]
+
+
+def _run_script(plan_dir: Path, args: list[str], shims: tuple[Path, Path], cwd: Path, **env: str):
+    folder, log = shims
+    environ = {
+        "PATH": f"{folder}:/usr/bin:/bin",
+        "HOME": str(cwd),
+        "RLC_SHIM_LOG": str(log),
+        "RLC_ASCEND_HOME": str(cwd / "no-ascend"),
+        **env,
+    }
+    return subprocess.run(
+        ["bash", str(plan_dir / "launch.sh"), *args], capture_output=True, text=True, cwd=cwd, env=environ, timeout=30
+    )
+
+
+@pytest.mark.parametrize("make", [a2_plan, a3_plan, cpu_plan], ids=["a2", "a3", "cpu"])
+def test_bash_syntax_and_shellcheck(tmp_path: Path, make) -> None:
+    plan = make()
+    spec = spec_from(A3_SPEC if plan.target == "a3" else CPU_SPEC)
+    emit_plan_dir(plan, spec, tmp_path / "plan", provenance={})
+    script = tmp_path / "plan" / "launch.sh"
+    assert os.access(script, os.X_OK)
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (CI installs it)")
+    result = subprocess.run(["shellcheck", "--severity=style", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_hostile_strings_shellcheck_clean(tmp_path: Path) -> None:
+    plan_dir, _ = _hostile_cpu_plan_dir(tmp_path)
+    assert subprocess.run(["bash", "-n", str(plan_dir / "launch.sh")]).returncode == 0
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (CI installs it)")
+    result = subprocess.run(["shellcheck", str(plan_dir / "launch.sh")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_help_and_usage_errors(tmp_path: Path, shims) -> None:
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    shown = _run_script(tmp_path / "plan", ["--help"], shims, tmp_path)
+    assert shown.returncode == 0 and "launch.sh head|worker [--dry-run]" in shown.stdout
+    assert _run_script(tmp_path / "plan", [], shims, tmp_path).returncode == 2
+    bad = _run_script(tmp_path / "plan", ["head", "--bogus"], shims, tmp_path)
+    assert bad.returncode == 2 and "unknown argument" in bad.stderr
+    assert _calls(shims[1]) == []
+
+
+def test_dry_run_prints_hostile_strings_literally_and_runs_nothing(tmp_path: Path, shims) -> None:
+    plan_dir, hostile = _hostile_cpu_plan_dir(tmp_path)
+    result = _run_script(plan_dir, ["head", "--dry-run"], shims, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert _calls(shims[1]) == [], "dry run executed a command"
+    assert _canaries(tmp_path) == []
+    commands = _argv_lines(result.stdout, tmp_path)
+    assert _canaries(tmp_path) == []
+    words = [word for argv in commands for word in argv]
+    for value in (hostile["model"], hostile["data"], hostile["teacher"], hostile["run_dir"]):
+        assert value in words, f"{value!r} did not reach a command literally"
+    assert ["ray", "stop"] in commands
+    submit = next(argv for argv in commands if argv[:3] == ["ray", "job", "submit"])
+    assert submit[-4:] == ["--", "rlc", "run", str(plan_dir.resolve())]
+
+
+def test_dry_run_npu_plan_with_hostile_teacher_paths(tmp_path: Path, shims) -> None:
+    teachers = (HOSTILE[0], HOSTILE[4])
+    spec = spec_from(A3_SPEC).model_copy(deep=True)
+    assert spec.distill is not None
+    for teacher, path in zip(spec.distill.teachers, teachers, strict=True):
+        teacher.model.path = path
+    emit_plan_dir(a3_plan(teacher_paths=teachers), spec, tmp_path / "plan", provenance={})
+    result = _run_script(tmp_path / "plan", ["worker", "--dry-run"], shims, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert _calls(shims[1]) == [] and _canaries(tmp_path) == []
+    commands = _argv_lines(result.stdout, tmp_path)
+    words = [word for argv in commands for word in argv]
+    assert all(t in words for t in teachers)
+    assert ["npu-smi", "info", "-l"] in commands
+    join = next(argv for argv in commands if argv[:2] == ["ray", "start"])
+    assert '--resources={"NPU": 16}' in join and "--address=<RLC_HEAD_ADDR>:6379" in join
+    assert _exported(result.stdout, "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES", tmp_path) == "1"
+    assert _exported(result.stdout, "ASCEND_RT_VISIBLE_DEVICES", tmp_path) == ",".join(str(i) for i in range(16))
+
+
+def test_real_run_on_cpu_passes_hostile_strings_as_argv(tmp_path: Path, shims) -> None:
+    plan_dir, hostile = _hostile_cpu_plan_dir(tmp_path)
+    result = _run_script(plan_dir, ["head"], shims, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert _canaries(tmp_path) == []
+    calls = _calls(shims[1])
+    names = [c[0] for c in calls]
+    assert names == ["python3", "ray", "python3", "ray", "ray"], calls
+    preflight = calls[0]
+    assert preflight[2:] == [
+        preflight[2],
+        "ray,torch,vllm",
+        hostile["run_dir"],
+        hostile["model"],
+        hostile["data"],
+        hostile["teacher"],
+    ]
+    head = calls[1]
+    assert head[1:3] == ["start", "--head"]
+    assert '--resources={"rlc_device": 2}' in head and "--port=6379" in head
+    submit = calls[3]
+    assert submit[1:3] == ["job", "submit"]
+    assert submit[-4:] == ["--", "rlc", "run", str(plan_dir.resolve())]
+    metadata = next(a for a in submit if a.startswith("--metadata-json="))
+    manifest = read_manifest(plan_dir)
+    assert manifest is not None and manifest["plan_hash"] in metadata
+    assert calls[4][1:] == ["stop"]
+
+
+def test_npu_preflight_refuses_a_node_without_devices(tmp_path: Path, shims) -> None:
+    if list(Path("/dev").glob("davinci[0-9]*")):
+        pytest.skip("this machine has NPUs")
+    emit_plan_dir(a2_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    result = _run_script(tmp_path / "plan", ["head"], shims, tmp_path, RLC_WAIT_TIMEOUT="0", RLC_SHIM_CLUSTER="1 8")
+    # a2 on a machine without /dev/davinci*: the device preflight refuses before Ray starts
+    assert result.returncode == 1
+    assert "the plan needs 8" in result.stderr
+    assert [c[0] for c in _calls(shims[1])] == ["npu-smi"]
+
+
+def test_cpu_head_timeout_message(tmp_path: Path, shims) -> None:
+    plan = cpu_plan()
+    plan.cluster.nodes, plan.cluster.total_devices = 2, 4
+    emit_plan_dir(plan, spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    result = _run_script(tmp_path / "plan", ["head"], shims, tmp_path, RLC_WAIT_TIMEOUT="0", RLC_SHIM_CLUSTER="1 2")
+    assert result.returncode == 1
+    assert "nodes 1/2, rlc_device 2/4; missing 1 node(s) and 2 rlc_device" in result.stderr
+
+
+def test_worker_retries_then_joins(tmp_path: Path, shims) -> None:
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    env = {"RLC_HEAD_ADDR": "10.0.0.1", "RLC_JOIN_BACKOFF": "0", "RLC_SHIM_FAIL_JOINS": "2"}
+    result = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, **env)
+    assert result.returncode == 0, result.stderr
+    joins = [c for c in _calls(shims[1]) if c[:2] == ["ray", "start"]]
+    assert len(joins) == 3 and "--address=10.0.0.1:6379" in joins[0]
+    assert "join attempt 2/8 failed" in result.stderr
+
+
+def test_worker_gives_up_after_attempts(tmp_path: Path, shims) -> None:
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    env = {"RLC_HEAD_ADDR": "10.0.0.1", "RLC_JOIN_BACKOFF": "0", "RLC_SHIM_FAIL_JOINS": "99", "RLC_JOIN_ATTEMPTS": "3"}
+    result = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, **env)
+    assert result.returncode == 1
+    assert "could not join the Ray head at 10.0.0.1:6379 after 3 attempts" in result.stderr
+    missing = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path)
+    assert missing.returncode == 1 and "RLC_HEAD_ADDR" in missing.stderr
+
+
+def test_hostile_environment_values_are_data(tmp_path: Path, shims) -> None:
+    plan = cpu_plan()
+    plan.env = {"RLC_TEST_VALUE": HOSTILE[0] + "\n" + HOSTILE[1]}
+    emit_plan_dir(plan, spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    result = _run_script(tmp_path / "plan", ["head", "--dry-run"], shims, tmp_path)
+    assert result.returncode == 0 and _canaries(tmp_path) == []
+    assert _exported(result.stdout, "RLC_TEST_VALUE", tmp_path) == plan.env["RLC_TEST_VALUE"]
+    assert _canaries(tmp_path) == []
