@@ -60,6 +60,7 @@ class SampleRequest:
     max_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    ignore_eos: bool = False  # benchmarks and spec-decode checks want full-length samples
 
 
 @dataclass
@@ -123,6 +124,7 @@ class RolloutEngine:
                 max_tokens=r.max_tokens,
                 stop_token_ids=list(r.stop_token_ids),
                 seed=r.seed,
+                ignore_eos=r.ignore_eos,
                 logprobs=0,
                 detokenize=False,
             )
