@@ -268,11 +268,16 @@ def _train_degree(
     mbts: list[int],
     resident: float,
 ) -> bool:
-    """Evaluate one degree tuple; True when it fits at the cheapest recompute/offload (dominates deeper PP)."""
-    first = True
+    """Evaluate one degree tuple over recompute × offload (largest fitting token budget each).
+
+    Keeps the fastest fitting choice (all of them when exhaustive). Returns True when the tuple fits with
+    no recompute and no offload: a deeper pipeline with the same TP/CP/EP then only adds bubble, so the
+    caller skips it (pruning).
+    """
+    best: TrainOption | None = None
+    cheapest = False
     for rc in recomputes:
         for off_p, off_o in offloads:
-            fitted = None
             for mbt in mbts:
                 layout = TrainLayout(n, backend, tp, pp, cp, ep, rc, off_p, off_o, mbt)
                 mem = memory.train_memory(
@@ -286,17 +291,23 @@ def _train_degree(
                     devices_per_node=ctx.devices_per_node,
                     resident_gib=resident,
                 )
-                if mem.fits:
-                    fitted = (layout, mem)
-                    break
-                found.miss(mem, layout)
-            if fitted is not None:
-                t = cost.train_time(ctx.sizes, fitted[0], ctx.target, ctx.work, ctx.devices_per_node)
-                found.options.append(TrainOption(fitted[0], fitted[1], t))
-                if not ctx.exhaustive:
-                    return first
-            first = False
-    return False
+                if not mem.fits:
+                    found.miss(mem, layout)
+                    continue
+                t = cost.train_time(ctx.sizes, layout, ctx.target, ctx.work, ctx.devices_per_node)
+                option = TrainOption(layout, mem, t)
+                if ctx.exhaustive:
+                    found.options.append(option)
+                elif best is None or (round(option.seconds, 6), layout.summary()) < (
+                    round(best.seconds, 6),
+                    best.layout.summary(),
+                ):
+                    best = option
+                cheapest = cheapest or (rc == "none" and not off_p and not off_o)
+                break
+    if best is not None:
+        found.options.append(best)
+    return cheapest
 
 
 def _groups_in_nodes(start: int, count: int, group: int, dpn: int) -> bool:
@@ -447,7 +458,13 @@ class Candidate:
         return " + ".join(parts)
 
     def key(self) -> tuple:
-        return (-round(self.step.tokens_per_s, 3), self.train.layout.devices, self.summary)
+        """Rank: faster first; ties go to the quicker trainer, then fewer training devices, then the text."""
+        return (
+            -round(self.step.tokens_per_s, 3),
+            round(self.step.train_s, 6),
+            self.train.layout.devices,
+            self.summary,
+        )
 
 
 @dataclass

@@ -1,0 +1,103 @@
+"""Memory model: formulas against hand-computed figures and published anchors."""
+
+from __future__ import annotations
+
+from rlc.compiler import memory
+from rlc.compiler.memory import GIB, RolloutLayout, TrainLayout
+from rlc.schemas.registry import load_arch, load_target
+
+A2 = load_target("a2")
+QWEN3_8B = memory.model_sizes(load_arch("qwen3-8b"))
+
+
+def test_activation_per_token_matches_reference_anchor() -> None:
+    """Research notes §7.2: Qwen3-8B keeps ≈ 124 KiB per token per layer, ≈ 4.4 GiB per 1K tokens."""
+    per_token_layer = QWEN3_8B.act["none"] * 2
+    assert abs(per_token_layer / 1024 - 124) < 2
+    assert abs(per_token_layer * 36 * 1024 / GIB - 4.36) < 0.05
+    assert QWEN3_8B.act["full"] < QWEN3_8B.act["selective"] < QWEN3_8B.act["none"]
+
+
+def test_zero_accounting_fsdp2() -> None:
+    """2 + 2 + 12 bytes per parameter, sharded over all devices (ZeRO-3)."""
+    m = memory.train_memory(QWEN3_8B, TrainLayout(8, micro_batch_tokens=4096), A2, logprob_chunk_tokens=1024)
+    psi = QWEN3_8B.total / 8
+    assert abs(m.items["weights"] - 2 * psi / GIB) < 1e-6
+    assert abs(m.items["grads"] - 2 * psi / GIB) < 1e-6
+    assert abs(m.items["optimizer"] - 12 * psi / GIB) < 1e-6
+    assert m.items["reserve"] == A2.reserve_gib
+
+
+def test_logits_are_chunked_not_full_vocab_per_token() -> None:
+    small = memory.train_memory(QWEN3_8B, TrainLayout(8, micro_batch_tokens=65536), A2, logprob_chunk_tokens=1024)
+    assert abs(small.items["logits"] - 1024 * 151936 * 4 * 3 / GIB) < 1e-6
+    big = memory.train_memory(QWEN3_8B, TrainLayout(8, micro_batch_tokens=65536), A2, logprob_chunk_tokens=65536)
+    assert big.items["logits"] > 100
+
+
+def test_recompute_cp_and_offload_reduce_memory() -> None:
+    base = TrainLayout(8, micro_batch_tokens=32768)
+    kwargs = {"logprob_chunk_tokens": 1024}
+    none = memory.train_memory(QWEN3_8B, base, A2, **kwargs).items["activations"]
+    full = memory.train_memory(QWEN3_8B, TrainLayout(8, recompute="full", micro_batch_tokens=32768), A2, **kwargs)
+    cp2 = memory.train_memory(QWEN3_8B, TrainLayout(8, cp=2, micro_batch_tokens=32768), A2, **kwargs)
+    assert full.items["activations"] < none / 5
+    assert abs(cp2.items["activations"] - none / 2) < 1e-6
+    off = memory.train_memory(QWEN3_8B, TrainLayout(8, offload_params=True, offload_optimizer=True), A2, **kwargs)
+    assert off.items["weights"] == off.items["optimizer"] == 0.0
+    assert off.host_gib_per_node > 0
+
+
+def test_megatron_shards_by_tp_pp_and_distributed_optimizer() -> None:
+    layout = TrainLayout(16, "megatron", tp=4, pp=2, micro_batch_tokens=4096)
+    dense, expert = memory.train_param_shard(QWEN3_8B, layout)
+    assert expert == 0
+    assert QWEN3_8B.total / 8 < dense < QWEN3_8B.total / 8 * 1.2
+    m = memory.train_memory(QWEN3_8B, layout, A2, logprob_chunk_tokens=1024)
+    assert abs(m.items["grads"] - 2 * m.items["weights"]) < 1e-6  # fp32 main grads
+    assert abs(m.items["optimizer"] - 12 * dense / 2 / GIB) < 1e-6  # sharded over dp=2
+
+
+def test_lora_only_adapters_carry_states() -> None:
+    m = memory.train_memory(QWEN3_8B, TrainLayout(4), A2, logprob_chunk_tokens=1024, lora_rank=64)
+    assert m.items["grads"] == m.items["optimizer"] == 0.0
+    adapters = memory.lora_params(QWEN3_8B.arch, 64, "all-linear")
+    assert 0.1e9 < adapters < 0.25e9  # research notes §7.4: ≈ 0.17B for all-linear r=64
+    assert m.items["lora"] < 1.0
+
+
+def test_cpu_target_is_fp32() -> None:
+    cpu = load_target("cpu")
+    tiny = memory.model_sizes(load_arch("rlc-tiny"))
+    m = memory.train_memory(tiny, TrainLayout(2), cpu, logprob_chunk_tokens=64)
+    assert abs(m.items["weights"] - 4 * tiny.total / 2 / GIB) < 1e-9
+    assert memory.dtype_bytes(cpu) == 4
+
+
+def test_kv_heads_replicate_beyond_kv_count() -> None:
+    arch = QWEN3_8B.arch  # 8 KV heads
+    full = arch.kv_bytes_per_token(2)
+    assert memory.kv_bytes_per_token_device(arch, 8, 2) == full / 8
+    assert memory.kv_bytes_per_token_device(arch, 16, 2) == full / 8  # one head per rank at TP 16
+    mla = load_arch("deepseek-v3")
+    assert memory.kv_bytes_per_token_device(mla, 8, 2) == mla.kv_bytes_per_token(2) == 70272
+
+
+def test_rollout_kv_fills_the_fraction() -> None:
+    layout = RolloutLayout(8, tp=1, memory_fraction=0.9)
+    m, seqs = memory.rollout_memory(QWEN3_8B, layout, A2, max_model_len=10240)
+    owned = 0.9 * A2.usable_hbm_gib
+    assert abs(sum(v for k, v in m.items.items() if k != "reserve") - owned) < 1e-6
+    assert m.fits and seqs == int(m.items["kv_cache"] * GIB // (147456 * 10240))
+
+
+def test_rollout_that_cannot_hold_weights_fails() -> None:
+    big = memory.model_sizes(load_arch("qwen2.5-72b"))
+    m, _ = memory.rollout_memory(big, RolloutLayout(8, tp=1, memory_fraction=0.9), A2, max_model_len=4096)
+    assert not m.fits and "> 61.0 GiB" in m.verdict() and "exceed" in m.problems[0]
+
+
+def test_teacher_prompt_logprobs_sit_outside_the_fraction() -> None:
+    layout = RolloutLayout(8, tp=1, memory_fraction=0.9, max_num_batched_tokens=8192)
+    m, _ = memory.rollout_memory(QWEN3_8B, layout, A2, max_model_len=4096, prompt_logprobs=True)
+    assert not m.fits  # 0.9 x 61 + 9.3 GiB of fp32 log-softmax + reserve > 61 GiB

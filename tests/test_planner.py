@@ -1,0 +1,148 @@
+"""build_plan: plan contents, determinism, and memory diagnostics for impossible setups."""
+
+from __future__ import annotations
+
+import io
+import textwrap
+
+from rich.console import Console
+
+from rlc.compiler.explain import explain_json, explain_plan
+from rlc.compiler.planner import build_plan
+from rlc.compiler.validate import check_text
+
+
+def plan_for(body: str, target: str = "a2"):  # type: ignore[no-untyped-def]
+    text = "name: t\ndata: {train: arithmetic}\n" + textwrap.dedent(body)
+    checked = check_text(text, "spec.yaml", target=target)
+    assert checked.problem is not None, [d.message for d in checked.report.diagnostics]
+    return build_plan(checked.problem, checked.lines, "spec.yaml")
+
+
+TINY = "model: {name: rlc-tiny}\nrollout: {max_prompt_len: 16, max_response_len: 16}\n"
+
+
+def test_cpu_plan_builds_tiny_model_in_run_dir() -> None:
+    plan, diags = plan_for(TINY, "cpu")
+    assert plan is not None and not [d for d in diags if d.severity == "error"]
+    assert plan.model.build_tiny and plan.model.path == "runs/t/model"
+    rollout = plan.role("rollout")
+    assert rollout.engine["dtype"] == "float32" and "enable_sleep_mode" not in rollout.engine
+    assert rollout.engine["worker_extension_cls"].endswith("WeightSyncExtension")
+    assert plan.platform == "cpu" and plan.roles[0].name == "actor"
+
+
+def test_same_spec_same_plan_bytes() -> None:
+    a, _ = plan_for("model: {name: qwen3-32b, path: /m}\ncluster: {nodes: 4}\n")
+    b, _ = plan_for("model: {name: qwen3-32b, path: /m}\ncluster: {nodes: 4}\n")
+    assert a is not None and b is not None
+    assert a.model_dump_json() == b.model_dump_json()
+    assert len(a.spec_hash) == 64
+
+
+def test_disaggregated_device_ids_train_first() -> None:
+    plan, _ = plan_for("model: {name: qwen3-8b, path: /m}\ncluster: {nodes: 2}\nmode: disaggregated\n")
+    assert plan is not None
+    actor, rollout = plan.role("actor"), plan.role("rollout")
+    assert actor.placement[0].node == 0 and actor.placement[0].local_ids[0] == 0
+    assert plan.schedule.weight_sync == "broadcast" and plan.schedule.max_staleness == 2
+    assert actor.devices + rollout.devices == 16
+    assert {(nd.node, i) for nd in actor.placement for i in nd.local_ids}.isdisjoint(
+        {(nd.node, i) for nd in rollout.placement for i in nd.local_ids}
+    )
+
+
+def test_colocated_npu_sleeps_and_offloads() -> None:
+    plan, _ = plan_for("model: {name: qwen3-8b, path: /m}\nmode: colocated\n")
+    assert plan is not None
+    assert plan.role("rollout").engine["enable_sleep_mode"] is True
+    assert plan.schedule.weight_sync == "inplace" and plan.schedule.max_staleness == 0
+    assert {s.what for s in plan.schedule.offload} >= {"params", "optimizer", "kv_cache"}
+
+
+def test_mtp_and_lora_engine_args() -> None:
+    plan, _ = plan_for(
+        """
+        model: {name: qwen3.6-27b, path: /m}
+        cluster: {nodes: 2}
+        rollout: {max_prompt_len: 1024, max_response_len: 4096, mtp: {num_speculative_tokens: 2}}
+        lora: {rank: 32}
+    """,
+        "a3",
+    )
+    assert plan is not None
+    engine = plan.role("rollout").engine
+    assert engine["speculative_config"] == {"method": "qwen3_5_mtp", "num_speculative_tokens": 2}
+    assert engine["enable_lora"] and engine["max_lora_rank"] == 32
+    assert engine["enable_prefix_caching"] is False  # hybrid linear attention
+
+
+def test_runners_up_say_why_they_lost() -> None:
+    plan, _ = plan_for("model: {name: qwen3-8b, path: /m}\ncluster: {nodes: 2}\n")
+    assert plan is not None and plan.runners_up
+    assert all(c.verdict.startswith(("slower", "as fast", "does not fit")) for c in plan.runners_up)
+    assert len(plan.runners_up) <= 5
+
+
+def _errors(diags):  # type: ignore[no-untyped-def]
+    return [d for d in diags if d.code == "RLC301"]
+
+
+def test_235b_on_one_node_is_refused() -> None:
+    plan, diags = plan_for("model: {name: qwen3-235b-a22b, path: /m}\n")
+    assert plan is None
+    (d,) = [d for d in _errors(diags) if d.message.startswith("train")]
+    assert "GiB per device" in d.message and "weights" in d.message and "cluster.nodes >=" in d.hint
+
+
+def test_72b_without_offload_on_8_devices_is_refused() -> None:
+    plan, diags = plan_for("""
+        model: {name: qwen2.5-72b, path: /m}
+        placement:
+          train: {offload: {params: false, optimizer: false}}
+    """)
+    assert plan is None
+    d = _errors(diags)[0]
+    assert "optimizer" in d.message and d.path == "placement.train"
+    assert "lora" in d.hint
+
+
+def test_64k_context_on_32g_without_cp_is_refused() -> None:
+    """FSDP2 without CP keeps every token's layer inputs on one device; Megatron TP8 + SP would split them."""
+    plan, diags = plan_for(
+        """
+        model: {name: qwen3-8b, path: /m}
+        rollout: {max_prompt_len: 1024, max_response_len: 64512}
+        placement:
+          train: {backend: fsdp2, cp: 1}
+    """,
+        "a2-32g",
+    )
+    assert plan is None
+    d = _errors(diags)[0]
+    assert "activations" in d.message and "29.5 GiB usable" in d.message
+
+
+def test_long_context_high_fraction_warns() -> None:
+    """vllm-ascend issue 3357: Qwen3-235B TP16 at 0.95 with ~90K prompts ran out of memory in prefill."""
+    _plan, diags = plan_for(
+        """
+        model: {name: qwen3-235b-a22b, path: /m}
+        cluster: {nodes: 8}
+        rollout: {max_prompt_len: 65536, max_response_len: 32768}
+        placement:
+          rollout: {tp: 16, memory_fraction: 0.95, max_num_seqs: 16}
+    """,
+        "a3",
+    )
+    assert any(d.code == "RLC302" for d in diags)
+
+
+def test_explain_renders() -> None:
+    plan, _ = plan_for(TINY, "cpu")
+    assert plan is not None
+    out = io.StringIO()
+    explain_plan(plan, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "actor" in text and "runners-up" in text and "memory per device" in text
+    assert '"roles"' in explain_json(plan)
