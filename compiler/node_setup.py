@@ -2,8 +2,7 @@
 
 `launch.sh` (bare-metal `ray start`) and `rayjob.yaml` (KubeRay) describe the same cluster, so both are
 rendered from this one description instead of each deriving its own. Values come from the plan; the target
-profile only supplies how devices are addressed (Ray resource name, visible-devices variable) and default
-environment that the plan's own entries override.
+profile only supplies how devices are addressed (Ray resource name, visible-devices variable).
 """
 
 from __future__ import annotations
@@ -91,15 +90,17 @@ def _check_env(env: dict[str, str], where: str) -> None:
 def node_setup(plan: Plan, target: TargetProfile | None = None) -> NodeSetup:
     """Merge the environment every process sees and size the Ray resources of each node.
 
-    Precedence (later wins): the target's defaults, then plan.env, then role env entries on which every role
-    that sets them agrees. Entries that differ between roles are left to the runtime, which sets them per
-    actor; they are listed in `role_env_conflicts`.
+    plan.env is authoritative (the planner starts it from the target's defaults and may drop or change
+    entries), so the target's own env is not consulted. Added: the visible-devices mask covering every device
+    of a node (plan device ids are physical ids) and, on NPUs, Ray's opt-out from rewriting that mask because
+    the engines bind devices themselves. Role env entries on which every role that sets them agrees are
+    exported too; entries that differ between roles are left to the runtime, which sets them per actor, and
+    are listed in `role_env_conflicts`.
     """
     target = target or load_target(plan.target)
-    env: dict[str, str] = dict(target.env)
+    env: dict[str, str] = {}
     if plan.target_kind == "npu":
-        env.setdefault("RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES", "1")
-        env.setdefault("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
+        env["RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"] = "1"
     if target.visible_devices_env:
         env[target.visible_devices_env] = ",".join(str(i) for i in range(plan.cluster.devices_per_node))
     _check_env(plan.env, "plan.env")
