@@ -26,7 +26,9 @@ SUPPORTED_FORMATS: tuple[int, ...] = (1,)
 #: Entries a Kubernetes ConfigMap volume adds next to the files (atomic-writer internals); never plan content.
 _CONFIGMAP_INTERNALS = ".."
 
-RECOMPILE = "recompile the plan with `rlc compile <spec> ...` (compiled plans are not edited by hand)"
+
+def _recompile(plan_dir: Path) -> str:
+    return f"recompile with `rlc compile <spec> -o {plan_dir}`"
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -107,9 +109,10 @@ def verify_plan_dir(plan_dir: Path, *, allow_modified: bool = False) -> list[Dia
                 "RLC701",
                 f"{MANIFEST} is missing or unreadable; {where} is not a compiled plan",
                 str(plan_dir / MANIFEST),
-                RECOMPILE,
+                _recompile(plan_dir),
             )
         ]
+    recompile = _recompile(plan_dir)
     found: list[Diagnostic] = []
     manifest_file = str(plan_dir / MANIFEST)
     fmt = manifest.get("plan_format")
@@ -120,7 +123,7 @@ def verify_plan_dir(plan_dir: Path, *, allow_modified: bool = False) -> list[Dia
                 "RLC702",
                 f"plan format {fmt!r} is not supported by rlc {__version__} (supported: {supported})",
                 manifest_file,
-                f"{RECOMPILE}, or use the rlc that compiled it",
+                f"{recompile}, or use the rlc that compiled it",
             )
         )
     version = str(manifest.get("rlc_version", ""))
@@ -130,7 +133,7 @@ def verify_plan_dir(plan_dir: Path, *, allow_modified: bool = False) -> list[Dia
                 "RLC703",
                 f"plan was compiled by rlc {version or '?'} but this is rlc {__version__} (major.minor must match)",
                 manifest_file,
-                f"{RECOMPILE} with rlc {__version__}, or install rlc {version}",
+                f"{recompile} with rlc {__version__}, or install rlc {version}",
             )
         )
     listed: dict[str, str] = {str(k): str(v) for k, v in manifest["files"].items()}
@@ -139,14 +142,14 @@ def verify_plan_dir(plan_dir: Path, *, allow_modified: bool = False) -> list[Dia
     for name in sorted(listed):
         file = str(plan_dir / name)
         if name not in present:
-            found.append(_error("RLC704", f"{name} is missing from the plan", file, RECOMPILE))
+            found.append(_error("RLC704", f"{name} is missing from the plan", file, recompile))
         elif sha256_file(plan_dir / name) != listed[name]:
             found.append(
                 _error(
                     "RLC705",
                     f"{name} changed after compile (sha256 mismatch)",
                     file,
-                    f"{RECOMPILE}, or pass --allow-modified to run it anyway",
+                    f"{recompile}, or pass --allow-modified to run it anyway",
                     changed,
                 )
             )
@@ -156,7 +159,7 @@ def verify_plan_dir(plan_dir: Path, *, allow_modified: bool = False) -> list[Dia
                 "RLC706",
                 f"{name} is not part of the compiled plan",
                 str(plan_dir / name),
-                f"remove it, or {RECOMPILE}",
+                f"remove it, or {recompile}",
                 changed,
             )
         )
