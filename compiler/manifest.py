@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,15 +77,22 @@ def read_manifest(plan_dir: Path) -> dict[str, Any] | None:
 
 
 def list_files(plan_dir: Path) -> list[str]:
-    """Every regular file under `plan_dir` as a sorted POSIX relative path (ConfigMap internals skipped)."""
+    """Every file under `plan_dir` as a sorted POSIX relative path.
+
+    Directory symlinks are followed (a ConfigMap volume mounts `roles/` as a link into `..data/`), and the
+    volume's own `..`-prefixed entries are skipped.
+    """
     found: list[str] = []
-    for path in sorted(plan_dir.rglob("*")):
-        rel = path.relative_to(plan_dir)
-        if rel.parts[0].startswith(_CONFIGMAP_INTERNALS):
-            continue
-        if path.is_file() or (path.is_symlink() and not path.is_dir()):
-            found.append(rel.as_posix())
-    return found
+    for root, dirs, files in os.walk(plan_dir, followlinks=True):
+        rel_root = Path(root).relative_to(plan_dir)
+        if rel_root == Path("."):
+            dirs[:] = [d for d in dirs if not d.startswith(_CONFIGMAP_INTERNALS)]
+            files = [f for f in files if not f.startswith(_CONFIGMAP_INTERNALS)]
+        if len(rel_root.parts) >= 8:  # plans are shallow; this also stops a symlink loop
+            dirs[:] = []
+        dirs.sort()
+        found.extend((rel_root / name).as_posix() for name in files)
+    return sorted(found)
 
 
 def _error(code: str, message: str, file: str, hint: str, severity: str = "error") -> Diagnostic:

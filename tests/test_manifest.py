@@ -69,6 +69,19 @@ def test_configmap_internals_are_not_extra_files(plan_dir: Path) -> None:
     assert verify_plan_dir(plan_dir) == []
 
 
+def test_configmap_volume_layout_verifies(plan_dir: Path) -> None:
+    """A ConfigMap volume holds the files under ..data/ and links each top-level entry (roles/ too) into it."""
+    data = plan_dir / "..2026_01_01_00_00_00.000000001"
+    data.mkdir()
+    for entry in sorted(p for p in plan_dir.iterdir() if not p.name.startswith("..")):
+        entry.rename(data / entry.name)
+    (plan_dir / "..data").symlink_to(data.name)
+    for entry in sorted(data.iterdir()):
+        (plan_dir / entry.name).symlink_to(Path("..data") / entry.name)
+    assert verify_plan_dir(plan_dir) == []
+    assert load_plan(plan_dir) == a3_plan()
+
+
 def test_unknown_plan_format_is_refused(plan_dir: Path) -> None:
     _edit_manifest(plan_dir, plan_format=99)
     found = verify_plan_dir(plan_dir)
