@@ -120,7 +120,12 @@ def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, A
         "max_grad_norm": plan.algorithm.grad_clip,
         "temperature": plan.sampling.temperature,
         "seed": plan.algorithm.seed,
-        **{k: v for k, v in actor.engine.items() if k in ("micro_batch_size", "gradient_checkpointing")},
+        # The trainer's micro-batching and log-prob chunking follow the plan (its memory model assumes them).
+        **{
+            k: v
+            for k, v in actor.engine.items()
+            if k in ("micro_batch_tokens", "logprob_chunk_tokens", "packing", "recompute", "gradient_checkpointing")
+        },
     }
     env = {**plan.env, **actor.env}
     # A KL reference shares the trainer's devices: each takes half of a device's logical resource.
@@ -150,8 +155,15 @@ def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, A
     engine_env = {**plan.env, **rollout.env}
     engine_args = {**rollout.engine, "model": str(model_path)}
 
+    generations: dict[int, int] = {}
+
     def make_engine(index: int) -> Any:
+        # Named so operators (and the failure tests) can find them: rlc-rollout-<index>[-r<restart>].
+        generation = generations.get(index, 0)
+        generations[index] = generation + 1
+        name = f"rlc-rollout-{index}" + (f"-r{generation}" if generation else "")
         cls = rollout_engine_actor(
+            name=name,
             num_cpus=0,
             resources={resource: rollout.parallel.tp},
             scheduling_strategy=PlacementGroupSchedulingStrategy(
