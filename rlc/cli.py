@@ -103,6 +103,147 @@ def validate(
     raise typer.Exit(EXIT_OK if all(r.ok for r in reports) else EXIT_FINDINGS)
 
 
+def _plan_spec(spec: Path, target: str | None, overrides: list[str], output_format: OutputFormat | None = None):  # type: ignore[no-untyped-def]
+    """Validate and plan a spec; on findings print them and exit 1."""
+    from rlc.compiler.diagnostics import Report, render_json, render_text
+    from rlc.compiler.planner import build_plan
+    from rlc.compiler.validate import check_file
+
+    _check_target(target)
+    checked = check_file(spec, target=target, overrides=overrides)
+    report: Report = checked.report
+    plan = None
+    if checked.problem is not None:
+        plan, found = build_plan(checked.problem, checked.lines, str(spec))
+        report.extend(found)
+    if plan is None or not report.ok:
+        render = render_json if output_format == OutputFormat.json else render_text
+        typer.echo(render([report]))
+        raise typer.Exit(EXIT_FINDINGS)
+    return checked, plan, report
+
+
+@app.command(name="compile")
+def compile_(
+    spec: Annotated[Path, typer.Argument(help="Spec file.", show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Plan directory to write.")],
+    target: TargetOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Plan a run and write the plan directory (plan.json, launch.sh, rayjob.yaml, roles/, SUMMARY.md)."""
+    from rlc.compiler.diagnostics import render_text
+    from rlc.compiler.emit import PlanDirError, emit_plan_dir
+    from rlc.compiler.provenance import compute_provenance
+
+    checked, plan, report = _plan_spec(spec, target, set_ or [])
+    assert checked.problem is not None
+    provenance = compute_provenance(checked.problem.spec, set_ or [], target_given=target is not None)
+    try:
+        files = emit_plan_dir(plan, checked.problem.spec, output, provenance=provenance)
+    except (PlanDirError, ValueError) as exc:
+        raise _usage_error(str(exc)) from None
+    shown = [d for d in report.diagnostics if d.severity != "info"]
+    if shown:
+        typer.echo(render_text([report]))
+    e = plan.estimates
+    typer.echo(
+        f"wrote {output}/ ({len(files)} files): {plan.schedule.mode}, "
+        + ", ".join(f"{r.name} {r.devices} dev" for r in plan.roles)
+        + f"; step ~{e.step_time_s:.3g} s, {e.tokens_per_s:,.0f} trained tok/s"
+    )
+
+
+@app.command()
+def explain(
+    source: Annotated[Path, typer.Argument(help="A spec file or a plan directory.", show_default=False)],
+    target: TargetOption = None,
+    set_: SetOption = None,
+    output_format: Annotated[ExplainFormat, typer.Option("--format", "-f", help="text or json.")] = ExplainFormat.text,
+) -> None:
+    """Show the chosen layout, memory per role, the step-time split and the runners-up."""
+    from rlc.compiler.explain import explain_json, explain_plan
+
+    if source.is_dir():
+        from rlc.compiler.manifest import load_plan
+
+        try:
+            plan = load_plan(source)
+        except (OSError, ValueError) as exc:
+            raise _usage_error(f"cannot read plan {source}: {exc}") from None
+    else:
+        _, plan, _ = _plan_spec(source, target, set_ or [])
+    if output_format == ExplainFormat.json:
+        typer.echo(explain_json(plan))
+        return
+    from rich.console import Console
+
+    explain_plan(plan, Console())
+
+
+@app.command()
+def diff(
+    a: Annotated[Path, typer.Argument(help="A plan directory or a spec.", show_default=False)],
+    b: Annotated[Path, typer.Argument(help="A plan directory or a spec.", show_default=False)],
+    target: TargetOption = None,
+    output_format: Annotated[ExplainFormat, typer.Option("--format", "-f", help="text or json.")] = ExplainFormat.text,
+) -> None:
+    """What changed between two plans or specs, including derived changes (exit 0 same, 1 different, 2 error)."""
+    import json
+
+    from rlc.compiler.diagnostics import Report, render_text
+    from rlc.compiler.diff import diff_plans, plan_from_path, render_diff
+
+    _check_target(target)
+    plans = []
+    for path in (a, b):
+        if not path.exists():
+            raise _usage_error(f"{path} does not exist")
+        plan, found = plan_from_path(path, target=target)
+        if plan is None:
+            report = Report(str(path))
+            report.extend(found)
+            typer.echo(render_text([report]), err=True)
+            raise typer.Exit(EXIT_USAGE)
+        plans.append(plan)
+    changes = diff_plans(plans[0], plans[1])
+    if output_format == ExplainFormat.json:
+        typer.echo(json.dumps([c.to_json() for c in changes], indent=2, sort_keys=True))
+    else:
+        typer.echo(render_diff(changes) if changes else "no differences")
+    raise typer.Exit(EXIT_FINDINGS if changes else EXIT_OK)
+
+
+@app.command()
+def run(
+    plan_dir: Annotated[Path, typer.Argument(help="Plan directory from `rlc compile`.", show_default=False)],
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Where metrics and checkpoints go.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest complete checkpoint.")] = False,
+    allow_modified: Annotated[
+        bool, typer.Option("--allow-modified", help="Run a plan whose files no longer match its manifest.")
+    ] = False,
+) -> None:
+    """Verify a plan directory and execute it (Ray, vLLM rollout, FSDP2 training)."""
+    from rlc.compiler.diagnostics import Report, render_text
+    from rlc.compiler.manifest import load_plan, verify_plan_dir
+
+    if not plan_dir.is_dir():
+        raise _usage_error(f"{plan_dir} is not a plan directory; create one with `rlc compile SPEC -o {plan_dir}`")
+    report = Report(str(plan_dir))
+    report.extend(verify_plan_dir(plan_dir, allow_modified=allow_modified))
+    if report.diagnostics:
+        typer.echo(render_text([report]), err=True)
+    if not report.ok:
+        raise typer.Exit(EXIT_FINDINGS)
+    plan = load_plan(plan_dir)
+    from rlc.runtime.launch import RunError, run_plan
+
+    try:
+        run_plan(plan, run_dir, resume=resume)
+    except RunError as exc:
+        typer.echo(f"rlc run: error: {exc}", err=True)
+        raise typer.Exit(EXIT_FINDINGS) from None
+
+
 @app.command()
 def schema(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to a file instead.")] = None,

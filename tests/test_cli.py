@@ -137,3 +137,68 @@ def test_help_runs_as_a_subprocess() -> None:
     out = subprocess.run([sys.executable, "-m", "rlc", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     assert "validate" in out.stdout
+
+
+def test_compile_writes_plan_dir_and_is_deterministic(tmp_path: Path) -> None:
+    spec = str(ROOT / "examples" / "a2-qwen3-8b-grpo.yaml")
+    first = runner.invoke(app, ["compile", spec, "-o", str(tmp_path / "p1")])
+    second = runner.invoke(app, ["compile", spec, "-o", str(tmp_path / "p2")])
+    assert first.exit_code == 0 and second.exit_code == 0, first.output
+    names = sorted(p.relative_to(tmp_path / "p1") for p in (tmp_path / "p1").rglob("*") if p.is_file())
+    assert {"plan.json", "manifest.json", "launch.sh", "rayjob.yaml", "SUMMARY.md", "spec.resolved.yaml"} <= {
+        str(n) for n in names
+    }
+    for name in names:
+        assert (tmp_path / "p1" / name).read_bytes() == (tmp_path / "p2" / name).read_bytes(), name
+
+
+def test_compile_infeasible_exits_one_with_memory_breakdown(tmp_path: Path) -> None:
+    spec = write(
+        tmp_path,
+        "name: huge\ntarget: a2\ncluster: {nodes: 1}\nmodel: {name: qwen3-235b-a22b, path: /m}\n"
+        "data: {train: /d.jsonl}\n",
+    )
+    result = runner.invoke(app, ["compile", str(spec), "-o", str(tmp_path / "plan")])
+    assert result.exit_code == 1
+    assert "RLC301" in result.output and "GiB" in result.output
+    assert not (tmp_path / "plan").exists()
+
+
+def test_compile_refuses_to_overwrite_a_non_plan_dir(tmp_path: Path) -> None:
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    result = runner.invoke(app, ["compile", str(ROOT / "examples" / "quickstart.yaml"), "-o", str(out)])
+    assert result.exit_code == 2
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_explain_spec_and_plan_dir(tmp_path: Path) -> None:
+    spec = str(ROOT / "examples" / "a2-qwen3-8b-grpo.yaml")
+    text = runner.invoke(app, ["explain", spec], env={"COLUMNS": "200"})
+    assert text.exit_code == 0 and "actor" in text.output and "runners-up" in text.output
+    runner.invoke(app, ["compile", spec, "-o", str(tmp_path / "p")])
+    as_json = runner.invoke(app, ["explain", str(tmp_path / "p"), "--format", "json"])
+    assert as_json.exit_code == 0
+    assert json.loads(as_json.output)["roles"]
+
+
+def test_diff_exit_codes(tmp_path: Path) -> None:
+    spec = ROOT / "examples" / "a2-qwen3-8b-grpo.yaml"
+    same = runner.invoke(app, ["diff", str(spec), str(spec)])
+    assert same.exit_code == 0 and "no differences" in same.output
+    bigger = write(tmp_path, spec.read_text().replace("nodes: 2", "nodes: 4"), "bigger.yaml")
+    changed = runner.invoke(app, ["diff", str(spec), str(bigger)])
+    assert changed.exit_code == 1
+    assert "cluster.nodes: 2 → 4" in changed.output
+    assert "roles.actor.devices" in changed.output
+    missing = runner.invoke(app, ["diff", str(spec), str(tmp_path / "nope.yaml")])
+    assert missing.exit_code == 2
+
+
+def test_run_usage_errors(tmp_path: Path) -> None:
+    assert runner.invoke(app, ["run", str(tmp_path / "nothing")]).exit_code == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = runner.invoke(app, ["run", str(empty)])
+    assert result.exit_code == 1
