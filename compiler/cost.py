@@ -171,7 +171,7 @@ def decode_step_s(
     active_dense = sizes.active - sizes.active_expert
     flops = 2 * active_dense / layout.tp * tokens_step
     flops += 2 * sizes.active_expert * engine_tokens / layout.engine_devices
-    full_layers = arch.num_full_attention_layers()
+    full_layers = sizes.full_attention_layers
     flops += 4 * arch.num_attention_heads * arch.head_dim * full_layers * context * tokens_step / layout.tp
     t = max(
         read / (target.hbm_bandwidth_gbps * 1e9 * target.efficiency.decode_bandwidth_efficiency),
@@ -267,7 +267,7 @@ def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
     """
     arch = sizes.arch
     tokens = work.trained_tokens
-    attn_fwd = 2 * arch.num_attention_heads * arch.head_dim * arch.num_full_attention_layers() * work.context_tokens
+    attn_fwd = 2 * arch.num_attention_heads * arch.head_dim * sizes.full_attention_layers * work.context_tokens
     fwd = (2 * sizes.active + attn_fwd) * tokens
     flops = (2 if work.lora else 3) * fwd
     extra = {"full": 1.0, "selective": 0.1}.get(recompute, 0.0)

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from rlc.schemas.plan import Plan
@@ -82,7 +83,8 @@ def runners_table(plan: Plan) -> Table:
     for col in ("layout", "tok/s", "why it lost"):
         table.add_column(col)
     for c in plan.runners_up:
-        table.add_row(c.summary, f"{c.tokens_per_s:,.0f}", c.verdict)
+        # escaped: a summary like "train 16 (...)" or an older "[fsdp2 d16 ...]" is text, not Rich markup
+        table.add_row(escape(c.summary), f"{c.tokens_per_s:,.0f}", escape(c.verdict))
     return table
 
 

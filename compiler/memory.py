@@ -77,6 +77,9 @@ class ModelSizes:
     max_layer: int
     mtp: int
     act: dict[str, float]
+    #: Layers with full attention (a KV cache); hybrid models' linear layers excluded. Counted once here
+    #: because the search asks for it per candidate layout.
+    full_attention_layers: int = 0
 
     @property
     def layers(self) -> int:
@@ -110,6 +113,7 @@ def model_sizes(arch: ModelArch) -> ModelSizes:
         max_layer=arch.max_layer_params(),
         mtp=arch.mtp_params(),
         act={rc: activation_elements_per_token_layer(arch, rc) for rc in ("none", "selective", "full")},
+        full_attention_layers=arch.num_full_attention_layers(),
     )
 
 
@@ -219,10 +223,11 @@ class TrainLayout:
         return self.ep * self.etp
 
     def summary(self) -> str:
-        parts = [f"{self.backend} d{self.dp}"]
-        parts += [f"{k}{v}" for k, v in (("t", self.tp), ("p", self.pp), ("c", self.cp), ("e", self.ep)) if v > 1]
+        """Every choice that tells two trainer layouts apart: `megatron tp4 pp2 cp1 dp2 ep8 recompute=full ...`."""
+        text = f"{self.backend} tp{self.tp} pp{self.pp} cp{self.cp} dp{self.dp}"
+        text += f" ep{self.ep}" if self.ep > 1 else ""
+        text += f" recompute={self.recompute} mbt={self.micro_batch_tokens}"
         off = "+".join(n for n, on in (("params", self.offload_params), ("opt", self.offload_optimizer)) if on)
-        text = f"{''.join(parts)} rc={self.recompute} mbt={self.micro_batch_tokens}"
         return text + (f" offload={off}" if off else "")
 
 
@@ -422,8 +427,9 @@ class RolloutLayout:
         return self.engine_devices // self.tp
 
     def summary(self) -> str:
-        ep = f"e{self.ep}" if self.ep > 1 else ""
-        return f"vllm x{self.replicas} t{self.tp}{ep} mem={self.memory_fraction:.2f}"
+        """Engines, their TP (and EP) and vLLM's memory share: `4x vllm tp2 mem=0.90`."""
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return f"{self.replicas}x vllm tp{self.tp}{ep} mem={self.memory_fraction:.2f}"
 
 
 def kv_bytes_per_token_device(arch: ModelArch, tp: int, b: int, mtp: bool = False) -> float:

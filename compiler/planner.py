@@ -49,6 +49,11 @@ def r3(value: float) -> float:
     return round(float(value), 3)
 
 
+def significant(value: float, digits: int = 4) -> float:
+    """Round to `digits` significant digits: 0.0001357 stays non-zero where 3 decimals would print 0.0."""
+    return float(f"{float(value):.{digits}g}")
+
+
 def spec_hash(problem: Problem) -> str:
     """sha256 of the canonical JSON of the resolved spec (sorted keys, no whitespace)."""
     text = json.dumps(problem.spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
@@ -91,7 +96,7 @@ def model_settings(problem: Problem, ref: ModelRef, arch: ModelArch) -> ModelSet
         id=arch.id,
         path=path,
         hf_architecture=arch.hf_architecture,
-        params_b=r3(arch.total_params() / 1e9),
+        params_b=significant(arch.total_params() / 1e9),
         vocab_size=arch.vocab_size,
         build_tiny=build,
     )
@@ -173,6 +178,8 @@ def _fixes(problem: Problem, role: str, b: MemoryBreakdown, ctx: search.Context)
             fixes.append("a shorter rollout.max_response_len")
         if spec.mode != "disaggregated":
             fixes.append("mode: disaggregated")
+        if role.startswith("teacher"):
+            fixes.append("more cluster.nodes (a larger teacher pool)")
     return fixes
 
 
@@ -425,7 +432,13 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
     algo = spec.algorithm
     step = best.step
     runners: list[Candidate] = []
-    for other in result.ranked[1 : MAX_RUNNERS_UP + 1]:
+    listed = {best.summary}
+    for other in result.ranked[1:]:
+        if len(runners) >= MAX_RUNNERS_UP:
+            break
+        if other.summary in listed:
+            continue  # the same layout reached twice (e.g. from two splits) is listed once
+        listed.add(other.summary)
         runners.append(
             Candidate(
                 summary=other.summary,
@@ -439,7 +452,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
             continue
         runners.append(
             Candidate(
-                summary=f"{role} [{getattr(rs.closest_layout, 'summary', lambda: '?')()}]",
+                summary=f"{role} ({getattr(rs.closest_layout, 'summary', lambda: '?')()})",
                 tokens_per_s=0.0,
                 step_time_s=0.0,
                 verdict=f"does not fit: {rs.closest.verdict()}",

@@ -3,15 +3,21 @@
 Roles are independent given their device counts, so the search finds the best few layouts per role and
 device count once (memoised), then combines them over the device splits. Candidates that do not fit memory
 are kept with their verdict so that the plan can say why a layout lost, and so that an infeasible spec gets
-the closest breakdown in its diagnostic. Pruning (first fitting recompute/offload per degree tuple, dominated
-pipeline depths skipped, coarse-then-fine splits on large clusters) keeps a 1,024-device MoE search fast;
-`exhaustive=True` turns it off for tests.
+the closest breakdown in its diagnostic.
+
+Pruning keeps a 1,024-device MoE search well under a second. Per degree tuple, memory (which only falls with
+more offload and smaller token budgets) is probed at its lightest first, and an overflow there rules out the
+rest; choices dominated by one that already fits (more offload or recompute at the same budget) are skipped,
+and so are tuples whose time lower bound cannot beat the layouts already kept. Deeper pipelines are skipped
+once a shallower one fits without recompute or offload, large clusters' splits go coarse then fine, and role
+searches are memoised per device count. `exhaustive=True` turns the pruning off for tests.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
-from math import ceil
+from math import ceil, inf
 
 from rlc.compiler import cost, memory
 from rlc.compiler.memory import MemoryBreakdown, ModelSizes, RolloutLayout, TrainLayout
@@ -30,6 +36,8 @@ OFFLOAD_ORDER = ((False, False), (False, True), (True, True))
 #: Micro-batch token budgets tried, as multiples of the longest sequence, largest first: bigger micro-batches
 #: keep the device busier, so the largest that fits is taken.
 MBT_MULTIPLES = (4, 2, 1)
+#: Trainer layouts kept per device count (the fastest), to combine with rollout layouts.
+KEEP_TRAIN = 3
 
 
 def _pow2_upto(limit: int) -> list[int]:
@@ -64,6 +72,8 @@ class Context:
     mtp: bool
     teacher_sizes: dict[str, ModelSizes]
     exhaustive: bool
+    #: Role searches already done, by role and arguments: splits and teacher pool sizes revisit device counts.
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def spec(self):  # type: ignore[no-untyped-def]
@@ -190,7 +200,14 @@ def _tp_ok(arch, tp: int) -> bool:  # type: ignore[no-untyped-def]
 
 
 def train_search(ctx: Context, n: int, resident_gib: float = 0.0) -> RoleSearch:
-    """Best trainer layouts on `n` devices (fitting ones sorted by time, then summary)."""
+    """Best trainer layouts on `n` devices (fitting ones sorted by time, then summary); memoised per context."""
+    key = ("train", n, resident_gib)
+    if key not in ctx.memo:
+        ctx.memo[key] = _train_search(ctx, n, resident_gib)
+    return ctx.memo[key]
+
+
+def _train_search(ctx: Context, n: int, resident_gib: float) -> RoleSearch:
     spec, arch = ctx.spec, ctx.sizes.arch
     pin = spec.placement.train
     found = RoleSearch()
@@ -214,6 +231,7 @@ def train_search(ctx: Context, n: int, resident_gib: float = 0.0) -> RoleSearch:
     mbts = [mbt_pin] if mbt_pin else [_round_up(ctx.longest * m, 128) for m in MBT_MULTIPLES]
     dpn = ctx.devices_per_node
     long_cp = max(1, ctx.longest // 4096)
+    fastest: list[float] = []  # seconds of the KEEP_TRAIN fastest options so far: the bar for pruning
     for backend in backends:
         if backend == "fsdp2":
             tps, pps, eps = [1], [1], [1]
@@ -242,16 +260,35 @@ def train_search(ctx: Context, n: int, resident_gib: float = 0.0) -> RoleSearch:
                         dp = n // (tp * pp * cp)
                         if ep > 1 and (tp * cp * dp) % ep:
                             continue
+                        bound = fastest[-1] if len(fastest) >= KEEP_TRAIN and not ctx.exhaustive else inf
+                        had = len(found.options)
                         cheapest_fit = _train_degree(
-                            ctx, found, n, backend, tp, pp, cp, ep, recomputes, offloads, mbts, resident_gib
+                            ctx, found, n, backend, tp, pp, cp, ep, recomputes, offloads, mbts, resident_gib, bound
                         )
+                        if len(found.options) > had:
+                            fastest = heapq.nsmallest(KEEP_TRAIN, fastest + [o.seconds for o in found.options[had:]])
                         if cheapest_fit and not ctx.exhaustive:
                             break
         if backend == "fsdp2" and found.options and not backend_pin:
             break  # fsdp2 for dense models that fit; megatron only when it does not
     found.options.sort(key=lambda o: (round(o.seconds, 6), o.layout.summary()))
-    del found.options[3 if not ctx.exhaustive else len(found.options) :]
+    del found.options[KEEP_TRAIN if not ctx.exhaustive else len(found.options) :]
     return found
+
+
+def _train_lower_bound_s(
+    ctx: Context, n: int, backend: str, degrees: tuple[int, int, int, int], rc: str, mbts: list[int]
+) -> float:
+    """Seconds no layout with these degrees and this recompute can beat (`cost.train_time`): compute at the
+    smallest pipeline bubble (smallest budget, most micro-batches) plus communication at the fewest
+    micro-batches (largest budget; per-micro-batch latencies and FSDP2 gathers only grow with their number),
+    without offload traffic."""
+    tp, pp, cp, ep = degrees
+    layout = TrainLayout(n, backend, tp, pp, cp, ep, rc, False, False, mbts[0])
+    t = cost.train_time(ctx.sizes, layout, ctx.target, ctx.work, ctx.devices_per_node)
+    micro = max(1, ceil(ctx.work.trained_tokens / layout.dp / mbts[-1]))
+    bubble = (pp - 1) / (micro + pp - 1)
+    return t.compute_s / (1 - bubble) + t.tp_s + t.cp_s + t.ep_s + t.dp_s
 
 
 def _train_degree(
@@ -267,30 +304,91 @@ def _train_degree(
     offloads: list[tuple[bool, bool]],
     mbts: list[int],
     resident: float,
+    bound: float = inf,
 ) -> bool:
     """Evaluate one degree tuple over recompute × offload (largest fitting token budget each).
 
-    Keeps the fastest fitting choice (all of them when exhaustive). Returns True when the tuple fits with
-    no recompute and no offload: a deeper pipeline with the same TP/CP/EP then only adds bubble, so the
-    caller skips it (pruning).
+    Keeps the fastest fitting choice (all of them when exhaustive). Returns True when the tuple fits with no
+    recompute and no offload: a deeper pipeline with the same TP/CP/EP then only adds bubble, so the caller
+    skips it (pruning). When not exhaustive, choices the one just found dominates (more offload or more
+    recompute at the same budget) are skipped, and so is a recompute whose time lower bound exceeds `bound`
+    (the slowest layout the caller keeps) or the tuple's best so far: it could enter neither.
     """
     best: TrainOption | None = None
-    cheapest = False
+    cheapest = dominant = False
+    seen: dict[tuple, tuple[TrainLayout, MemoryBreakdown]] = {}
+
+    def evaluate(rc: str, off_p: bool, off_o: bool, mbt: int) -> tuple[TrainLayout, MemoryBreakdown]:
+        key = (rc, off_p, off_o, mbt)
+        if key not in seen:
+            layout = TrainLayout(n, backend, tp, pp, cp, ep, rc, off_p, off_o, mbt)
+            mem = memory.train_memory(
+                ctx.sizes,
+                layout,
+                ctx.target,
+                logprob_chunk_tokens=ctx.spec.train.logprob_chunk_tokens,
+                lora_rank=ctx.lora_rank,
+                lora_targets=ctx.lora_targets,
+                reference=ctx.reference,
+                devices_per_node=ctx.devices_per_node,
+                resident_gib=resident,
+            )
+            seen[key] = (layout, mem)
+        return seen[key]
+
+    smallest = mbts[-1]  # budgets run largest first; memory grows with the budget
+    host_short: set[tuple[bool, bool]] = set()  # offloads whose host memory is short: the same for every rc
+    lower: dict[str, float] = {}
+
+    def beaten(rc: str, limit: float) -> bool:
+        if limit == inf:
+            return False
+        if rc not in lower:
+            lower[rc] = _train_lower_bound_s(ctx, n, backend, (tp, pp, cp, ep), rc, mbts)
+        return lower[rc] > limit * (1 + 1e-9)
+
+    if beaten(recomputes[0], bound) and all(beaten(rc, bound) for rc in recomputes):
+        return False
+    # What no recompute changes (everything but activations) may overflow the device on its own: then no
+    # choice fits, and the lightest recompute's most offloaded layout is the tuple's closest miss.
+    for off_p, off_o in reversed(offloads):
+        layout, mem = evaluate(recomputes[-1], off_p, off_o, smallest)
+        if mem.problems:
+            continue
+        if mem.total_gib - mem.items.get("activations", 0.0) > mem.capacity_gib + 1e-9:
+            found.miss(mem, layout)
+            return False
+        break
     for rc in recomputes:
+        if beaten(rc, min(bound, best.seconds if best else inf)):
+            continue
+        # Device memory only falls as more is offloaded and as the token budget shrinks. So the most offloaded
+        # layout whose host memory suffices, at the smallest budget, is this recompute's closest miss: when it
+        # overflows the device, nothing else with this recompute fits (host-short layouts rank last anyway).
+        skip = False
+        for off_p, off_o in reversed(offloads):
+            if (off_p, off_o) in host_short:
+                continue
+            layout, mem = evaluate(rc, off_p, off_o, smallest)
+            if mem.problems:
+                host_short.add((off_p, off_o))
+                found.miss(mem, layout)
+                continue
+            if not mem.fits:
+                found.miss(mem, layout)
+                skip = True
+            break
+        if skip:
+            continue
         for off_p, off_o in offloads:
+            if (off_p, off_o) in host_short:
+                continue
+            layout, mem = evaluate(rc, off_p, off_o, smallest)
+            if not mem.fits:
+                found.miss(mem, layout)
+                continue
             for mbt in mbts:
-                layout = TrainLayout(n, backend, tp, pp, cp, ep, rc, off_p, off_o, mbt)
-                mem = memory.train_memory(
-                    ctx.sizes,
-                    layout,
-                    ctx.target,
-                    logprob_chunk_tokens=ctx.spec.train.logprob_chunk_tokens,
-                    lora_rank=ctx.lora_rank,
-                    lora_targets=ctx.lora_targets,
-                    reference=ctx.reference,
-                    devices_per_node=ctx.devices_per_node,
-                    resident_gib=resident,
-                )
+                layout, mem = evaluate(rc, off_p, off_o, mbt)
                 if not mem.fits:
                     found.miss(mem, layout)
                     continue
@@ -303,8 +401,16 @@ def _train_degree(
                     best.layout.summary(),
                 ):
                     best = option
-                cheapest = cheapest or (rc == "none" and not off_p and not off_o)
+                plain = rc == "none" and not off_p and not off_o
+                cheapest = cheapest or plain
+                dominant = dominant or (plain and mbt == mbts[0])
                 break
+            if not ctx.exhaustive and mem.fits and layout.micro_batch_tokens == mbts[0]:
+                # The largest budget fits: more offload keeps that budget and only adds host traffic.
+                break
+        if not ctx.exhaustive and dominant:
+            # No recompute, no offload, largest budget: every other recompute only adds FLOPs.
+            break
     if best is not None:
         found.options.append(best)
     return cheapest
@@ -318,7 +424,16 @@ def _groups_in_nodes(start: int, count: int, group: int, dpn: int) -> bool:
 def rollout_search(
     ctx: Context, n: int, start: int, outside_gib: float, *, sync: bool, fraction: float | None = None
 ) -> RoleSearch:
-    """Best vLLM layouts on `n` devices starting at global device index `start`."""
+    """Best vLLM layouts on `n` devices starting at global device index `start`; memoised per context."""
+    key = ("rollout", n, start, outside_gib, sync, fraction)
+    if key not in ctx.memo:
+        ctx.memo[key] = _rollout_search(ctx, n, start, outside_gib, sync=sync, fraction=fraction)
+    return ctx.memo[key]
+
+
+def _rollout_search(
+    ctx: Context, n: int, start: int, outside_gib: float, *, sync: bool, fraction: float | None
+) -> RoleSearch:
     arch = ctx.sizes.arch
     pin = ctx.spec.placement.rollout
     found = RoleSearch()
@@ -385,6 +500,15 @@ def teacher_search(
     ctx: Context, name: str, n: int, start: int, outside_gib: float, fraction: float | None = None
 ) -> RoleSearch:
     """Forward-only vLLM engines for one teacher on `n` devices (prompt log-probs of student samples)."""
+    key = ("teacher", name, n, start, outside_gib, fraction)
+    if key not in ctx.memo:
+        ctx.memo[key] = _teacher_search(ctx, name, n, start, outside_gib, fraction)
+    return ctx.memo[key]
+
+
+def _teacher_search(
+    ctx: Context, name: str, n: int, start: int, outside_gib: float, fraction: float | None
+) -> RoleSearch:
     sizes = ctx.teacher_sizes[name]
     arch = sizes.arch
     pin = ctx.spec.placement.teachers.get(name)
@@ -450,11 +574,14 @@ class Candidate:
 
     @property
     def summary(self) -> str:
+        """Mode and every role's devices and choices, so that two candidates never read alike:
+        `disaggregated: train 16 (fsdp2 tp1 pp1 cp1 dp16 recompute=none mbt=10240) + rollout 8 (2x vllm tp4
+        mem=0.90) + teacher-math 4 (2x vllm tp2 mem=0.85)`."""
         parts = [
-            f"{self.mode}: train {self.train.layout.devices} [{self.train.layout.summary()}]",
-            f"rollout {self.rollout.layout.devices} [{self.rollout.layout.summary()}]",
+            f"{self.mode}: train {self.train.layout.devices} ({self.train.layout.summary()})",
+            f"rollout {self.rollout.layout.devices} ({self.rollout.layout.summary()})",
         ]
-        parts += [f"teacher-{t.name} {t.layout.devices} [t{t.layout.tp}]" for t in self.teachers]
+        parts += [f"teacher-{t.name} {t.layout.devices} ({t.layout.summary()})" for t in self.teachers]
         return " + ".join(parts)
 
     def key(self) -> tuple:
@@ -563,39 +690,114 @@ def _colocated(ctx: Context, result: SearchResult) -> list[Candidate]:
     return out
 
 
-def _pool_granularity(ctx: Context) -> int:
-    """Pools split a single node in die pairs (device_group_size); several nodes in whole nodes."""
-    return ctx.target.device_group_size if ctx.nodes == 1 else ctx.devices_per_node
+def _pool_granularity(ctx: Context, pools: int = 2) -> int:
+    """Device granularity of disaggregated pools.
+
+    One node splits in device groups (die pairs on A3). Several nodes split in whole nodes, unless there are
+    more pools than nodes (trainer, rollout and two teachers on two A3 nodes): then pools share nodes in
+    device groups too. TP groups stay inside one node either way (`_groups_in_nodes`).
+    """
+    if ctx.nodes == 1 or pools > ctx.nodes:
+        return ctx.target.device_group_size
+    return ctx.devices_per_node
+
+
+def _teacher_minimum(ctx: Context, result: SearchResult, name: str, g: int, limit: int) -> int | None:
+    """Fewest devices (a multiple of `g`, at most `limit`) on which teacher `name` fits; pinned counts as is."""
+    pin = ctx.spec.placement.teachers.get(name)
+    if pin and pin.devices:
+        return pin.devices
+    failed: dict[str, RoleSearch] = {}
+    for count in range(g, limit + 1, g):
+        ts = teacher_search(ctx, name, count, ctx.total - count, 0.0)
+        if ts.options:
+            return count
+        _record(failed, name, ts)
+    found = failed.get(name)
+    if found is None or found.closest is None:
+        found = RoleSearch(
+            reason=f"no pool of up to {limit} devices (in groups of {g}) is left for it beside the trainer and rollout"
+        )
+    _record(result.failures, f"teacher-{name}", found)
+    return None
+
+
+def _teacher_allocations(
+    ctx: Context, result: SearchResult, g: int
+) -> list[tuple[tuple[TeacherOption, ...], tuple[int, ...]]]:
+    """Teacher pools to try, each as (options, start devices), packed at the end of the device range.
+
+    Each teacher starts from the fewest devices it fits on; the pools then grow together by powers of two
+    while at least two device groups stay for the trainer and rollout, so the search can trade rollout and
+    training devices for teacher throughput where the teachers would otherwise pace the step.
+    """
+    names = list(ctx.teacher_sizes)
+    if not names:
+        return [((), ())]
+    pins = ctx.spec.placement.teachers
+    limit = ctx.total - 2 * g
+    minimum: list[int] = []
+    for name in names:
+        m = _teacher_minimum(ctx, result, name, g, limit - sum(minimum))
+        if m is None:
+            return []
+        minimum.append(m)
+    pinned = [bool(pins.get(n) and pins[n].devices) for n in names]
+    out: list[tuple[tuple[TeacherOption, ...], tuple[int, ...]]] = []
+    factor = 1
+    while True:
+        counts = [m if fixed else m * factor for m, fixed in zip(minimum, pinned, strict=True)]
+        start = ctx.total - sum(counts)
+        if factor > 1 and sum(counts) > limit:
+            break
+        if start < 2 * g:
+            result.failures["teacher-" + names[0]] = RoleSearch(
+                reason=f"teachers pinned to {sum(counts)} of {ctx.total} devices leave too few for trainer and rollout"
+            )
+            break
+        options: list[TeacherOption] = []
+        starts: list[int] = []
+        for name, count in zip(names, counts, strict=True):
+            ts = teacher_search(ctx, name, count, start, 0.0)
+            if not ts.options:
+                _record(result.failures, f"teacher-{name}", ts)
+                break
+            options.append(ts.options[0])
+            starts.append(start)
+            start += count
+        else:
+            out.append((tuple(options), tuple(starts)))
+        if all(pinned):
+            break
+        factor *= 2
+    if out:
+        for name in names:
+            result.failures.pop(f"teacher-{name}", None)
+    return out
 
 
 def _disaggregated(ctx: Context, result: SearchResult) -> list[Candidate]:
-    """Separate pools for train, rollout and each teacher, over the device splits."""
+    """Separate pools for train, rollout and each teacher, over the device splits and teacher pool sizes."""
+    g = _pool_granularity(ctx, 2 + len(ctx.teacher_sizes))
+    cands: list[Candidate] = []
+    for teachers, starts_t in _teacher_allocations(ctx, result, g):
+        cands += _train_rollout_splits(ctx, result, g, teachers, starts_t)
+    if cands:
+        result.failures.pop("train", None)
+        result.failures.pop("rollout", None)
+    return cands
+
+
+def _train_rollout_splits(
+    ctx: Context,
+    result: SearchResult,
+    g: int,
+    teachers: tuple[TeacherOption, ...],
+    starts_t: tuple[int, ...],
+) -> list[Candidate]:
+    """Trainer and rollout pools over the devices before the teachers', trainer first."""
     pins = ctx.spec.placement
-    g = _pool_granularity(ctx)
-    total = ctx.total
-    teachers: list[TeacherOption] = []
-    used = 0
-    teacher_counts: list[int] = []
-    for name in ctx.teacher_sizes:
-        pin = pins.teachers.get(name)
-        counts = [pin.devices] if pin and pin.devices else list(range(g, total, g))
-        chosen = None
-        for count in counts:
-            start = total - used - count
-            if start < 2 * g and not (pin and pin.devices):
-                break
-            ts = teacher_search(ctx, name, count, start, 0.0)
-            if ts.options:
-                chosen = ts.options[0]
-                break
-            result.failures[f"teacher-{name}"] = ts
-        if chosen is None:
-            return []
-        result.failures.pop(f"teacher-{name}", None)
-        teachers.append(chosen)
-        teacher_counts.append(chosen.layout.devices)
-        used += chosen.layout.devices
-    remaining = total - used
+    remaining = starts_t[0] if starts_t else ctx.total
     if pins.train.devices and pins.rollout.devices:
         splits = [pins.train.devices] if pins.train.devices + pins.rollout.devices <= remaining else []
         rollout_fixed: int | None = pins.rollout.devices
@@ -607,11 +809,6 @@ def _disaggregated(ctx: Context, result: SearchResult) -> list[Candidate]:
         splits, rollout_fixed = list(range(g, remaining - g + 1, g)), None
     splits = [s for s in splits if 0 < s < remaining]
     sync = ctx.work.staleness == 0
-    starts_t: list[int] = []
-    acc = remaining
-    for count in teacher_counts:
-        starts_t.append(acc)
-        acc += count
 
     def evaluate(n_train: int) -> list[Candidate]:
         n_roll = rollout_fixed or remaining - n_train
@@ -649,9 +846,6 @@ def _disaggregated(ctx: Context, result: SearchResult) -> list[Candidate]:
             for s in splits[max(0, idx - step) : idx + step + 1]:
                 if s not in seen:
                     cands += evaluate(s)
-    if cands:
-        result.failures.pop("train", None)
-        result.failures.pop("rollout", None)
     return cands
 
 

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import io
 import textwrap
+from pathlib import Path
 
+import pytest
 from rich.console import Console
 
+from rlc.compiler.emit import emit_plan_dir
 from rlc.compiler.explain import explain_json, explain_plan
 from rlc.compiler.planner import build_plan
-from rlc.compiler.validate import check_text
+from rlc.compiler.provenance import compute_provenance
+from rlc.compiler.validate import check_file, check_text
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 
 
 def plan_for(body: str, target: str = "a2"):  # type: ignore[no-untyped-def]
@@ -146,3 +152,68 @@ def test_explain_renders() -> None:
     text = out.getvalue()
     assert "actor" in text and "runners-up" in text and "memory per device" in text
     assert '"roles"' in explain_json(plan)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_example_compiles(path: Path, tmp_path: Path) -> None:
+    """What `rlc compile examples/<x>.yaml -o <dir>` does: check, plan, write the plan directory."""
+    checked = check_file(path)
+    assert checked.problem is not None, [d.message for d in checked.report.diagnostics]
+    plan, diags = build_plan(checked.problem, checked.lines, path.name)
+    assert plan is not None, [f"{d.code} {d.message}" for d in diags]
+    spec = checked.problem.spec
+    emit_plan_dir(plan, spec, tmp_path / "plan", provenance=compute_provenance(spec))
+    assert (tmp_path / "plan" / "plan.json").is_file()
+
+
+def test_mopd_on_two_a3_nodes_gets_teacher_pools() -> None:
+    """Student Qwen3-8B plus two Qwen3-32B teachers on 32 A3 dies: four pools on two nodes share nodes in die
+    pairs; each teacher gets a small TP>=2 pool (32B bf16 does not fit one 64 GB die), none overlaps, and the
+    teachers do not pace the step."""
+    path = next(p for p in EXAMPLES if p.name == "a3-qwen3-8b-mopd.yaml")
+    checked = check_file(path)
+    assert checked.problem is not None
+    plan, diags = build_plan(checked.problem, checked.lines, path.name)
+    assert plan is not None, [d.message for d in diags]
+    assert plan.schedule.mode == "disaggregated"
+    teachers = [r for r in plan.roles if r.kind == "teacher"]
+    assert sorted(r.name for r in teachers) == ["teacher-code", "teacher-math"]
+    taken: set[tuple[int, int]] = set()
+    for role in plan.roles:
+        ids = {(nd.node, i) for nd in role.placement for i in nd.local_ids}
+        assert len(ids) == role.devices and ids.isdisjoint(taken), role.name
+        taken |= ids
+    assert len(taken) <= 32
+    for t in teachers:
+        assert 2 <= t.devices <= 8 and t.devices % 2 == 0
+        assert t.parallel.tp in (2, 4) and t.devices % t.parallel.tp == 0
+        assert t.memory.total_gib <= t.memory.capacity_gib
+        assert t.estimates["teacher_s"] <= plan.estimates.step_time_s
+    assert plan.role("actor").devices >= 8 and plan.role("rollout").devices >= 4
+    assert plan.distill is not None and {t.domain for t in plan.distill.teachers} == {"math", "code"}
+
+
+def test_runners_up_summaries_differ_and_render() -> None:
+    """Each runner-up says what differs (degrees, recompute, token budget, engine TP and share), once each, and
+    the explain table shows it (square brackets used to be swallowed as Rich markup)."""
+    plan, _ = plan_for("model: {name: qwen3-8b, path: /m}\ncluster: {nodes: 2}\n")
+    assert plan is not None and plan.runners_up
+    summaries = [c.summary for c in plan.runners_up]
+    assert len(set(summaries)) == len(summaries)
+    for s in summaries:
+        if s.startswith(("colocated", "disaggregated")):
+            assert all(k in s for k in ("tp", "pp", "cp", "dp", "recompute=", "mbt=", "vllm", "mem="))
+    out = io.StringIO()
+    explain_plan(plan, Console(file=out, width=400))
+    assert "recompute=" in out.getvalue() and "mem=" in out.getvalue()
+
+
+def test_tiny_model_params_and_cpu_env() -> None:
+    """params_b keeps significant digits for the tiny model; the cpu plan carries the target's env verbatim."""
+    plan, _ = plan_for(TINY, "cpu")
+    assert plan is not None
+    assert 0 < plan.model.params_b < 0.01
+    assert plan.env.get("VLLM_CPU_KVCACHE_SPACE") == "1"
+    checked = check_text("name: t\ndata: {train: arithmetic}\n" + TINY, "spec.yaml", target="cpu")
+    assert checked.problem is not None
+    assert plan.env == dict(sorted(checked.problem.target.env.items()))
