@@ -7,8 +7,13 @@ Batches are dicts of per-sequence lists. ``input_ids`` holds full sequences (pro
 and ``loss_mask`` marks the response tokens. Per-token arrays (``behaviour_logprobs``,
 ``proximal_logprobs``, ``ref_logprobs``, ``teacher_logprobs``, ``advantages``) are aligned with
 ``input_ids``: entry ``t`` is about token ``t``, i.e. log p(x_t | x_<t); entry 0 is unused.
-``advantages`` may also be one number per sequence (GRPO). The forward is a plain padded batch
-with an attention mask; sequence packing plugs in at ``_forward_logprobs``.
+``advantages`` may also be one number per sequence (GRPO).
+
+With ``packing`` (the plans' default) a rank's sequences are bin-packed into micro-batches of at
+most ``micro_batch_tokens`` tokens, each run as one ``[1, L]`` row with per-sequence boundaries
+(``packed_forward``); otherwise ``micro_batch_size`` sequences are right-padded into ``[B, W]``.
+Both paths compute log-probs ``logprob_chunk_tokens`` at a time from the final hidden states, so
+``[T, V]`` logits never materialise, and both hand back the same per-sequence rows.
 """
 
 from __future__ import annotations
@@ -18,15 +23,23 @@ import os
 import shutil
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..algo.logprobs import entropy_from_logits, logprobs_from_logits
+from ..packing import PackedBatch, pack_sequences
 from ..platform import Platform, get_platform
 from ..rollout.weight_sync import SyncSender, TensorMeta, tensor_meta, write_safetensors
+from .packed_forward import (
+    LOGPROB_METHOD,
+    attn_implementation_for,
+    install_logprob_forward,
+    pack_rank_sequences,
+    packed_attention_inputs,
+)
 
 __all__ = ["DEFAULT_TRAIN_CFG", "TrainerWorker"]
 
@@ -36,7 +49,12 @@ DEFAULT_TRAIN_CFG: dict[str, Any] = {
     "betas": (0.9, 0.999),
     "eps": 1e-8,
     "max_grad_norm": 1.0,
-    "micro_batch_size": 8,  # sequences per forward; packing will replace this with a token budget
+    "packing": True,  # token-budget packed micro-batches; False = padded batches of micro_batch_size
+    "micro_batch_tokens": 4096,  # packed: tokens per micro-batch (the plan's schedule.micro_batch_tokens)
+    "micro_batch_size": 8,  # padded: sequences per forward
+    "logprob_chunk_tokens": 1024,  # tokens per chunk of the log-prob head (both paths)
+    "packing_algorithm": "ffd",  # "ffd" (fewest bins) or "kk" (balanced bins), see runtime/packing.py
+    "packed_attention": "varlen",  # "varlen" (per-sequence kernels) or "mask" (O(L²) CPU reference)
     "temperature": 1.0,  # log-probs are of softmax(logits / T), matching the engines' sampling
     "seed": 0,
     "gradient_checkpointing": False,
@@ -52,6 +70,16 @@ _PER_TOKEN_KEYS = (
     "teacher_logprobs",
     "advantages",
 )
+
+
+@dataclass
+class _MicroBatch:
+    """One forward's sequences and the model inputs built from them (packed or padded)."""
+
+    seqs: list[list[int]]
+    input_ids: torch.Tensor  # [1, L] packed or [B, W] padded
+    body_kwargs: dict[str, Any]  # attention inputs for the model body
+    packed: PackedBatch | None  # None on the padded path
 
 
 class TrainerWorker:
@@ -87,7 +115,11 @@ class TrainerWorker:
         torch.manual_seed(int(self.cfg["seed"]))
 
         master = getattr(torch, self.cfg["master_dtype"])
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=master)
+        self.packing = bool(self.cfg["packing"])
+        attn = attn_implementation_for(self.platform, self.packing, self.cfg["packed_attention"])
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=master, **({"attn_implementation": attn} if attn else {})
+        )
         if self.cfg["gradient_checkpointing"]:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -99,8 +131,10 @@ class TrainerWorker:
         for layer in _decoder_layers(model):
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
+        install_logprob_forward(model)  # body + chunked head inside the root FSDP unit
         self.model = model
         self.pad_id = _pad_id(model.config)
+        self._dummy = [self.pad_id, self.pad_id]  # the sequence of a dummy micro-batch
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=float(self.cfg["lr"]),
@@ -131,29 +165,68 @@ class TrainerWorker:
                 out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
         return out.to(self.device)
 
+    def _micro_batch(self, seqs: Sequence[Sequence[int]]) -> _MicroBatch:
+        """The model inputs for one forward: one packed ``[1, L]`` row, or a padded ``[B, W]`` batch."""
+        if self.packing:
+            packed = pack_sequences(seqs)
+            kwargs = packed_attention_inputs(packed, self.platform, self.device, self.cfg["packed_attention"])
+            return _MicroBatch([list(s) for s in seqs], packed.input_ids.to(self.device), kwargs, packed)
+        ids, attn = self._ids_and_attention(seqs)
+        return _MicroBatch([list(s) for s in seqs], ids, {"attention_mask": attn}, None)
+
+    def _to_layout(self, mb: _MicroBatch, rows: Sequence[Sequence[float]]) -> torch.Tensor:
+        """Per-sequence per-token rows in the micro-batch's layout (missing entries are 0, as when padding)."""
+        if mb.packed is None:
+            return self._pad(mb.seqs, rows)
+        parts = []
+        for r, s in zip(rows, mb.seqs, strict=True):
+            t = torch.zeros(len(s), dtype=torch.float32)
+            t[: len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
+            parts.append(t)
+        return mb.packed.pack(parts).to(self.device)
+
+    def _from_layout(self, mb: _MicroBatch, t: torch.Tensor) -> list[torch.Tensor]:
+        """Per-sequence rows back out of the micro-batch's layout, each as long as its sequence."""
+        if mb.packed is None:
+            return [t[i, : len(s)] for i, s in enumerate(mb.seqs)]
+        return mb.packed.unpack(t)
+
     def _forward_logprobs(
-        self, input_ids: torch.Tensor, attn: torch.Tensor, with_entropy: bool, entropy_grad: bool = False
+        self, mb: _MicroBatch, with_entropy: bool, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log p(x_t | x_<t) aligned with ``input_ids`` (column 0 is 0), and entropy."""
-        logits = self.model(input_ids=input_ids, attention_mask=attn).logits
-        temp = float(self.cfg["temperature"])
-        lp = torch.nn.functional.pad(logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temp), (1, 0))
-        ent = None
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                ent = torch.nn.functional.pad(entropy_from_logits(logits[:, :-1], temp), (1, 0))
-        return lp, ent
+        """Per-token log p(x_t | x_<t) in ``mb``'s layout (each sequence's first entry is 0), and entropy.
 
-    def _micro_batches(self, n: int) -> list[slice]:
-        """Slices of this rank's sequences, padded to the group's maximum count with empty slices.
-
-        FSDP2 all-gathers inside every forward, so all ranks must run the same number of them.
+        Log-probs come from the final hidden states ``logprob_chunk_tokens`` tokens at a time, inside
+        the root FSDP unit, so full ``[T, V]`` logits are never held.
         """
-        mbs = max(1, int(self.cfg["micro_batch_size"]))
-        mine = [slice(i, min(i + mbs, n)) for i in range(0, n, mbs)]
+        lp, ent = getattr(self.model, LOGPROB_METHOD)(
+            mb.input_ids, mb.body_kwargs, float(self.cfg["temperature"]), int(self.cfg["logprob_chunk_tokens"])
+        )
+        if mb.packed is not None:  # a sequence's first token was "predicted" from the previous sequence
+            starts = mb.packed.cu_seqlens[:-1].to(device=lp.device, dtype=torch.long)
+            lp, ent = lp.index_fill(1, starts, 0.0), ent.index_fill(1, starts, 0.0)
+        if not with_entropy:
+            return lp, None
+        return lp, ent if entropy_grad and torch.is_grad_enabled() else ent.detach()
+
+    def _micro_batches(self, seqs: Sequence[Sequence[int]]) -> list[list[int]]:
+        """This rank's micro-batches as sequence-index lists, padded with empty ones to the group's count.
+
+        Packed: bins of at most ``micro_batch_tokens`` tokens; padded: runs of ``micro_batch_size``
+        sequences. FSDP2 all-gathers inside every forward, so all ranks must run the same number of
+        them; an empty list stands for a dummy micro-batch that contributes nothing.
+        """
+        n = len(seqs)
+        if self.packing:
+            mine = pack_rank_sequences(
+                [len(s) for s in seqs], int(self.cfg["micro_batch_tokens"]), str(self.cfg["packing_algorithm"])
+            )
+        else:
+            mbs = max(1, int(self.cfg["micro_batch_size"]))
+            mine = [list(range(i, min(i + mbs, n))) for i in range(0, n, mbs)]
         count = torch.tensor([len(mine)], dtype=torch.long)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        return mine + [slice(0, 0)] * (int(count.item()) - len(mine))
+        return mine + [[] for _ in range(int(count.item()) - len(mine))]
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Mapping[str, Any]) -> list[list[float]]:
@@ -163,13 +236,12 @@ class TrainerWorker:
         """
         self.model.eval()
         seqs = batch["input_ids"]
-        out: list[list[float]] = []
-        for sl in self._micro_batches(len(seqs)):
-            ids_list = seqs[sl] or [[self.pad_id, self.pad_id]]  # a dummy keeps collectives in step
-            ids, attn = self._ids_and_attention(ids_list)
-            lp, _ = self._forward_logprobs(ids, attn, with_entropy=False)
-            if seqs[sl]:
-                out.extend(lp[i, : len(s)].float().cpu().tolist() for i, s in enumerate(ids_list))
+        out: list[list[float]] = [[] for _ in seqs]
+        for idx in self._micro_batches(seqs):
+            mb = self._micro_batch([seqs[i] for i in idx] or [self._dummy])  # a dummy keeps collectives in step
+            lp, _ = self._forward_logprobs(mb, with_entropy=False)
+            for i, row in zip(idx, self._from_layout(mb, lp), strict=False):
+                out[i] = row.float().cpu().tolist()
         return out
 
     # ---------------------------------------------------------------- training
@@ -202,14 +274,15 @@ class TrainerWorker:
 
         sums: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        for sl in self._micro_batches(len(seqs)):
-            real = bool(seqs[sl])
-            ids_list = seqs[sl] if real else [[self.pad_id, self.pad_id]]
-            ids, attn = self._ids_and_attention(ids_list)
-            mask = self._pad(ids_list, masks[sl] if real else [[0.0, 0.0]]) > 0
-            mask[:, 0] = False
-            lp, ent = self._forward_logprobs(ids, attn, with_entropy=True, entropy_grad=bool(entropy_coef))
-            tok = {k: self._per_token(batch, k, sl, ids_list) for k in _PER_TOKEN_KEYS if k in batch}
+        for idx in self._micro_batches(seqs):
+            real = bool(idx)
+            mb = self._micro_batch([seqs[i] for i in idx] if real else [self._dummy])
+            # Entry 0 of each sequence has no prediction; a dummy micro-batch masks everything.
+            mask = self._to_layout(mb, [[0.0, *masks[i][1:]] for i in idx] if real else [[0.0] * len(self._dummy)]) > 0
+            lp, ent = self._forward_logprobs(mb, with_entropy=True, entropy_grad=bool(entropy_coef))
+            tok = {
+                k: self._to_layout(mb, self._per_token(batch, k, idx, mb.seqs)) for k in _PER_TOKEN_KEYS if k in batch
+            }
             if kind == "ppo":
                 behaviour = tok["behaviour_logprobs"]
                 loss, stats = L.decoupled_ppo_loss(
@@ -261,11 +334,16 @@ class TrainerWorker:
         )
         return result
 
-    def _per_token(self, batch: Mapping[str, Any], key: str, sl: slice, ids_list: Sequence[Sequence[int]]):
-        rows = batch[key][sl] if batch["input_ids"][sl] else [[0.0, 0.0]]
-        if rows and not isinstance(rows[0], (list, tuple)):  # one number per sequence (GRPO advantage)
-            rows = [[float(v)] * len(s) for v, s in zip(rows, ids_list, strict=True)]
-        return self._pad(ids_list, rows)
+    def _per_token(
+        self, batch: Mapping[str, Any], key: str, idx: Sequence[int], seqs: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        """Rows of ``batch[key]`` for sequences ``idx``; a per-sequence number is spread over its tokens."""
+        if not idx:
+            return [[0.0] * len(s) for s in seqs]
+        rows = [batch[key][i] for i in idx]
+        if not isinstance(rows[0], (list, tuple)):  # one number per sequence (GRPO advantage)
+            return [[float(v)] * len(s) for v, s in zip(rows, seqs, strict=True)]
+        return rows
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate (the controller owns the schedule)."""

@@ -1,0 +1,183 @@
+"""The trainer's forward on packed (THD) micro-batches: attention adapters and the chunked log-prob head.
+
+A packed micro-batch is one row ``[1, L]`` of concatenated sequences whose positions restart per
+sequence. Attention must not cross sequence boundaries, and transformers does not infer that from
+restarted ``position_ids`` under sdpa/eager on CPU (measured: log-probs off by ~0.76). Two ways to
+isolate the sequences, chosen by ``packed_attention``:
+
+- ``"varlen"``: per-sequence causal attention driven by ``cu_seqlens``, the THD layout of varlen
+  fused kernels. On NPU/CUDA transformers' ``flash_attention_2`` takes the ``cu_seq_lens_*`` and
+  ``max_length_*`` kwargs directly; on CPU ``varlen_sdpa_attention`` (registered with transformers
+  as ``rlc_varlen_sdpa``) runs SDPA once per sequence, so attention costs Σ len² instead of L².
+- ``"mask"``: an explicit ``[1, 1, L, L]`` block-diagonal causal mask under sdpa. Exact but O(L²) in
+  memory and compute; kept as the CPU reference the varlen path is tested against.
+
+The head never materialises ``[T, V]`` logits: ``chunked_logprobs_entropy`` walks the tokens in
+``logprob_chunk_tokens`` chunks, which is what the planner's memory model assumes (chunk × V × 4 × 3).
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from ..algo.logprobs import chunked_logprobs_entropy
+from ..packing import PackedBatch, pack_micro_batches
+from ..platform import Platform
+
+__all__ = [
+    "LOGPROB_METHOD",
+    "VARLEN_SDPA",
+    "PackedAttention",
+    "attn_implementation_for",
+    "install_logprob_forward",
+    "pack_rank_sequences",
+    "packed_attention_inputs",
+    "register_varlen_attention",
+    "varlen_sdpa_attention",
+]
+
+PackedAttention = Literal["varlen", "mask"]
+VARLEN_SDPA = "rlc_varlen_sdpa"
+LOGPROB_METHOD = "rlc_token_logprobs"
+
+
+def varlen_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal SDPA per packed sequence: the varlen kernels' semantics on devices that lack them.
+
+    ``query`` is ``[1, H, L, D]`` and ``key``/``value`` ``[1, Hkv, L, D]`` (grouped-query heads are
+    expanded by SDPA); returns ``[1, L, H, D]`` as transformers' attention interface expects.
+    """
+    if cu_seq_lens_q is None:
+        raise ValueError(f"{VARLEN_SDPA} attention needs cu_seq_lens_q: pass packed_attention_inputs(...) kwargs")
+    if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
+        raise ValueError(f"{VARLEN_SDPA} is for self-attention over packed sequences (cu_seq_lens_k != _q)")
+    if attention_mask is not None or query.shape[0] != 1:
+        raise ValueError(f"{VARLEN_SDPA} takes one packed row and no attention mask")
+    if sliding_window is not None:
+        raise NotImplementedError(f"{VARLEN_SDPA} does not implement sliding-window attention")
+    bounds = [int(b) for b in cu_seq_lens_q.tolist()]
+    gqa = key.shape[1] != query.shape[1]
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+        for s, e in itertools.pairwise(bounds)
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def register_varlen_attention() -> str:
+    """Register ``varlen_sdpa_attention`` with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+    return VARLEN_SDPA
+
+
+def attn_implementation_for(platform: Platform, packing: bool, packed_attention: PackedAttention) -> str | None:
+    """The attention implementation to load the model with; None keeps transformers' default (sdpa).
+
+    The choice is made at load time because transformers reads it from the config on every call.
+    """
+    if not packing:
+        return None
+    if packed_attention == "mask":
+        return "sdpa"
+    if packed_attention != "varlen":
+        raise ValueError(f"unknown packed_attention {packed_attention!r}; expected 'varlen' or 'mask'")
+    if platform.name == "cpu":
+        return register_varlen_attention()
+    # transformers routes flash_attention_2 to torch_npu's varlen kernel on Ascend, flash-attn on CUDA.
+    return "flash_attention_2"
+
+
+def packed_attention_inputs(
+    packed: PackedBatch, platform: Platform, device: torch.device, packed_attention: PackedAttention = "varlen"
+) -> dict[str, Any]:
+    """Keyword arguments for the model body that keep packed sequences from attending to each other.
+
+    ``"mask"``: restarted ``position_ids`` and the ``[1, 1, L, L]`` block-causal bool mask (CPU
+    reference; O(L²)). ``"varlen"``: restarted ``position_ids`` and flash-attention-style
+    ``cu_seq_lens_q/k`` + ``max_length_q/k`` (int32 cumulative lengths with a leading 0), which
+    transformers forwards to the attention function: ``flash_attention_2`` on NPU/CUDA,
+    ``varlen_sdpa_attention`` on CPU.
+    """
+    position_ids = packed.position_ids.to(device)
+    if packed_attention == "mask":
+        if platform.name != "cpu":
+            raise ValueError("the O(L²) block-causal mask is a CPU reference; use packed_attention='varlen' on devices")
+        return {"position_ids": position_ids, "attention_mask": packed.attention_mask().to(device)}
+    cu = packed.cu_seqlens.to(device=device, dtype=torch.int32)
+    return {
+        "position_ids": position_ids,
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": packed.max_seqlen,
+        "max_length_k": packed.max_seqlen,
+    }
+
+
+def pack_rank_sequences(lengths: Sequence[int], budget: int, algorithm: str = "ffd") -> list[list[int]]:
+    """Index bins of this rank's sequences under the micro-batch token budget.
+
+    A sequence longer than the budget raises ``SequenceTooLongError`` naming it, its length and the
+    budget (the compiler refuses such plans, so at run time it means the data outgrew the plan).
+    """
+    return pack_micro_batches(lengths, int(budget), algorithm=algorithm)  # type: ignore[arg-type]
+
+
+def _token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    body_kwargs: dict[str, Any],
+    temperature: float,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Body → final hidden states → chunked log-probs and entropy of the next token, shifted right.
+
+    Returns fp32 ``[B, T]`` tensors aligned with ``input_ids``: entry t is about token t given the
+    tokens before it; entry 0 is 0 (callers also zero each packed sequence's first entry).
+    """
+    hidden = model.model(input_ids=input_ids, **body_kwargs).last_hidden_state
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError("chunked log-probs assume a bias-free lm head")
+    logp, ent = chunked_logprobs_entropy(hidden[:, :-1], head.weight, input_ids[:, 1:], temperature, chunk_tokens)
+    return F.pad(logp, (1, 0)), F.pad(ent, (1, 0))
+
+
+def install_logprob_forward(model: torch.nn.Module) -> None:
+    """Give ``model`` a ``rlc_token_logprobs(input_ids, body_kwargs, temperature, chunk_tokens)`` method.
+
+    Under FSDP2 the method is registered as a forward method of the root unit, so the embedding /
+    final norm / tied lm-head weights are all-gathered around it exactly as around ``forward``, and
+    their gradients are reduce-scattered after backward. Without FSDP it is a plain method.
+    """
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    setattr(model, LOGPROB_METHOD, types.MethodType(_token_logprobs, model))
+    register_fsdp_forward_method(model, LOGPROB_METHOD)

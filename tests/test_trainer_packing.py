@@ -1,0 +1,230 @@
+"""Packed (THD) micro-batches in the trainer: same numbers as padding, no leaks across sequences.
+
+Workers run in this process as a one-rank FSDP2 group over gloo (no Ray), so each check takes well
+under a second; the two-rank check with uneven micro-batch counts spawns processes and is slow.
+The padded path is the reference: it runs each sequence in its own row, so it cannot leak.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+TOL = 1e-5  # fp32 CPU kernels on both sides; measured differences are ~1e-6 (different matmul shapes)
+# Weights after one AdamW step: its first update is about lr·sign(g), so gradients within TOL of
+# zero can move a weight by a good part of lr (1e-3). Gradients themselves are compared at TOL.
+WEIGHT_TOL = 1e-4
+BUDGET = 64  # micro-batch token budget of the packed workers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pg():
+    """A one-rank gloo group in this process, which every in-process TrainerWorker joins."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    port = _free_port()
+    if started:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield port
+    if started:
+        dist.destroy_process_group()
+
+
+def _worker(model_dir: Path, port: int, **cfg):
+    from rlc.runtime.train.trainer import TrainerWorker
+
+    base = {"lr": 1e-3, "logprob_chunk_tokens": 7, "micro_batch_tokens": BUDGET, "micro_batch_size": 3}
+    return TrainerWorker(0, 1, "127.0.0.1", port, str(model_dir), "cpu", {**base, **cfg})
+
+
+@pytest.fixture(scope="module")
+def workers(pg, tiny_model_dir: Path) -> dict:
+    """Padded, packed-varlen and packed-mask workers on the same weights (never trained here)."""
+    return {
+        "padded": _worker(tiny_model_dir, pg, packing=False),
+        "varlen": _worker(tiny_model_dir, pg, packing=True, packed_attention="varlen"),
+        "mask": _worker(tiny_model_dir, pg, packing=True, packed_attention="mask"),
+    }
+
+
+def _batch(seed: int = 0) -> dict:
+    """Random lengths with the edge cases: a one-token sequence, a one-token response, a full bin."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 5, BUDGET, *torch.randint(2, 40, (9,), generator=g).tolist()]
+    seqs = [torch.randint(3, 32, (n,), generator=g).tolist() for n in lengths]
+    masks = [[0] * min(4, n - 1) + [1] * (n - min(4, n - 1)) for n in lengths]  # len 5: 4 prompt + 1 response
+    adv = torch.randn(len(seqs), generator=g).tolist()
+    return {"input_ids": seqs, "loss_mask": masks, "advantages": adv}
+
+
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(r) for r in a] == [len(r) for r in b]
+    return max((torch.tensor(x) - torch.tensor(y)).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def test_packed_logprobs_match_padded(workers) -> None:
+    batch = _batch()
+    ref = workers["padded"].compute_logprobs(batch)
+    bins = workers["varlen"]._micro_batches(batch["input_ids"])
+    assert [2] in bins  # the BUDGET-token sequence fills a micro-batch alone
+    assert sum(len(b) for b in bins) == len(batch["input_ids"]) and len(bins) < len(batch["input_ids"])
+    for kind in ("varlen", "mask"):
+        got = workers[kind].compute_logprobs(batch)
+        assert all(row[0] == 0.0 for row in got) and got[0] == [0.0]
+        assert _max_diff(got, ref) < TOL, kind
+
+
+def test_no_attention_leak_across_packed_sequences(workers) -> None:
+    batch = _batch(1)
+    victim = 4
+    changed = {**batch, "input_ids": [list(s) for s in batch["input_ids"]]}
+    changed["input_ids"][victim] = [3 + (t - 2) % 29 for t in changed["input_ids"][victim]]
+    for kind in ("varlen", "mask"):
+        w = workers[kind]
+        assert any(victim in b and len(b) > 1 for b in w._micro_batches(batch["input_ids"]))
+        before, after = w.compute_logprobs(batch), w.compute_logprobs(changed)
+        others = [i for i in range(len(before)) if i != victim]
+        assert _max_diff([before[i] for i in others], [after[i] for i in others]) < 1e-6, kind
+        assert _max_diff([before[victim]], [after[victim]]) > 1e-2  # the perturbation itself is visible
+
+
+def test_restarted_positions_alone_do_leak(tiny_model) -> None:
+    """The control for the test above: without the mask / varlen kernel, sdpa mixes the sequences."""
+    from rlc.runtime.packing import pack_sequences
+
+    a, b = [5, 6, 7, 8, 9], [10, 11, 12, 13]
+    with torch.no_grad():
+        alone = tiny_model(input_ids=torch.tensor([b])).logits[0]
+        p = pack_sequences([a, b])
+        packed = tiny_model(input_ids=p.input_ids, position_ids=p.position_ids).logits[0, len(a) :]
+        masked = tiny_model(
+            input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=p.attention_mask()
+        ).logits[0, len(a) :]
+    assert (packed - alone).abs().max().item() > 1e-3
+    assert (masked - alone).abs().max().item() < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["varlen", "mask"])
+def test_packed_train_step_equals_padded(pg, tiny_model_dir, kind) -> None:
+    batch = _batch(2)
+    padded = _worker(tiny_model_dir, pg, packing=False)
+    packed = _worker(tiny_model_dir, pg, packing=True, packed_attention=kind)
+    lp = padded.compute_logprobs(batch)
+    ref = [[v - 0.01 * (i % 3) for i, v in enumerate(row)] for row in lp]  # a non-zero KL to the reference
+    b = {**batch, "behaviour_logprobs": lp, "proximal_logprobs": lp, "ref_logprobs": ref}
+    cfg = {"clip": 0.2, "kl_coef": 0.1, "entropy_coef": 0.01}
+    a, p = padded.train_step(b, cfg), packed.train_step(b, cfg)
+    for key in ("loss", "entropy", "kl_ref", "grad_norm", "n_tokens"):
+        assert p[key] == pytest.approx(a[key], abs=TOL), key
+    grads_a = {n: q.grad.full_tensor() for n, q in padded.model.named_parameters()}
+    grads_p = {n: q.grad.full_tensor() for n, q in packed.model.named_parameters()}
+    assert grads_a.keys() == grads_p.keys()
+    assert max((grads_a[n] - grads_p[n]).abs().max().item() for n in grads_a) < TOL
+    sd_a, sd_p = padded.model.state_dict(), packed.model.state_dict()
+    assert max((sd_a[n].full_tensor() - sd_p[n].full_tensor()).abs().max().item() for n in sd_a) < WEIGHT_TOL
+
+
+def test_too_long_sequence_is_refused(workers) -> None:
+    from rlc.runtime.packing import SequenceTooLongError
+
+    batch = {"input_ids": [[3] * 10, [4] * (BUDGET + 1)]}
+    with pytest.raises(SequenceTooLongError, match=rf"sequence 1 has {BUDGET + 1} tokens .* budget is {BUDGET}"):
+        workers["varlen"].compute_logprobs(batch)
+
+
+def test_attention_adapters() -> None:
+    from rlc.runtime.packing import pack_sequences
+    from rlc.runtime.platform import get_platform
+    from rlc.runtime.train.packed_forward import VARLEN_SDPA, attn_implementation_for, packed_attention_inputs
+
+    cpu, npu = get_platform("cpu"), get_platform("npu")
+    p = pack_sequences([[1, 2, 3], [4], [5, 6]])
+    mask = packed_attention_inputs(p, cpu, torch.device("cpu"), "mask")
+    assert mask["attention_mask"].shape == (1, 1, 6, 6) and mask["attention_mask"].dtype == torch.bool
+    assert mask["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1]]
+    var = packed_attention_inputs(p, npu, torch.device("cpu"), "varlen")
+    assert var["cu_seq_lens_q"].tolist() == [0, 3, 4, 6] and var["cu_seq_lens_q"].dtype == torch.int32
+    assert var["max_length_q"] == var["max_length_k"] == 3 and "attention_mask" not in var
+    with pytest.raises(ValueError, match="CPU reference"):
+        packed_attention_inputs(p, npu, torch.device("cpu"), "mask")
+    assert attn_implementation_for(cpu, True, "varlen") == VARLEN_SDPA
+    assert attn_implementation_for(npu, True, "varlen") == "flash_attention_2"
+    assert attn_implementation_for(cpu, True, "mask") == "sdpa"
+    assert attn_implementation_for(npu, False, "varlen") is None
+
+
+def test_varlen_sdpa_equals_block_causal_mask() -> None:
+    from rlc.runtime.packing import block_causal_mask
+    from rlc.runtime.train.packed_forward import varlen_sdpa_attention
+
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 1, 7, 20, 21], dtype=torch.int32)
+    q = torch.randn(1, 4, 21, 8, generator=g)
+    k, v = torch.randn(1, 2, 21, 8, generator=g), torch.randn(1, 2, 21, 8, generator=g)
+    out, _ = varlen_sdpa_attention(torch.nn.Identity(), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=block_causal_mask(cu), scale=0.3, enable_gqa=True
+    )
+    assert out.shape == (1, 21, 4, 8)
+    assert (out - ref.transpose(1, 2)).abs().max().item() < 1e-6
+
+
+# ------------------------------------------------------------------ two ranks, uneven micro-batch counts
+
+
+def _rank_main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    from rlc.runtime.train.group import split_batch
+    from rlc.runtime.train.trainer import TrainerWorker
+
+    cfg = {"lr": 1e-3, "logprob_chunk_tokens": 7, "micro_batch_tokens": BUDGET, "packing": True}
+    w = TrainerWorker(rank, 2, "127.0.0.1", port, model_dir, "cpu", cfg)
+    share = split_batch(_two_rank_batch(), 2)[rank]
+    lp = w.compute_logprobs(share)
+    stats = w.train_step({**share, "behaviour_logprobs": lp, "proximal_logprobs": lp}, {"clip": 0.2})
+    sd = w.full_state_dict()
+    torch.save(
+        {"lp": lp, "stats": stats, "bins": len(w._micro_batches(share["input_ids"])), "sd": sd},
+        f"{out_dir}/rank{rank}.pt",
+    )
+    w.shutdown()
+
+
+def _two_rank_batch() -> dict:
+    """Rank 0 gets three full-ish sequences (3 bins), rank 1 three short ones (1 bin + 2 dummies)."""
+    b = _batch(3)
+    lengths = [BUDGET - 4, BUDGET - 10, BUDGET - 20, 6, 9, 12]
+    g = torch.Generator().manual_seed(3)
+    b["input_ids"] = [torch.randint(3, 32, (n,), generator=g).tolist() for n in lengths]
+    b["loss_mask"] = [[0] * 3 + [1] * (n - 3) for n in lengths]
+    b["advantages"] = b["advantages"][: len(lengths)]
+    return b
+
+
+@pytest.mark.slow
+def test_two_ranks_with_uneven_micro_batch_counts(pg, tiny_model_dir, tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(_free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["bins"] == r1["bins"] == 3  # rank 1 ran dummy micro-batches to keep FSDP in step
+    batch = _two_rank_batch()
+    one = _worker(tiny_model_dir, pg, packing=False)
+    lp = one.compute_logprobs(batch)
+    assert _max_diff(r0["lp"] + r1["lp"], lp) < TOL
+    ref = one.train_step({**batch, "behaviour_logprobs": lp, "proximal_logprobs": lp}, {"clip": 0.2})
+    for key in ("loss", "grad_norm", "n_tokens"):
+        assert r0["stats"][key] == pytest.approx(ref[key], abs=TOL), key
+    sd = {k: v.full_tensor() for k, v in one.model.state_dict().items()}
+    assert max((r0["sd"][k] - sd[k]).abs().max().item() for k in sd) < WEIGHT_TOL
