@@ -9,6 +9,7 @@ weights they hold, and each sample carries the policy version that produced it.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import threading
@@ -47,7 +48,12 @@ class Chunk:
 
 
 class RolloutPool:
-    """The rollout engine actors, with restart on failure."""
+    """The rollout engine actors, with restart on failure.
+
+    Both controller threads may find a dead engine (the driver through a failed generate call, the trainer
+    thread through a failed weight sync), so restarts happen under a lock and only for engines that are
+    really gone.
+    """
 
     def __init__(self, plan: Plan, make_engine) -> None:  # type: ignore[no-untyped-def]
         self.plan = plan
@@ -55,34 +61,55 @@ class RolloutPool:
         role = plan.roles_of("rollout")[0]
         self.replicas = role.replicas
         self.tp = role.parallel.tp
-        self.engines = [make_engine(i) for i in range(self.replicas)]
-        self.restarts = 0
         self.sync_backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[plan.platform]
+        self.engines = [make_engine(i, 0) for i in range(self.replicas)]
+        self.restarts = 0
+        self._lock = threading.Lock()
 
     def wait_ready(self) -> list[float]:
         import ray
 
         return ray.get([e.ready.remote() for e in self.engines])
 
-    def restart(self, index: int) -> None:
+    def _alive(self, index: int, timeout: float = 120.0) -> bool:
         import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
-            ray.kill(self.engines[index], no_restart=True)
-        except Exception:
-            pass
-        self.engines[index] = self._make(index)
-        ray.get(self.engines[index].ready.remote())
-        self.restarts += 1
+            ray.get(self.engines[index].get_version.remote(), timeout=timeout)
+            return True
+        except RayActorError:
+            return False
+        except GetTimeoutError:
+            return True  # busy (queued behind a long generate), not dead
+
+    def revive(self, indices: list[int] | None = None) -> list[int]:
+        """Restart whichever of `indices` (default: all) are dead; returns the restarted ones.
+
+        A restarted engine holds the base weights, so it is stamped with version -1 until the controller
+        loads the current weights into it: anything it generates before then is recognisably stale.
+        """
+        import ray
+
+        restarted = []
+        with self._lock:
+            for index in indices if indices is not None else range(len(self.engines)):
+                if self._alive(index):
+                    continue
+                with contextlib.suppress(Exception):
+                    ray.kill(self.engines[index], no_restart=True)
+                self.engines[index] = self._make(index, -1)
+                ray.get(self.engines[index].ready.remote())
+                self.restarts += 1
+                restarted.append(index)
+        return restarted
 
     def shutdown(self) -> None:
         import ray
 
         for engine in self.engines:
-            try:
+            with contextlib.suppress(Exception):
                 ray.kill(engine, no_restart=True)
-            except Exception:
-                pass
         self.engines = []
 
 
@@ -128,6 +155,8 @@ class Controller:
         self._training: Future | None = None
         self._sync_group: tuple[str, int] | None = None
         self._in_group: set[int] = set()
+        self._warming: set[int] = set()
+        self._reissue: list[list[PromptItem]] = []
         self.reference: Any = None
         self._stop = threading.Event()
         self.eos_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
@@ -165,11 +194,16 @@ class Controller:
         """Admit chunks while the staleness bound allows (and, colocated, only between train phases)."""
         if self.colocated and self._training is not None:
             return
-        per_engine = {i: 0 for i in range(self.rollout.replicas)}
+        per_engine = {i: 0 for i in range(self.rollout.replicas) if i not in self._warming}
         for chunk in self.inflight.values():
-            per_engine[chunk.engine] += 1
+            if chunk.engine in per_engine:
+                per_engine[chunk.engine] += 1
         for engine in sorted(per_engine, key=per_engine.get):  # type: ignore[arg-type]
             while per_engine[engine] < CHUNKS_PER_ENGINE:
+                if self._reissue:  # already admitted: their slots were counted when first submitted
+                    self._submit(engine, self._reissue.pop(0))
+                    per_engine[engine] += 1
+                    continue
                 samples = self.chunk_prompts * self.group_size
                 if not self.gate.can_admit(samples, self.version):
                     return
@@ -205,30 +239,43 @@ class Controller:
                     for ids in group.output_ids
                 ]
                 self._rollout_tokens += sum(len(ids) for ids in group.output_ids)
-                self.finished.append(group)
+                if not self._drop_too_stale(group):
+                    self.finished.append(group)
 
     def _engine_died(self, chunk: Chunk) -> None:
         """Restart the engine, bring it to the current weights, and re-issue every prompt it held."""
-        lost = [c for c in self.inflight.values() if c.engine == chunk.engine]
+        lost = [chunk] + [c for c in self.inflight.values() if c.engine == chunk.engine]
         for ref in [r for r, c in self.inflight.items() if c.engine == chunk.engine]:
             del self.inflight[ref]
-        self.logger.message(
-            f"rollout engine {chunk.engine} died; restarting it and re-issuing {len(lost) + 1} chunk(s)"
-        )
-        self.rollout.restart(chunk.engine)
-        self._in_group.discard(chunk.engine)
-        self._sync_group = None  # the broadcast group must be rebuilt with the new engine
-        if self.version > 0:
-            future = self._trainer_thread.submit(self._load_current_weights, chunk.engine)
-            future.result()
-        for old in [chunk, *lost]:
-            self._submit(chunk.engine, old.items)
+        self.logger.message(f"rollout engine {chunk.engine} died; restarting it and re-issuing {len(lost)} chunk(s)")
+        self._reissue.extend(c.items for c in lost)
+        self._warming.add(chunk.engine)
+        for index in self.rollout.revive([chunk.engine]):
+            self._forget_engine(index)
+        # The trainer thread loads the current weights, then the engine takes new work again.
+        self._trainer_thread.submit(self._load_current_weights, chunk.engine)
+
+    def _forget_engine(self, index: int) -> None:
+        """A restarted engine is not in the weight-sync group: the next sync rebuilds the group."""
+        self._in_group.discard(index)
+        self._sync_group = None
 
     def _load_current_weights(self, engine: int) -> None:
         import ray
 
-        path = self.trainer.save_weights(str(self.run_dir / "sync" / "latest"))
-        ray.get(self.rollout.engines[engine].update_weights_from_path.remote(str(Path(path).parent), self.version))
+        try:
+            path = self.trainer.save_weights(str(self.run_dir / "sync" / "latest"))
+            ray.get(self.rollout.engines[engine].update_weights_from_path.remote(str(Path(path).parent), self.version))
+        finally:
+            self._warming.discard(engine)
+
+    def _drop_too_stale(self, group: Group) -> bool:
+        """Samples older than the staleness bound allows (e.g. from a restarted engine) are regenerated."""
+        bound = 0 if self.colocated else self.plan.schedule.max_staleness
+        if min(group.versions) >= self.version - bound:
+            return False
+        self._reissue.append([group.item])
+        return True
 
     # ------------------------------------------------------------------ trainer side (one thread)
 
@@ -304,8 +351,25 @@ class Controller:
         )
         return stats
 
-    def _sync_weights(self, version: int) -> None:
-        """Move the trainer's weights into every engine: a broadcast group, or safetensors on disk."""
+    def _sync_weights(self, version: int, attempts: int = 3) -> None:
+        """Move the trainer's weights into every engine; an engine lost mid-sync is restarted and the sync redone."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        for attempt in range(1, attempts + 1):
+            try:
+                self._sync_once(version)
+                return
+            except (RayActorError, RayTaskError) as exc:
+                if attempt == attempts:
+                    raise
+                self.logger.message(f"weight sync failed ({type(exc).__name__}); reviving engines and retrying")
+                self._sync_group = None
+                with contextlib.suppress(Exception):  # the sender's group may already be broken
+                    self.trainer.close_weight_sync()
+                for index in self.rollout.revive():
+                    self._forget_engine(index)
+
+    def _sync_once(self, version: int) -> None:
         import ray
 
         engines = self.rollout.engines
@@ -317,12 +381,13 @@ class Controller:
         world = 1 + len(engines) * self.rollout.tp
         refs: list[Any] = []
         if self._sync_group is None:
-            ray.get([engines[i].close_sync_group.remote() for i in sorted(self._in_group)])
+            for index in sorted(self._in_group):  # leave the old group; a broken one may refuse politely
+                with contextlib.suppress(Exception):
+                    ray.get(engines[index].close_sync_group.remote(), timeout=60)
             self._sync_group = self.trainer.weight_sync_address()
             host, port = self._sync_group
-            backend = self.rollout.sync_backend
             refs = [
-                e.init_sync_group.remote(host, port, 1 + i * self.rollout.tp, world, backend)
+                e.init_sync_group.remote(host, port, 1 + i * self.rollout.tp, world, self.rollout.sync_backend)
                 for i, e in enumerate(engines)
             ]
             self._in_group = set(range(len(engines)))

@@ -121,11 +121,9 @@ def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, A
         "temperature": plan.sampling.temperature,
         "seed": plan.algorithm.seed,
         # The trainer's micro-batching and log-prob chunking follow the plan (its memory model assumes them).
-        **{
-            k: v
-            for k, v in actor.engine.items()
-            if k in ("micro_batch_tokens", "logprob_chunk_tokens", "packing", "recompute", "gradient_checkpointing")
-        },
+        **{k: v for k, v in actor.engine.items() if k in ("micro_batch_tokens", "logprob_chunk_tokens", "packing")},
+        # FSDP2 recomputes activations per decoder layer (full); selective maps to the same on this backend.
+        "gradient_checkpointing": actor.engine.get("recompute", "none") != "none",
     }
     env = {**plan.env, **actor.env}
     # A KL reference shares the trainer's devices: each takes half of a device's logical resource.
@@ -157,7 +155,7 @@ def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, A
 
     generations: dict[int, int] = {}
 
-    def make_engine(index: int) -> Any:
+    def make_engine(index: int, stamp: int) -> Any:
         # Named so operators (and the failure tests) can find them: rlc-rollout-<index>[-r<restart>].
         generation = generations.get(index, 0)
         generations[index] = generation + 1
@@ -172,7 +170,7 @@ def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, A
             runtime_env={"env_vars": engine_env},
             max_concurrency=1,
         )
-        return cls.remote(engine_args, plan.platform, engine_env, version)
+        return cls.remote(engine_args, plan.platform, engine_env, version if stamp == 0 else stamp)
 
     pool = RolloutPool(plan, make_engine)
     pool.wait_ready()

@@ -152,6 +152,10 @@ class TrainerGroup:
         """
         return self._all_async("sync_weights_broadcast", host, port, world_size, meta)
 
+    def close_weight_sync(self) -> None:
+        """Leave the weight-sync group on every rank (before re-forming it with other engines)."""
+        self._all("close_weight_sync")
+
     def save_checkpoint(self, ckpt_dir: str) -> str:
         """Collective checkpoint: HF weights plus sharded optimizer state."""
         return self._all("save_checkpoint", ckpt_dir)[0]

@@ -1,0 +1,134 @@
+"""`rlc run` end to end on the CPU default: a real local Ray, a vLLM engine and an FSDP2 trainer.
+
+These start engines (tens of seconds each on two cores), so they are marked slow; CI runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlc.runtime.metrics import REQUIRED_KEYS
+
+ROOT = Path(__file__).parent.parent
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+RLC = [sys.executable, "-m", "rlc"]
+
+pytestmark = pytest.mark.slow
+
+
+def compile_quickstart(tmp_path: Path, *overrides: str) -> Path:
+    plan = tmp_path / "plan"
+    sets = [f"output.dir={tmp_path / 'run'}", *overrides]
+    args = [*RLC, "compile", str(QUICKSTART), "-o", str(plan)]
+    for item in sets:
+        args += ["--set", item]
+    subprocess.run(args, check=True, capture_output=True, text=True)
+    return plan
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_interrupt_then_resume_continues_numbering(tmp_path: Path) -> None:
+    plan = compile_quickstart(tmp_path, "algorithm.steps=40", "algorithm.max_staleness=1", "output.checkpoint_every=5")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*RLC, "run", str(plan)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and len(read_metrics(run_dir)) < 12 and proc.poll() is None:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=180)[0]
+    assert "interrupted" in output
+    assert "Traceback" not in output, output[-3000:]
+    interrupted_at = len(read_metrics(run_dir))
+    assert 12 <= interrupted_at < 40
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
+    assert checkpoints, "a checkpoint must survive the interrupt"
+    assert all((c / "COMPLETE").exists() for c in checkpoints)
+    resumed_from = int(checkpoints[-1].name.split("-")[1])
+
+    result = subprocess.run([*RLC, "run", str(plan), "--resume"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"resumed from step-{resumed_from:06d}" in result.stdout
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    for key in REQUIRED_KEYS:
+        assert all(key in r for r in rows), f"missing {key}"
+    assert all(r["staleness/max"] <= 1 for r in rows)  # the quickstart's max_staleness
+    assert (run_dir / "tensorboard").is_dir()
+
+
+def test_rollout_engine_killed_mid_run_is_restarted(tmp_path: Path) -> None:
+    import ray
+
+    from rlc.compiler.manifest import load_plan
+    from rlc.runtime.launch import run_plan
+
+    plan_dir = compile_quickstart(
+        tmp_path, "algorithm.steps=16", "algorithm.max_staleness=1", "output.checkpoint_every=100"
+    )
+    plan = load_plan(plan_dir)
+    run_dir = tmp_path / "run"
+    killed: list[str] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and len(read_metrics(run_dir)) < 4:
+            time.sleep(0.1)
+        actor = ray.get_actor("rlc-rollout-0")
+        ray.kill(actor, no_restart=True)
+        killed.append("rlc-rollout-0")
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    steps = run_plan(plan, run_dir)
+    thread.join(timeout=10)
+    assert killed
+    assert steps == 16
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    assert rows[-1]["rollout/engine_restarts"] >= 1
+
+
+def test_missing_model_is_clear_before_any_actor(tmp_path: Path) -> None:
+    plan = compile_quickstart(tmp_path, "model.path=/nonexistent/model")
+    result = subprocess.run([*RLC, "run", str(plan)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "model folder not found: /nonexistent/model" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "local Ray" not in result.stdout
+
+
+def test_bad_dataset_is_clear_before_any_actor(tmp_path: Path) -> None:
+    bad = tmp_path / "data.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\nnot json\n')
+    plan = compile_quickstart(tmp_path, f"data.train={tmp_path / 'missing.jsonl'}")
+    result = subprocess.run([*RLC, "run", str(plan)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "dataset file not found" in result.stderr
+    assert "local Ray" not in result.stdout
+
+
+def test_tampered_plan_is_refused_before_any_import(tmp_path: Path) -> None:
+    plan = compile_quickstart(tmp_path)
+    plan_json = plan / "plan.json"
+    plan_json.write_text(plan_json.read_text().replace('"steps": 350', '"steps": 81'))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run([*RLC, "run", str(plan)], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 1
+    assert "plan.json" in result.stderr
+    assert "recompile" in result.stderr
