@@ -46,6 +46,9 @@ class LoadResult:
     report: Report
     lines: LineMap
     data: dict[str, Any] | None = None
+    # When the file has structural errors: the spec with the offending keys removed (defaults in their
+    # place), so semantic rules can still report problems in the rest of the file in the same pass.
+    repaired: Spec | None = None
 
 
 class _KeyTrackingLoader(yaml.SafeLoader):
@@ -248,11 +251,43 @@ def load_spec_text(
     except ValidationError as exc:
         for error in exc.errors():
             report.add(_error_to_diagnostic(dict(error), lines, file))
-        return LoadResult(None, report, lines, data)
+        return LoadResult(None, report, lines, data, repaired=_repair(data, exc))
     except (RecursionError, TypeError) as exc:
         report.add(Diagnostic("RLC102", f"spec has an unsupported structure: {exc}", file=file))
         return LoadResult(None, report, lines, data)
     return LoadResult(spec, report, lines, data)
+
+
+def _drop(data: Any, loc: Loc) -> bool:
+    """Remove the value at `loc` (so its default applies); False when it cannot be removed."""
+    node = data
+    for part in loc[:-1]:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return False
+    if isinstance(node, dict) and loc and loc[-1] in node:
+        del node[loc[-1]]
+        return True
+    return False
+
+
+def _repair(data: dict[str, Any], error: ValidationError, rounds: int = 4) -> Spec | None:
+    """Drop every offending value and validate again; None when a required value is missing."""
+    import copy
+
+    repaired = copy.deepcopy(data)
+    for _ in range(rounds):
+        locs = [tuple(p for p in e["loc"] if not str(p).startswith("function-after")) for e in error.errors()]
+        if not all(_drop(repaired, loc) for loc in locs if loc):
+            return None
+        try:
+            return Spec.model_validate(repaired)
+        except ValidationError as again:
+            error = again
+        except (RecursionError, TypeError):
+            return None
+    return None
 
 
 def load_spec_file(path: str | Path, *, target: str | None = None, overrides: list[str] | None = None) -> LoadResult:

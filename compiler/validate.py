@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlc.compiler.diagnostics import Report
-from rlc.compiler.load import LineMap, load_spec_file, load_spec_text
+from rlc.compiler.load import LineMap, LoadResult, load_spec_file, load_spec_text
 from rlc.compiler.resolve import Problem, resolve
 from rlc.compiler.rules import run_rules
 
@@ -20,22 +20,27 @@ class Checked:
     lines: LineMap
 
 
-def check_loaded(result_spec, report: Report, lines: LineMap) -> Checked:  # type: ignore[no-untyped-def]
-    if result_spec is None:
+def check_loaded(loaded: LoadResult) -> Checked:
+    """Resolve names and run the semantic rules on a loaded spec.
+
+    A structurally broken file still gets its semantic checks, on the spec with the broken values
+    removed, so one pass reports every problem; such a file never yields a problem to plan.
+    """
+    report, lines = loaded.report, loaded.lines
+    spec = loaded.spec or loaded.repaired
+    if spec is None:
         return Checked(None, report, lines)
-    problem, found = resolve(result_spec, lines, report.file)
+    problem, found = resolve(spec, lines, report.file)
     report.extend(found)
-    if problem is None:
-        return Checked(None, report, lines)
-    report.extend(run_rules(problem, lines, report.file))
-    return Checked(problem if report.ok else None, report, lines)
+    if problem is not None:
+        report.extend(run_rules(problem, lines, report.file))
+    usable = problem is not None and loaded.spec is not None and report.ok
+    return Checked(problem if usable else None, report, lines)
 
 
 def check_file(path: str | Path, *, target: str | None = None, overrides: list[str] | None = None) -> Checked:
-    loaded = load_spec_file(path, target=target, overrides=overrides)
-    return check_loaded(loaded.spec, loaded.report, loaded.lines)
+    return check_loaded(load_spec_file(path, target=target, overrides=overrides))
 
 
 def check_text(text: str | bytes, file: str = "<spec>", *, target: str | None = None) -> Checked:
-    loaded = load_spec_text(text, file, target=target)
-    return check_loaded(loaded.spec, loaded.report, loaded.lines)
+    return check_loaded(load_spec_text(text, file, target=target))

@@ -324,3 +324,11 @@ def test_inline_arch() -> None:
         " num_kv_heads: 2, intermediate_size: 512, vocab_size: 1000}",
     )
     assert check(text).ok
+
+
+def test_structural_and_semantic_errors_reported_together() -> None:
+    report = check(GOOD + "algoritm: {lr: 1.0e-6}\nplacement:\n  train: {tp: 3}\nmode: colocate\n")
+    found = {(d.code, d.path) for d in report.errors}
+    assert ("RLC101", "algoritm") in found
+    assert ("RLC104", "mode") in found
+    assert ("RLC207", "placement.train.tp") in found
