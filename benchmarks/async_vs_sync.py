@@ -127,7 +127,12 @@ def main() -> None:
         f"note: the synchronous step splits into rollout wait {sync['rollout_s']:.2f} s and train+sync {train:.2f} s, "
         f"so perfect overlap on separate hardware would give at most {bound:.2f}x; rollout and training share the "
         f"same two cores here, so each slows the other while they overlap and the measured {ratio:.2f}x "
-        f"realises {gained:.0%} of that bound."
+        + (
+            f"realises {gained:.0%} of that bound."
+            if gained > 0
+            else f"realises none of it: training slows from {train:.3f} s to "
+            f"{asyn['train_s'] + asyn['sync_s']:.3f} s per step while rollout runs beside it."
+        )
     )
     print(
         f"summary: async (max_staleness 2) runs {ratio:.2f}x the steps/s of sync (max_staleness 0) "
