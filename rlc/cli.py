@@ -245,6 +245,31 @@ def run(
 
 
 @app.command()
+def export(
+    run_dir: Annotated[
+        Path, typer.Argument(help="Run directory (holds checkpoints/ and plan.json).", show_default=False)
+    ],
+    merged: Annotated[
+        bool, typer.Option("--merged", help="Fold LoRA adapters into the base weights (a plain HF model).")
+    ] = False,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Output folder.")] = None,
+) -> None:
+    """Write the newest checkpoint of a run as a Hugging Face model folder."""
+    if not merged:
+        raise _usage_error("only merged export exists so far: pass --merged")
+    if not run_dir.is_dir():
+        raise _usage_error(f"{run_dir} is not a run directory")
+    from rlc.runtime.export import ExportError, export_merged
+
+    try:
+        out = export_merged(run_dir, output)
+    except ExportError as exc:
+        typer.echo(f"rlc export: error: {exc}", err=True)
+        raise typer.Exit(EXIT_FINDINGS) from None
+    typer.echo(f"wrote {out}")
+
+
+@app.command()
 def schema(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to a file instead.")] = None,
 ) -> None:

@@ -5,12 +5,20 @@ under the staleness bound (`StalenessGate`). A second thread owns every trainer 
 reference log-probs, the optimizer step, the weight sync, checkpoints), because trainer calls are
 collective and must reach all ranks in the same order. While it trains, engines keep generating with the
 weights they hold, and each sample carries the policy version that produced it.
+
+Modes ride on the same loop: colocated runs alternate (no rollout is admitted while training, and the
+plan's sleep/offload moves happen around each train phase, `colocate.PhaseSwitcher`); LoRA runs sync an
+adapter (or merged weights) and take the KL reference from the trainer with adapters disabled; MOPD runs
+score each batch with the teachers (`distill.TeacherPool`) concurrently with the proximal log-probs; and
+speculative decoding's counters are read from the engines after every step (`spec_decode`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import shutil
 import statistics
 import threading
 import time
@@ -20,8 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from rlc.runtime.checkpoint import ControllerState, finalize, staging_dir
+from rlc.runtime.colocate import PhaseSwitcher
+from rlc.runtime.distill import teacher_metrics
 from rlc.runtime.metrics import MetricsLogger
 from rlc.runtime.prompts import PromptItem, PromptStream
+from rlc.runtime.spec_decode import SpecDecodeDelta
 from rlc.runtime.staleness import StalenessGate
 from rlc.schemas.plan import Plan
 
@@ -158,17 +169,17 @@ class Controller:
         self._warming: set[int] = set()
         self._reissue: list[list[PromptItem]] = []
         self.reference: Any = None
+        self.teachers: Any = None  # a distill.TeacherPool when the plan distills
+        self.lora_adapter = plan.lora is not None and plan.lora.rollout == "adapter"
+        self.spec_decode = SpecDecodeDelta() if plan.sampling.speculative else None
+        self._shm_dir: Path | None = None
         self._stop = threading.Event()
         self.eos_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
         self._step_started = time.perf_counter()
         self._rollout_tokens = 0
         self._rollout_busy_s = 0.0
         self.logger = MetricsLogger(run_dir, plan.loggers, plan.schedule.steps, self.step)
-        if self.colocated and plan.platform == "cpu":
-            self.logger.message(
-                "colocated on cpu: vLLM sleep mode is not supported here, so engines keep their memory "
-                "between phases; rollout and training still alternate"
-            )
+        self.phases = PhaseSwitcher(plan, rollout, trainer, self.logger.message)
 
     # ------------------------------------------------------------------ rollout side
 
@@ -261,11 +272,8 @@ class Controller:
         self._sync_group = None
 
     def _load_current_weights(self, engine: int) -> None:
-        import ray
-
         try:
-            path = self.trainer.save_weights(str(self.run_dir / "sync" / "latest"))
-            ray.get(self.rollout.engines[engine].update_weights_from_path.remote(str(Path(path).parent), self.version))
+            self._push_files([engine], self.version)
         finally:
             self._warming.discard(engine)
 
@@ -306,6 +314,7 @@ class Controller:
             "behaviour_logprobs": behaviour,
             "advantages": adv,
         }
+        domains = [g.item.domain for g in groups for _ in g.output_ids]
         flat = rewards.flatten().tolist()
         stats = {
             "reward/mean": statistics.fmean(flat),
@@ -315,27 +324,48 @@ class Controller:
             "response_len/mean": statistics.fmean(lengths),
             "train/tokens": float(sum(len(x) for x in input_ids)),
         }
-        return batch, stats
+        return batch, stats, domains
 
     def _train_and_sync(self, groups: list[Group]) -> dict[str, float]:
         algo = self.plan.algorithm
-        batch, stats = self._build_batch(groups)
+        batch, stats, domains = self._build_batch(groups)
+        self.phases.before_train()
         t0 = time.perf_counter()
+        # Teachers score on their own devices while the trainer computes the proximal log-probs.
+        scoring = self.teachers.score(batch["input_ids"], domains) if self.teachers is not None else None
         if algo.decoupled_loss:
             batch["proximal_logprobs"] = self.trainer.compute_logprobs(batch)
+            stats.update(_behaviour_gap(batch))
         loss_cfg = {
             "clip": algo.clip,
             "behave_imp_weight_cap": algo.behave_imp_weight_cap,
             "decoupled": algo.decoupled_loss,
         }
         if algo.kl_coef > 0:
-            batch["ref_logprobs"] = self.reference.compute_logprobs(batch)
+            if self.plan.lora is not None:  # the base model with adapters disabled: no second copy
+                batch["ref_logprobs"] = self.trainer.compute_logprobs(batch, adapters=False)
+            else:
+                batch["ref_logprobs"] = self.reference.compute_logprobs(batch)
             loss_cfg["kl_coef"] = algo.kl_coef
+        if scoring is not None:
+            t_teach = time.perf_counter()
+            rows, distill_inputs = self.teachers.collect(scoring, batch["input_ids"])
+            batch.update(distill_inputs)
+            loss_cfg["distill_coef"] = self.plan.distill.coef  # type: ignore[union-attr]
+            student = batch.get("proximal_logprobs", batch["behaviour_logprobs"])
+            stats.update(teacher_metrics(rows, student, batch["loss_mask"]))
+            stats["time/teacher_wait_s"] = time.perf_counter() - t_teach
         result = self.trainer.train_step(batch, loss_cfg)
         train_s = time.perf_counter() - t0
         t1 = time.perf_counter()
+        self.phases.before_sync()
         self._sync_weights(self.version + 1)
         sync_s = time.perf_counter() - t1
+        self.phases.after_sync()
+        if self.colocated:
+            stats.update(self.phases.take_times())
+        if "kl_ref" in result:
+            stats["kl_ref"] = result["kl_ref"]
         stats.update(
             {
                 "loss/policy": result.get("loss", float("nan")),
@@ -369,13 +399,50 @@ class Controller:
                 for index in self.rollout.revive():
                     self._forget_engine(index)
 
+    def _sync_method(self) -> str:
+        """adapter (LoRA served by vLLM), broadcast, shm (colocated on cpu) or disk.
+
+        `inplace` (colocated) on cpu goes through a safetensors file in /dev/shm: engines and trainer share
+        the node's memory, so that is a memory copy, and it reuses the tested reload path. On accelerators
+        it uses the broadcast group (an IPC-handle path would avoid the copy; not built yet).
+        """
+        if self.lora_adapter:
+            return "adapter"
+        method = self.plan.schedule.weight_sync
+        if method == "inplace":
+            return "shm" if self.plan.platform == "cpu" else "broadcast"
+        return method
+
+    def _weights_dir(self) -> Path:
+        if self._sync_method() == "shm" and Path("/dev/shm").is_dir():
+            if self._shm_dir is None:
+                self._shm_dir = Path("/dev/shm") / f"rlc-{os.getpid()}-{abs(hash(str(self.run_dir))) % 10**8}"
+            return self._shm_dir
+        return self.run_dir / "sync" / "latest"
+
+    def _push_files(self, indices: list[int], version: int) -> None:
+        """Write the current weights (or LoRA adapter) as files and have engines `indices` load them."""
+        import ray
+
+        engines = [self.rollout.engines[i] for i in indices]
+        if self.lora_adapter:
+            # A new folder per version: vLLM identifies an adapter by id and path, and an engine may still
+            # be reading the previous one.
+            root = self.run_dir / "sync"
+            path = self.trainer.save_adapter(str(root / f"adapter-v{version:06d}"))
+            ray.get([e.update_lora_adapter.remote(path, version) for e in engines])
+            for old in sorted(root.glob("adapter-v*"))[:-2]:
+                shutil.rmtree(old, ignore_errors=True)
+            return
+        path = self.trainer.save_weights(str(self._weights_dir()))
+        ray.get([e.update_weights_from_path.remote(str(Path(path).parent), version) for e in engines])
+
     def _sync_once(self, version: int) -> None:
         import ray
 
         engines = self.rollout.engines
-        if self.plan.schedule.weight_sync != "broadcast":
-            path = self.trainer.save_weights(str(self.run_dir / "sync" / "latest"))
-            ray.get([e.update_weights_from_path.remote(str(Path(path).parent), version) for e in engines])
+        if self._sync_method() != "broadcast":
+            self._push_files(list(range(len(engines))), version)
             return
         meta = self.trainer.weight_meta()
         world = 1 + len(engines) * self.rollout.tp
@@ -447,6 +514,7 @@ class Controller:
             "time/step_s": step_s,
             "throughput/rollout_tokens_per_s": self._rollout_tokens / step_s if step_s > 0 else 0.0,
             "rollout/engine_restarts": float(self.rollout.restarts),
+            **self._spec_decode_metrics(),
         }
         self._step_started = now
         self._rollout_tokens = 0
@@ -455,9 +523,42 @@ class Controller:
         if self.step % every == 0 or self.step == self.plan.schedule.steps:
             self._trainer_thread.submit(self._checkpoint).result()
 
+    def _spec_decode_metrics(self) -> dict[str, float]:
+        """This step's speculative-decoding figures, summed over engines (empty without spec decode)."""
+        import ray
+
+        if self.spec_decode is None:
+            return {}
+        try:
+            snaps = ray.get([e.spec_decode_metrics.remote() for e in self.rollout.engines], timeout=120)
+        except Exception as exc:  # a dying engine: the restart path deals with it
+            self.logger.message(f"spec-decode counters unavailable this step ({type(exc).__name__})")
+            return {}
+        return self.spec_decode.step(dict(enumerate(snaps)))
+
     def close(self) -> None:
+        if self._shm_dir is not None:
+            shutil.rmtree(self._shm_dir, ignore_errors=True)
         self.logger.close()
         self._trainer_thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _behaviour_gap(batch: dict[str, Any]) -> dict[str, float]:
+    """How far the engines' behaviour log-probs are from the trainer's proximal ones on response tokens.
+
+    On-policy (staleness 0) both describe the same weights, so this measures engine/trainer numerical
+    agreement (e.g. vLLM serving a LoRA adapter vs the FSDP2 trainer); off-policy it also holds the lag.
+    """
+    worst, total, count = 0.0, 0.0, 0
+    rows = zip(batch["behaviour_logprobs"], batch["proximal_logprobs"], batch["loss_mask"], strict=True)
+    for beh, prox, mask in rows:
+        for j in range(1, len(mask)):
+            if mask[j]:
+                gap = abs(beh[j] - prox[j])
+                worst = max(worst, gap)
+                total += gap
+                count += 1
+    return {"logprob_gap/max": worst, "logprob_gap/mean": total / count if count else 0.0}
 
 
 def _rng_to_json(state: tuple) -> dict[str, Any]:

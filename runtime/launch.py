@@ -40,6 +40,13 @@ def prepare_model(plan: Plan, log) -> Path:  # type: ignore[no-untyped-def]
         raise RunError(f"{path} is not a Hugging Face model folder: config.json is missing")
     if not any(path.glob("*.safetensors")):
         raise RunError(f"{path} has no *.safetensors weights")
+    for teacher in plan.distill.teachers if plan.distill else []:
+        where = Path(teacher.model.path or "")
+        if not (where / "config.json").is_file() or not any(where.glob("*.safetensors")):
+            raise RunError(
+                f"teacher {teacher.name}: no Hugging Face model at {teacher.model.path} (distill.teachers[].model.path "
+                "in the spec; it must exist on every node)"
+            )
     return path
 
 
@@ -100,8 +107,13 @@ def _placement_group(bundles: list[dict[str, float]], name: str) -> Any:
     return pg
 
 
-def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, Any]:
-    """Placement groups, the trainer group, the rollout engines, and the reference policy if any."""
+def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, Any, Any]:
+    """Placement groups, the trainer group, the rollout engines, the reference policy and the teachers.
+
+    Colocated, trainer ranks and engines share one placement group: each device's logical resource is
+    split between the trainer rank and the engine on it (they take turns; see colocate.PhaseSwitcher).
+    A LoRA run has no reference group: the trainer scores with adapters disabled.
+    """
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from rlc.runtime.controller import RolloutPool
@@ -112,8 +124,13 @@ def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, A
     resource = load_target(plan.target).ray_resource
     actor = plan.roles_of("train")[0]
     rollout = plan.roles_of("rollout")[0]
-    train_pg = _placement_group([{resource: 1}] * actor.devices, "rlc-actor")
-    rollout_pg = _placement_group([{resource: rollout.parallel.tp}] * rollout.replicas, "rlc-rollout")
+    colocated = plan.schedule.mode == "colocated"
+    if colocated:
+        # Engine i uses devices [i·tp, (i+1)·tp); it is anchored on its first device's bundle.
+        train_pg = rollout_pg = _placement_group([{resource: 1}] * actor.devices, "rlc-colocated")
+    else:
+        train_pg = _placement_group([{resource: 1}] * actor.devices, "rlc-actor")
+        rollout_pg = _placement_group([{resource: rollout.parallel.tp}] * rollout.replicas, "rlc-rollout")
     train_cfg = {
         "lr": plan.algorithm.lr,
         "weight_decay": plan.algorithm.weight_decay,
@@ -124,10 +141,13 @@ def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, A
         **{k: v for k, v in actor.engine.items() if k in ("micro_batch_tokens", "logprob_chunk_tokens", "packing")},
         # FSDP2 recomputes activations per decoder layer (full); selective maps to the same on this backend.
         "gradient_checkpointing": actor.engine.get("recompute", "none") != "none",
+        "lora": plan.lora.model_dump() if plan.lora else None,
     }
     env = {**plan.env, **actor.env}
-    # A KL reference shares the trainer's devices: each takes half of a device's logical resource.
-    share = 0.5 if plan.algorithm.kl_coef > 0 else 1.0
+    separate_reference = plan.algorithm.kl_coef > 0 and plan.lora is None
+    # A KL reference shares the trainer's devices (each takes half of a device's logical resource); colocated,
+    # the engines take the other half.
+    share = (0.5 if separate_reference else 1.0) * (0.5 if colocated else 1.0)
     trainer = TrainerGroup(
         actor.devices,
         str(model_path),
@@ -139,7 +159,7 @@ def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, A
         env=env,
     )
     reference = None
-    if plan.algorithm.kl_coef > 0:
+    if separate_reference:
         reference = TrainerGroup(
             actor.devices,
             str(model_path),
@@ -163,9 +183,10 @@ def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, A
         cls = rollout_engine_actor(
             name=name,
             num_cpus=0,
-            resources={resource: rollout.parallel.tp},
+            resources={resource: 0.5 if colocated else rollout.parallel.tp},
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=rollout_pg, placement_group_bundle_index=index
+                placement_group=rollout_pg,
+                placement_group_bundle_index=index * rollout.parallel.tp if colocated else index,
             ),
             runtime_env={"env_vars": engine_env},
             max_concurrency=1,
@@ -173,8 +194,43 @@ def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, A
         return cls.remote(engine_args, plan.platform, engine_env, version if stamp == 0 else stamp)
 
     pool = RolloutPool(plan, make_engine)
+    teachers = build_teachers(plan, resource) if plan.distill else None
     pool.wait_ready()
-    return trainer, pool, reference
+    if teachers is not None:
+        teachers.wait_ready()
+    return trainer, pool, reference, teachers
+
+
+def build_teachers(plan: Plan, resource: str) -> Any:
+    """Forward-only teacher engines, one placement group per teacher role, named rlc-teacher-<name>-<i>."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from rlc.runtime.distill import TeacherPool
+    from rlc.runtime.rollout.engine import rollout_engine_actor
+
+    groups = {
+        t.role: _placement_group(
+            [{resource: plan.role(t.role).parallel.tp}] * plan.role(t.role).replicas, f"rlc-{t.role}"
+        )
+        for t in plan.distill.teachers  # type: ignore[union-attr]
+    }
+
+    def make_teacher(role_name: str, index: int) -> Any:
+        role = plan.role(role_name)
+        env = {**plan.env, **role.env}
+        cls = rollout_engine_actor(
+            name=f"rlc-{role_name}-{index}",
+            num_cpus=0,
+            resources={resource: role.parallel.tp},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=groups[role_name], placement_group_bundle_index=index
+            ),
+            runtime_env={"env_vars": env},
+            max_concurrency=1,
+        )
+        return cls.remote(dict(role.engine), plan.platform, env, 0)
+
+    return TeacherPool(plan, make_teacher)
 
 
 def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> int:
@@ -210,13 +266,14 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> i
     from rlc.runtime.controller import Controller
 
     start_ray(plan, log)
-    trainer = pool = controller = None
+    trainer = pool = controller = teachers = reference = None
     previous = signal.getsignal(signal.SIGINT)
     try:
         log("starting trainer and rollout engines")
-        trainer, pool, reference = build_roles(plan, model_path, start.version if start else 0)
+        trainer, pool, reference, teachers = build_roles(plan, model_path, start.version if start else 0)
         controller = Controller(plan, run_dir, tokenizer, reward_fn, pool, trainer, start=start)
         controller.reference = reference
+        controller.teachers = teachers
         if start is not None:
             trainer.load_checkpoint(str(checkpoint))
             controller._sync_weights(start.version)
@@ -235,7 +292,7 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> i
         signal.signal(signal.SIGINT, previous)
         if controller is not None:
             controller.close()
-        for part in (pool, trainer):
+        for part in (teachers, pool, reference, trainer):
             if part is not None:
                 try:
                     part.shutdown()

@@ -12,6 +12,7 @@ the prefix cache, because cached KV blocks were computed by the old weights.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -95,6 +96,7 @@ class RolloutEngine:
         self.engine_args = args
         self.version = version
         self._spec_decode = bool(args.get("speculative_config"))
+        self._lora: Any = None  # the LoRARequest of the adapter version being served, if any
 
         from vllm import LLM
 
@@ -131,7 +133,7 @@ class RolloutEngine:
             for r in reqs
         ]
         version = self.version
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
         result: list[list[Sample]] = []
         for req, out in zip(reqs, outputs, strict=True):
             samples = []
@@ -152,7 +154,7 @@ class RolloutEngine:
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         prompts = [{"prompt_token_ids": list(ids)} for ids in token_ids_list]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
         result = []
         for ids, out in zip(token_ids_list, outputs, strict=True):
             steps = out.prompt_logprobs or []
@@ -167,6 +169,30 @@ class RolloutEngine:
         self.llm.collective_rpc("load_from_safetensors", args=(str(path),))
         self._after_update(version)
         return time.perf_counter() - t0
+
+    def update_lora_adapter(self, path: str, version: int) -> float:
+        """Serve the PEFT adapter in folder ``path`` from now on, as policy ``version``; returns seconds.
+
+        Each version gets its own LoRA id (vLLM caches adapters by id), so the new adapter is loaded
+        from disk on the next request and the previous one is dropped from the engine's cache.
+        """
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        previous = self._lora
+        lora_id = int(version) + 1  # vLLM wants ids > 0; a restarted engine reuses the current version's id
+        if previous is not None and previous.lora_int_id == lora_id:
+            self._remove_lora(lora_id)  # same id, new files (a re-sync of the same version): reload them
+        self._lora = LoRARequest(f"rlc-v{int(version)}", lora_id, str(path))
+        if previous is not None and previous.lora_int_id != lora_id:
+            self._remove_lora(previous.lora_int_id)
+        self._after_update(version)
+        return time.perf_counter() - t0
+
+    def _remove_lora(self, lora_id: int) -> None:
+        # Not loaded yet, or this vLLM lacks it: the engine's LRU adapter cache evicts it anyway.
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.remove_lora(lora_id)
 
     def init_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str | None = None) -> int:
         """Join the trainer's weight-sync group as ``rank`` (and up, one per worker).
@@ -244,10 +270,14 @@ class RolloutEngine:
         self._require_sleep_mode()
         self.llm.sleep(level=level)
 
-    def wake_up(self) -> None:
-        """Undo ``sleep``; after a level-2 sleep load weights before generating."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo ``sleep`` (``tags``: ``["weights"]`` or ``["kv_cache"]`` for one part, default both).
+
+        After a level-2 sleep, wake the weights, load new weights, then wake the KV cache: the KV
+        cache never coexists with a half-loaded model, which keeps the peak low.
+        """
         self._require_sleep_mode()
-        self.llm.wake_up()
+        self.llm.wake_up(tags=list(tags) if tags else None)
 
     def _require_sleep_mode(self) -> None:
         if not self.platform.supports_sleep_mode:

@@ -100,12 +100,12 @@ class TrainerGroup:
     def _all_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
-    def compute_logprobs(self, batch: Mapping[str, Any]) -> list[list[float]]:
-        """Per-token log-probs of every sequence, in batch order."""
+    def compute_logprobs(self, batch: Mapping[str, Any], adapters: bool = True) -> list[list[float]]:
+        """Per-token log-probs of every sequence, in batch order (``adapters=False``: LoRA base model)."""
         import ray
 
         shares = split_batch(batch, self.world_size)
-        parts = ray.get([w.compute_logprobs.remote(s) for w, s in zip(self.workers, shares, strict=True)])
+        parts = ray.get([w.compute_logprobs.remote(s, adapters) for w, s in zip(self.workers, shares, strict=True)])
         return [row for part in parts for row in part]
 
     def train_step(self, batch: Mapping[str, Any], loss_fn_cfg: Mapping[str, Any] | None = None) -> dict[str, float]:
@@ -133,6 +133,18 @@ class TrainerGroup:
     def save_weights(self, out_dir: str) -> str:
         """Write an HF folder engines can reload from; returns the safetensors path."""
         return self._all("save_weights", out_dir)[0]
+
+    def save_adapter(self, out_dir: str) -> str:
+        """Write the LoRA adapter in PEFT format (rank 0); returns its folder."""
+        return self._all("save_adapter", out_dir)[0]
+
+    def offload(self, what: Sequence[str]) -> float:
+        """Move trainer state (params, grads, optimizer) to host on every rank; the slowest rank's seconds."""
+        return max(self._all("offload", list(what)))
+
+    def onload(self, what: Sequence[str]) -> float:
+        """Bring offloaded trainer state back to the devices; the slowest rank's seconds."""
+        return max(self._all("onload", list(what)))
 
     def weight_sync_address(self) -> tuple[str, int]:
         """A host and free port on rank 0's node for the weight-sync group."""

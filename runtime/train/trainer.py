@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..packing import PackedBatch, pack_sequences
 from ..platform import Platform, get_platform
 from ..rollout.weight_sync import SyncSender, TensorMeta, tensor_meta, write_safetensors
+from . import lora as lora_lib
 from .packed_forward import (
     LOGPROB_METHOD,
     attn_implementation_for,
@@ -61,6 +62,7 @@ DEFAULT_TRAIN_CFG: dict[str, Any] = {
     "master_dtype": "float32",  # optimizer and master weights
     "param_dtype": None,  # compute dtype under FSDP2 mixed precision; None = master_dtype
     "local_rank": 0,  # device index inside this process's visible devices
+    "lora": None,  # the plan's lora block (rank, alpha, dropout, target_modules, rollout): train adapters only
 }
 
 _PER_TOKEN_KEYS = (
@@ -68,6 +70,7 @@ _PER_TOKEN_KEYS = (
     "proximal_logprobs",
     "ref_logprobs",
     "teacher_logprobs",
+    "distill_weights",
     "advantages",
 )
 
@@ -123,6 +126,18 @@ class TrainerWorker:
         if self.cfg["gradient_checkpointing"]:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
+        for name, param in model.named_parameters():  # a speculative-decoding head stays frozen
+            if lora_lib.is_draft_key(name):
+                param.requires_grad_(False)
+        # PEFT injects the adapters into `model` in place (before sharding, so FSDP2 sees them); the
+        # PeftModel wrapper is kept only for disable_adapter() and its config.
+        self.lora = dict(self.cfg["lora"]) if self.cfg["lora"] else None
+        self.peft = None
+        if self.lora:
+            from peft import get_peft_model
+
+            self.peft = get_peft_model(model, lora_lib.lora_config(self.lora))
+            self.lora_scaling = float(self.lora["alpha"]) / float(self.lora["rank"])
         model.to(self.device)
         param_dtype = getattr(torch, self.cfg["param_dtype"]) if self.cfg["param_dtype"] else master
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -136,13 +151,14 @@ class TrainerWorker:
         self.pad_id = _pad_id(model.config)
         self._dummy = [self.pad_id, self.pad_id]  # the sequence of a dummy micro-batch
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            self._trainable(),
             lr=float(self.cfg["lr"]),
             betas=tuple(self.cfg["betas"]),
             eps=float(self.cfg["eps"]),
             weight_decay=float(self.cfg["weight_decay"]),
         )
         self.step = 0
+        self._offloaded: set[str] = set()
         self._sender: SyncSender | None = None
         self._sender_key: tuple[str, int, int] | None = None
 
@@ -228,12 +244,23 @@ class TrainerWorker:
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return mine + [[] for _ in range(int(count.item()) - len(mine))]
 
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     @torch.no_grad()
-    def compute_logprobs(self, batch: Mapping[str, Any]) -> list[list[float]]:
+    def compute_logprobs(self, batch: Mapping[str, Any], adapters: bool = True) -> list[list[float]]:
         """Log-probs of each sequence's tokens under the current weights (proximal or reference).
 
-        Returns one list per sequence, aligned with its ``input_ids`` (entry 0 is 0.0).
+        ``adapters=False`` scores with the LoRA adapters disabled, i.e. under the frozen base model: the
+        KL reference of a LoRA run costs no extra weights. Returns one list per sequence, aligned with
+        its ``input_ids`` (entry 0 is 0.0).
         """
+        if not adapters and self.peft is not None:
+            with self.peft.disable_adapter():
+                return self._compute_logprobs(batch)
+        return self._compute_logprobs(batch)
+
+    def _compute_logprobs(self, batch: Mapping[str, Any]) -> list[list[float]]:
         self.model.eval()
         seqs = batch["input_ids"]
         out: list[list[float]] = [[] for _ in seqs]
@@ -252,7 +279,10 @@ class TrainerWorker:
         ``loss_fn_cfg``: ``kind`` ("ppo", default, AReaL's decoupled PPO; or "distill", reverse-KL
         to ``teacher_logprobs``), ``clip``, ``behave_imp_weight_cap``, ``clip_higher``,
         ``dual_clip``, ``decoupled``, ``kl_coef`` (k3 penalty to ``ref_logprobs``),
-        ``entropy_coef``. The loss is a token mean over the whole group's masked tokens.
+        ``entropy_coef``, ``distill_coef`` (a "ppo" step then adds ``distill_coef`` × the reverse-KL
+        distillation term to ``teacher_logprobs`` on the tokens of sequences whose ``distill_weights``
+        is non-zero; on-policy distillation next to the RL loss). The loss is a token mean over the whole
+        group's masked tokens.
         """
         from ..algo import loss as L
 
@@ -260,6 +290,7 @@ class TrainerWorker:
         kind = cfg.pop("kind", "ppo")
         kl_coef = float(cfg.pop("kl_coef", 0.0))
         entropy_coef = float(cfg.pop("entropy_coef", 0.0))
+        distill_coef = float(cfg.pop("distill_coef", 0.0))
         t0 = time.perf_counter()
         self.model.train()
         seqs = batch["input_ids"]
@@ -298,6 +329,11 @@ class TrainerWorker:
                 loss, stats = L.reverse_kl_distill(lp, tok["teacher_logprobs"], mask, token_count=global_tokens)
             else:
                 raise ValueError(f"unknown loss kind {kind!r}; expected 'ppo' or 'distill'")
+            if kind == "ppo" and distill_coef and "teacher_logprobs" in tok:
+                routed = mask & (tok["distill_weights"] > 0) if "distill_weights" in tok else mask
+                d_loss, d_stats = L.reverse_kl_distill(lp, tok["teacher_logprobs"], routed, token_count=global_tokens)
+                loss = loss + distill_coef * d_loss
+                stats["distill_reverse_kl"] = d_stats["reverse_kl"] * routed.sum() / mask.sum().clamp(min=1)
             if kl_coef and "ref_logprobs" in tok:
                 kl_tok = L.kl_penalty(lp, tok["ref_logprobs"])
                 loss = loss + kl_coef * L.masked_mean(kl_tok, mask, global_tokens)
@@ -312,7 +348,7 @@ class TrainerWorker:
                 if k != "n_tokens" and torch.is_tensor(v) and v.numel() == 1:
                     sums[k] = sums.get(k, 0.0) + float(v) * n  # token-weighted across micro-batches/ranks
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.cfg["max_grad_norm"]))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._trainable(), float(self.cfg["max_grad_norm"]))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
@@ -353,20 +389,55 @@ class TrainerWorker:
     # ---------------------------------------------------------------- weights out
 
     def weight_meta(self, dtype: str | None = None) -> list[TensorMeta]:
-        """Names, global shapes and dtypes of the full state dict, without gathering it."""
+        """Names, global shapes and dtypes of what a sync sends (``sync_state_dict``), without gathering."""
         sd = self.model.state_dict()  # DTensor shapes are global
-        return [(k, tuple(v.shape), (dtype or str(v.dtype)).removeprefix("torch.")) for k, v in sd.items()]
+        meta = [(k, tuple(v.shape), (dtype or str(v.dtype)).removeprefix("torch.")) for k, v in sd.items()]
+        if self.lora:
+            meta = lora_lib.merged_meta(meta)
+        return [m for m in meta if not lora_lib.is_draft_key(m[0])]
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded weights in HF names, on CPU, on rank 0 (None elsewhere). Collective."""
+        """The unsharded weights in model names, on CPU, on rank 0 (None elsewhere). Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return sd if self.rank == 0 else None
 
+    def sync_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """What engines load, in HF names, on rank 0. Collective.
+
+        LoRA adapters are merged into (copies of) the base weights, and a speculative-decoding head (MTP
+        or draft keys) is left out: it stays frozen and the engines keep the one they loaded.
+        """
+        sd = self.full_state_dict()
+        if sd is None:
+            return None
+        if self.lora:
+            sd = lora_lib.merged_state_dict(sd, self.lora_scaling)
+        return {k: v for k, v in sd.items() if not lora_lib.is_draft_key(k)}
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The LoRA factors, unsharded, in model names, on rank 0. Collective (gathers only the adapters)."""
+        if not self.lora:
+            raise RuntimeError("adapter_state_dict without lora")
+        out = {}
+        for name, param in self.model.named_parameters():
+            if ".lora_" in name:
+                full = param.full_tensor() if hasattr(param, "full_tensor") else param
+                out[name] = full.detach().to("cpu")
+        return out if self.rank == 0 else None
+
+    def save_adapter(self, out_dir: str) -> str | None:
+        """The LoRA adapter in PEFT format (what vLLM's LoRARequest and PeftModel load). Collective."""
+        tensors = self.adapter_state_dict()
+        if self.rank != 0:
+            return None
+        config = self.peft.peft_config[lora_lib.ADAPTER_NAME]
+        return str(lora_lib.write_adapter(tensors, config, out_dir, self.model_path))
+
     def save_weights(self, out_dir: str) -> str | None:
         """HF-format folder an engine can load or reload from (weights, config, tokenizer). Collective."""
-        sd = self.full_state_dict()
+        sd = self.sync_state_dict()
         if self.rank != 0:
             return None
         out = Path(out_dir)
@@ -384,7 +455,7 @@ class TrainerWorker:
         ``init_sync_group``) and reuses it afterwards. Returns seconds taken.
         """
         t0 = time.perf_counter()
-        sd = self.full_state_dict()
+        sd = self.sync_state_dict()
         if self.rank == 0:
             key = (host, int(port), int(world_size))
             if self._sender_key != key:
@@ -408,7 +479,10 @@ class TrainerWorker:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         root = Path(ckpt_dir)
-        self.save_weights(str(root / "hf"))
+        if self.lora:  # the base never changes: the adapter is the checkpoint (`rlc export --merged` folds it in)
+            self.save_adapter(str(root / "adapter"))
+        else:
+            self.save_weights(str(root / "hf"))
         optim = get_optimizer_state_dict(self.model, self.optimizer)
         dcp.save({"optim": optim}, checkpoint_id=str(root / "optim"))
         if self.rank == 0:
@@ -429,7 +503,10 @@ class TrainerWorker:
         from ..rollout.weight_sync import iter_safetensors
 
         root = Path(ckpt_dir)
-        full = dict(iter_safetensors(root / "hf"))
+        if self.lora:
+            full, _ = lora_lib.read_adapter(root / "adapter")
+        else:
+            full = dict(iter_safetensors(root / "hf"))
         set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
         optim = get_optimizer_state_dict(self.model, self.optimizer)
         state = {"optim": optim}
@@ -437,6 +514,43 @@ class TrainerWorker:
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         self.step = int(json.loads((root / "trainer_state.json").read_text())["step"])
         return self.step
+
+    # ---------------------------------------------------------------- colocated phases
+
+    def offload(self, what: Sequence[str]) -> float:
+        """Move ``params`` / ``grads`` / ``optimizer`` state to host memory; returns seconds taken.
+
+        On cpu everything already lives in host memory, so this is a no-op that returns 0.0.
+        """
+        if self.platform.name == "cpu":
+            return 0.0
+        t0 = time.perf_counter()
+        self._move(what, torch.device("cpu"))
+        self._offloaded |= set(what)
+        self.platform.synchronize()
+        self.platform.empty_cache()
+        return time.perf_counter() - t0
+
+    def onload(self, what: Sequence[str]) -> float:
+        """Bring back what ``offload`` moved to host memory; returns seconds taken (0.0 on cpu)."""
+        if self.platform.name == "cpu":
+            return 0.0
+        t0 = time.perf_counter()
+        self._move([w for w in what if w in self._offloaded], self.device)
+        self._offloaded -= set(what)
+        self.platform.synchronize()
+        return time.perf_counter() - t0
+
+    def _move(self, what: Sequence[str], device: torch.device) -> None:
+        if "grads" in what:
+            self.optimizer.zero_grad(set_to_none=True)  # gradients are dead between steps
+        if "params" in what:
+            self.model.to(device)  # FSDP2 moves the local shards of its DTensor parameters
+        if "optimizer" in what:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and key != "step":
+                        state[key] = value.to(device, non_blocking=True)
 
     # ---------------------------------------------------------------- misc
 

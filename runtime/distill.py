@@ -1,0 +1,134 @@
+"""Multi-teacher on-policy distillation (MOPD): forward-only teacher engines score the student's samples.
+
+Each teacher role (``teacher-<name>``) is a pool of ``RolloutEngine`` actors on its own devices used only
+through ``prompt_logprobs``: a full prompt + response goes in, log p_teacher(x_t | x_<t) comes back for every
+token. The student's loss then adds ``coef`` × the per-token reverse-KL term (student − teacher log-prob of
+the sampled token, ``reverse_kl_distill``) on the response tokens.
+
+Routing (``plan.distill.routing``):
+* ``domain``: a trajectory goes to the teacher whose ``domain`` equals its prompt's domain (the built-in
+  arithmetic task's domain is ``arithmetic``); a trajectory no teacher serves gets no distillation term.
+* ``mixture``: every teacher scores every trajectory, and the term is the *weighted sum of the per-token
+  reverse-KL terms*, Σ_k w_k (log s − log t_k) with weights normalised to 1. That equals one reverse-KL
+  term against Σ_k w_k log t_k (a weighted geometric mean of the teachers), which is what is sent to the
+  trainer as ``teacher_logprobs``.
+
+Teacher log-probs are raw model log-probs (temperature 1): the student is pulled towards the teacher's
+own distribution whatever temperature rollout samples at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlc.schemas.plan import Plan, TeacherSettings
+
+
+@dataclass
+class Scoring:
+    """Teacher calls in flight for one batch: per teacher, the routed sequence indices and Ray refs."""
+
+    routed: dict[str, list[int]]
+    refs: dict[str, list[tuple[list[int], Any]]]
+
+
+class TeacherPool:
+    """The teachers' engine actors; ``score`` → ``collect`` gives the distillation inputs of a batch."""
+
+    def __init__(self, plan: Plan, make_engine: Callable[[str, int], Any]) -> None:
+        """``make_engine(role_name, index)`` starts one teacher engine actor."""
+        if plan.distill is None:
+            raise ValueError("TeacherPool without plan.distill")
+        self.settings = plan.distill
+        self.teachers: list[TeacherSettings] = list(plan.distill.teachers)
+        self.engines: dict[str, list[Any]] = {
+            t.name: [make_engine(t.role, i) for i in range(plan.role(t.role).replicas)] for t in self.teachers
+        }
+
+    def wait_ready(self) -> None:
+        import ray
+
+        ray.get([e.ready.remote() for engines in self.engines.values() for e in engines])
+
+    def route(self, domains: Sequence[str | None]) -> dict[str, list[int]]:
+        """Which sequences each teacher scores."""
+        if self.settings.routing == "mixture":
+            return {t.name: list(range(len(domains))) for t in self.teachers}
+        return {t.name: [i for i, d in enumerate(domains) if d == t.domain] for t in self.teachers}
+
+    def score(self, input_ids: Sequence[Sequence[int]], domains: Sequence[str | None]) -> Scoring:
+        """Send each teacher its routed sequences, split evenly over its replicas; returns at once."""
+        routed = self.route(domains)
+        refs: dict[str, list[tuple[list[int], Any]]] = {}
+        for name, indices in routed.items():
+            engines = self.engines[name]
+            refs[name] = []
+            for r, engine in enumerate(engines):
+                part = indices[r :: len(engines)]
+                if part:
+                    refs[name].append((part, engine.prompt_logprobs.remote([list(input_ids[i]) for i in part])))
+        return Scoring(routed, refs)
+
+    def collect(
+        self, scoring: Scoring, input_ids: Sequence[Sequence[int]]
+    ) -> tuple[dict[str, list[list[float]]], dict[str, Any]]:
+        """Per teacher, rows aligned with ``input_ids`` (entry t = log p(x_t | x_<t), entry 0 = 0.0; empty
+        for sequences it did not score); and the batch keys ``teacher_logprobs`` + ``distill_weights``."""
+        import ray
+
+        rows: dict[str, list[list[float]]] = {}
+        for name, parts in scoring.refs.items():
+            rows[name] = [[] for _ in input_ids]
+            for indices, ref in parts:
+                for i, lps in zip(indices, ray.get(ref), strict=True):
+                    rows[name][i] = [0.0, *lps]
+        teacher, weights = [], []
+        total_w = sum(t.weight for t in self.teachers)
+        for i, ids in enumerate(input_ids):
+            scored = [t for t in self.teachers if rows[t.name][i]]
+            if not scored:
+                teacher.append([0.0] * len(ids))
+                weights.append(0.0)
+                continue
+            if self.settings.routing == "mixture":
+                combined = [0.0] * len(ids)
+                for t in scored:
+                    for j, v in enumerate(rows[t.name][i]):
+                        combined[j] += t.weight / total_w * v
+                teacher.append(combined)
+            else:
+                teacher.append(rows[scored[0].name][i])
+            weights.append(1.0)
+        return rows, {"teacher_logprobs": teacher, "distill_weights": weights}
+
+    def shutdown(self) -> None:
+        import ray
+
+        for engines in self.engines.values():
+            for engine in engines:
+                with contextlib.suppress(Exception):
+                    ray.kill(engine, no_restart=True)
+        self.engines = {}
+
+
+def teacher_metrics(
+    rows: dict[str, list[list[float]]], student: Sequence[Sequence[float]], loss_mask: Sequence[Sequence[int]]
+) -> dict[str, float]:
+    """``distill/<name>/reverse_kl`` (mean student − teacher log-prob over the response tokens it scored,
+    the k1 estimate of KL(student ‖ teacher)) and ``distill/<name>/tokens`` for each teacher."""
+    out: dict[str, float] = {}
+    for name, teacher_rows in rows.items():
+        total, count = 0.0, 0
+        for t_row, s_row, m_row in zip(teacher_rows, student, loss_mask, strict=True):
+            if not t_row:
+                continue
+            for j in range(1, len(m_row)):
+                if m_row[j]:
+                    total += s_row[j] - t_row[j]
+                    count += 1
+        out[f"distill/{name}/reverse_kl"] = total / count if count else 0.0
+        out[f"distill/{name}/tokens"] = float(count)
+    return out
