@@ -36,6 +36,17 @@ DECODE_STEP_OVERHEAD_S = {"npu": 4e-3, "gpu": 2e-3, "cpu": 2e-3}
 DP_OVERLAP = 0.5
 #: Shared-filesystem bandwidth for disk weight sync, GB/s (one writer, readers in parallel).
 DISK_GBPS = 2.0
+#: Passes over the fp32 [tokens × vocab] logits per decode step in vLLM's sampler: write the upcast logits,
+#: log-softmax read + write (RL asks for the sampled tokens' log-probs), read for sampling. vLLM gathers the
+#: vocab-parallel logits and every TP rank runs the sampler on the whole batch (V1 model runner), so this work
+#: is per engine, not split by TP.
+SAMPLER_PASSES = 4
+#: The controller's admission rule (runtime/controller.py), mirrored so the estimate matches what runs: each
+#: engine holds at most ENGINE_CHUNKS generate requests, each of
+#: max(1, min(CHUNK_MAX_PROMPTS, batch_prompts // (2 · engines))) prompts × group_size samples.
+#: tests/test_cost.py checks the two agree.
+ENGINE_CHUNKS = 2
+CHUNK_MAX_PROMPTS = 8
 #: Concurrency left in the long tail of a synchronous rollout, as a fraction of the full batch: the last
 #: sequences to finish decode almost alone (bandwidth-bound steps at tiny batch).
 TAIL_CONCURRENCY_FRACTION = 0.125
@@ -57,11 +68,24 @@ class Workload:
     mtp_tokens: int = 0
     mtp_acceptance: float = 0.0
     mtp_draft_layers: int = 0
+    group_size: int = 1
 
     @property
     def context_tokens(self) -> float:
         """Mean sequence length (prompt + response)."""
         return self.prompt_tokens + self.response_tokens
+
+    @property
+    def inflight_context(self) -> float:
+        """Mean KV length of a sequence while it decodes: its prompt plus half its response.
+
+        vLLM allocates KV blocks as a sequence grows (PagedAttention, Kwon et al. 2023), so a running
+        sequence holds prompt + tokens generated so far, on average prompt + response / 2. This is both the
+        KV a decode step reads per sequence and what each running sequence occupies, so the KV-limited
+        concurrency is counted at this length too (not at the final length, which undercounts it by up to
+        (prompt + response) / (prompt + response / 2), most for long responses and small tensor parallelism).
+        """
+        return self.prompt_tokens + self.response_tokens / 2
 
     @property
     def trained_tokens(self) -> float:
@@ -86,6 +110,7 @@ def workload(
     """Build a Workload with the documented mean-length assumptions."""
     return Workload(
         samples=batch_prompts * group_size,
+        group_size=group_size,
         prompt_tokens=max_prompt_len * PROMPT_FRACTION,
         response_tokens=max_response_len * RESPONSE_FRACTION,
         max_prompt=max_prompt_len,
@@ -154,6 +179,10 @@ def decode_step_s(
     params per token / t, plus attention 4·n_q·d_h·context per full layer. Verification of k draft tokens
     multiplies the FLOPs by k + 1; an MTP drafter reads its layer k more times. TP adds two all-reduces per
     layer, EP two all-to-alls per MoE layer; a fixed engine overhead covers scheduling and launches.
+
+    What TP does not split is charged per engine: the vocab-parallel logits are all-gathered
+    ((t−1)/t · tokens · V · bytes) and every rank samples the whole batch (SAMPLER_PASSES over fp32 logits).
+    Small next to the weights at TP 1, they are what a wide engine pays for batching every sequence at once.
     """
     arch = sizes.arch
     b = dtype_bytes(target)
@@ -173,19 +202,31 @@ def decode_step_s(
     flops += 2 * sizes.active_expert * engine_tokens / layout.engine_devices
     full_layers = sizes.full_attention_layers
     flops += 4 * arch.num_attention_heads * arch.head_dim * full_layers * context * tokens_step / layout.tp
-    t = max(
-        read / (target.hbm_bandwidth_gbps * 1e9 * target.efficiency.decode_bandwidth_efficiency),
-        flops / (target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu),
-    )
+    hbm = target.hbm_bandwidth_gbps * 1e9 * target.efficiency.decode_bandwidth_efficiency
+    t = max(read / hbm, flops / (target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu))
+    t += tokens_step * arch.vocab_size * 4 * SAMPLER_PASSES / hbm
     if layout.tp > 1:
         volume = tokens_step * arch.hidden_size * b * 2 * (layout.tp - 1) / layout.tp
         t += _collective_s(target, 2 * arch.num_layers * volume, target.intra_node_bandwidth_gbps, 2 * arch.num_layers)
+        logits = tokens_step * arch.vocab_size * b * (layout.tp - 1) / layout.tp
+        t += _collective_s(target, logits, target.intra_node_bandwidth_gbps)
     if arch.moe is not None and layout.ep > 1:
         moe_layers = arch.num_layers - arch.moe.first_dense_layers
         volume = tokens_step * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep
         link = _link_gbps(target, layout.ep, devices_per_node)
         t += _collective_s(target, 2 * moe_layers * volume, link, 2 * moe_layers)
     return t + DECODE_STEP_OVERHEAD_S[target.kind]
+
+
+def engine_inflight_samples(batch_prompts: int, group_size: int, replicas: int) -> int:
+    """Sequences the controller keeps in flight on one engine: ENGINE_CHUNKS requests of
+    max(1, min(CHUNK_MAX_PROMPTS, batch_prompts // (2 · engines))) prompts, group_size samples each.
+
+    This is per engine, whatever its width: one TP 8 engine is fed as many sequences at once as one TP 1
+    engine, so on a fixed pool, replicas (not TP) multiply the concurrency that amortises each weight read.
+    """
+    chunk = max(1, min(CHUNK_MAX_PROMPTS, batch_prompts // max(1, 2 * replicas)))
+    return ENGINE_CHUNKS * chunk * group_size
 
 
 def rollout_time(
@@ -199,20 +240,25 @@ def rollout_time(
     """Seconds to generate one step's samples on this rollout pool.
 
     Samples spread evenly over the pool's attention ranks (replicas × attention-DP); each runs
-    c = min(max_num_seqs, its samples) sequences at once. Decode steps per sequence = mean response /
-    accepted tokens per step. Synchronous: waves of c sequences each take the mean-length steps, then the
-    long tail (max − mean response) decodes at 1/8 concurrency. Streaming (async, staleness > 0): only the
+    c = min(max_num_seqs, its samples, what the controller feeds it) sequences at once (the controller's
+    in-flight requests per engine, `engine_inflight_samples`, split over the engine's attention-DP ranks: a
+    per-engine, not per-device, bound), each holding on average `inflight_context` tokens
+    of KV. Decode steps per sequence = mean response / accepted tokens per step. Synchronous: continuous
+    batching refills a slot as soon as a sequence finishes, so a rank's samples take samples / c mean-length
+    passes (fractional: 64 samples on 54 slots cost 1.19 passes, not 2 whole waves), then the long tail
+    (max − mean response) decodes at 1/8 concurrency. Streaming (async, staleness > 0): only the
     throughput counts, tokens / (c · tokens-per-step / step time). Prefill: 2 · active params · prompt
     tokens / (devices · peak · prefill MFU) (Kaplan et al. 2020 forward FLOPs).
     """
     ranks = layout.replicas * layout.attention_dp
     per_rank = ceil(work.samples / ranks)
-    c = max(1, min(max_seqs, per_rank))
-    ctx = work.prompt_tokens + work.response_tokens / 2
+    fed = engine_inflight_samples(work.samples // max(1, work.group_size), work.group_size, layout.replicas)
+    c = max(1, min(max_seqs, per_rank, ceil(fed / layout.attention_dp)))
+    ctx = work.inflight_context
     k = work.mtp_tokens
     tau = accepted_tokens_per_step(k, work.mtp_acceptance)
     step = decode_step_s(sizes, layout, target, c, ctx, devices_per_node, k, work.mtp_draft_layers)
-    waves = ceil(per_rank / c)
+    waves = per_rank / c
     mean_steps = work.response_tokens / tau
     tail_c = max(1, int(c * TAIL_CONCURRENCY_FRACTION))
     tail_step = decode_step_s(

@@ -248,8 +248,13 @@ def _train_search(ctx: Context, n: int, resident_gib: float) -> RoleSearch:
                 )
         cps_all = [pin.cp] if pin.cp else _pow2_upto(min(16, n))
         for tp in tps:
+            # CP beyond what the context needs only splits activations further: all-to-alls and no FLOPs saved.
+            # Megatron splits activations with TP and PP as well, so there it is skipped outright; FSDP2 has no
+            # other split, and a larger CP can beat recompute, so it is skipped only once a smaller CP fits
+            # without recompute or offload (a 16-device dense case picked CP 4 exhaustively, CP 1 pruned).
+            plain_fit = backend != "fsdp2"
             for cp in cps_all:
-                if not pin.cp and not ctx.exhaustive and cp > long_cp:
+                if not pin.cp and not ctx.exhaustive and cp > long_cp and plain_fit:
                     continue
                 if arch.num_attention_heads % (tp * cp):
                     continue
@@ -267,6 +272,7 @@ def _train_search(ctx: Context, n: int, resident_gib: float) -> RoleSearch:
                         )
                         if len(found.options) > had:
                             fastest = heapq.nsmallest(KEEP_TRAIN, fastest + [o.seconds for o in found.options[had:]])
+                        plain_fit = plain_fit or cheapest_fit
                         if cheapest_fit and not ctx.exhaustive:
                             break
         if backend == "fsdp2" and found.options and not backend_pin:
@@ -473,7 +479,7 @@ def _rollout_search(
                 lora_rank=ctx.lora_rank if ctx.lora_adapter else None,
                 lora_targets=ctx.lora_targets,
                 resident_gib=outside_gib,
-                planned_context=ctx.work.context_tokens,
+                planned_context=ctx.work.inflight_context,
             )
             if not mem.fits:
                 found.miss(mem, layout)
@@ -585,11 +591,23 @@ class Candidate:
         return " + ".join(parts)
 
     def key(self) -> tuple:
-        """Rank: faster first; ties go to the quicker trainer, then fewer training devices, then the text."""
+        """Rank: faster first; ties go to the quicker trainer, then fewer training devices, then the quicker
+        rollout, then smaller engines, then the text.
+
+        An asynchronous step paced by the trainer hides the rollout, so several rollout layouts tie on
+        tokens/s. The quicker one leaves the most slack for the estimate's error and for long-tail batches;
+        among equals the smaller engine (fewer collectives on the decode path, less throughput lost with one
+        engine) wins. The summary text used to decide these ties, and `1x vllm tp8` sorts before
+        `8x vllm tp1`, so ties went to the widest engine.
+        """
+        ro = self.rollout.layout
         return (
             -round(self.step.tokens_per_s, 3),
             round(self.step.train_s, 6),
             self.train.layout.devices,
+            round(self.step.rollout_s, 6),
+            ro.engine_devices,
+            ro.tp,
             self.summary,
         )
 

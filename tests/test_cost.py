@@ -73,3 +73,58 @@ def test_weight_sync_methods() -> None:
     disk = cost.weight_sync_s(SIZES, A2, "disk", cross_node=True)
     assert inplace < cross < disk
     assert cost.weight_sync_s(SIZES, A2, "broadcast", cross_node=True, adapter_params=10**6) < 0.01
+
+
+def test_engine_feed_mirrors_the_controller() -> None:
+    """The cost model's per-engine concurrency bound is the controller's admission rule, verbatim."""
+    import inspect
+
+    from rlc.runtime import controller
+
+    assert controller.CHUNKS_PER_ENGINE == cost.ENGINE_CHUNKS
+    source = inspect.getsource(controller)
+    assert f"min({cost.CHUNK_MAX_PROMPTS}, self.batch_prompts // max(1, 2 * rollout.replicas))" in source
+    assert cost.engine_inflight_samples(64, 8, 1) == 2 * 8 * 8
+    assert cost.engine_inflight_samples(64, 8, 8) == 2 * 4 * 8
+    assert cost.engine_inflight_samples(4, 8, 16) == 2 * 1 * 8
+
+
+def test_concurrency_is_bounded_per_engine_not_per_device() -> None:
+    """One TP 8 engine is fed as many sequences as the controller gives any engine; eight TP 1 engines get
+    eight times the aggregate concurrency, which is what amortises their weight reads."""
+    work = _work(max_response_len=8192, max_prompt_len=2048)
+    wide = cost.rollout_time(SIZES, RolloutLayout(8, tp=8), A2, work, 8, 1024)
+    narrow = cost.rollout_time(SIZES, RolloutLayout(8, tp=1), A2, work, 8, 90)
+    assert wide.concurrency == cost.engine_inflight_samples(64, 8, 1) == 128
+    assert narrow.concurrency == 64
+    assert 8 * narrow.concurrency > wide.concurrency
+
+
+def test_continuous_batching_refills_slots() -> None:
+    """64 samples per engine on 54 slots take 64/54 mean-length passes; whole waves would make them cost as
+    much as 108 samples (two waves either way)."""
+    layout = RolloutLayout(8, tp=1)
+    few = _work(max_response_len=8192, max_prompt_len=2048, batch_prompts=64)
+    many = _work(max_response_len=8192, max_prompt_len=2048, batch_prompts=108)
+    t_few = cost.rollout_time(SIZES, layout, A2, few, 8, 54)
+    t_many = cost.rollout_time(SIZES, layout, A2, many, 8, 54)
+    assert t_few.concurrency == t_many.concurrency == 54
+    one_pass = few.response_tokens * t_few.step_s
+    gap = (t_many.sync_s - t_many.prefill_s) - (t_few.sync_s - t_few.prefill_s)
+    assert abs(gap - (108 - 64) / 54 * one_pass) / one_pass < 0.01
+
+
+def test_inflight_context_is_prompt_plus_half_response() -> None:
+    work = _work(max_prompt_len=2048, max_response_len=8192)
+    assert work.inflight_context == 1024 + 2048
+    assert work.inflight_context < work.context_tokens
+
+
+def test_sampler_and_logit_gather_are_not_split_by_tp() -> None:
+    """At a fixed batch, TP 8 shrinks the weight reads 8x but not the sampler's pass over the logits."""
+    batch = 256
+    t8 = cost.decode_step_s(SIZES, RolloutLayout(8, tp=8), A2, batch, 16, 8)
+    hbm = A2.hbm_bandwidth_gbps * 1e9 * A2.efficiency.decode_bandwidth_efficiency
+    sampler = batch * SIZES.arch.vocab_size * 4 * cost.SAMPLER_PASSES / hbm
+    weights = (SIZES.dense + SIZES.embedding + SIZES.head) / 8 * 2 / hbm
+    assert t8 > weights + sampler

@@ -217,3 +217,23 @@ def test_tiny_model_params_and_cpu_env() -> None:
     checked = check_text("name: t\ndata: {train: arithmetic}\n" + TINY, "spec.yaml", target="cpu")
     assert checked.problem is not None
     assert plan.env == dict(sorted(checked.problem.target.env.items()))
+
+
+def test_dense_8b_rollout_uses_narrow_engines() -> None:
+    """Qwen3-8B on 8 A2 rollout devices: replicas of TP 1-2, as practitioners run 7-8B models (MindSpeed-RL
+    Qwen2.5-7B / Qwen3-8B: TP 1; verl-ascend-recipe Qwen3-8B: TP 1), not one TP 8 engine. The controller feeds
+    every engine the same number of sequences, so one wide engine batches fewer of them per weight read."""
+    from rlc.compiler import search
+
+    path = next(p for p in EXAMPLES if p.name == "a2-qwen3-8b-grpo.yaml")
+    checked = check_file(path)
+    assert checked.problem is not None
+    result = search.search(checked.problem)
+    assert result.best is not None
+    assert result.best.rollout.layout.tp <= 2, result.best.summary
+    # Ties on tokens/s (a trainer-paced asynchronous step) go to the quicker rollout, then the smaller engine.
+    for a, b in zip(result.ranked, result.ranked[1:], strict=False):
+        assert search.Candidate.key(a) <= search.Candidate.key(b)
+        tied = round(a.step.tokens_per_s, 3) == round(b.step.tokens_per_s, 3) and a.step.train_s == b.step.train_s
+        if tied and a.train.layout.devices == b.train.layout.devices:
+            assert a.step.rollout_s <= b.step.rollout_s

@@ -26,6 +26,8 @@ SMALL = [
     ("model: {name: qwen3-8b, path: /m}\nmode: disaggregated\n", "a2"),
     ("model: {name: qwen3-30b-a3b, path: /m}\nrollout: {max_prompt_len: 1024, max_response_len: 2048}\n", "a3"),
     ("model: {name: qwen3-32b, path: /m}\ncluster: {nodes: 2}\nmode: colocated\n", "a2"),
+    # auto mode: the best is a disaggregated FSDP2 trainer at CP 4, above the CP the context alone needs.
+    ("model: {name: qwen3-32b, path: /m}\ncluster: {nodes: 2}\n", "a2"),
     ("model: {name: rlc-tiny}\nrollout: {max_prompt_len: 16, max_response_len: 16}\n", "cpu"),
     (
         "model: {name: qwen3-8b, path: /m}\ncluster: {nodes: 2}\nmode: disaggregated\n"
