@@ -85,6 +85,10 @@ class TeacherPool:
             for indices, ref in parts:
                 for i, lps in zip(indices, ray.get(ref), strict=True):
                     rows[name][i] = [0.0, *lps]
+        return rows, self.combine(rows, input_ids)
+
+    def combine(self, rows: dict[str, list[list[float]]], input_ids: Sequence[Sequence[int]]) -> dict[str, Any]:
+        """The trainer's ``teacher_logprobs`` and ``distill_weights`` from each teacher's rows (see routing)."""
         teacher, weights = [], []
         total_w = sum(t.weight for t in self.teachers)
         for i, ids in enumerate(input_ids):
@@ -102,7 +106,7 @@ class TeacherPool:
             else:
                 teacher.append(rows[scored[0].name][i])
             weights.append(1.0)
-        return rows, {"teacher_logprobs": teacher, "distill_weights": weights}
+        return {"teacher_logprobs": teacher, "distill_weights": weights}
 
     def shutdown(self) -> None:
         import ray

@@ -1,0 +1,138 @@
+"""Unit tests for the mode helpers: LoRA names/merge, spec-decode deltas, MOPD routing, colocated switches."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlc.runtime.distill import TeacherPool, teacher_metrics
+from rlc.runtime.spec_decode import SpecDecodeDelta
+from rlc.runtime.train import lora as lora_lib
+
+
+def test_peft_names_round_trip() -> None:
+    t = torch.zeros(1)
+    model_names = {"model.layers.0.self_attn.q_proj.lora_A.default.weight": t}
+    peft = lora_lib.to_peft_names(model_names)
+    assert list(peft) == ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    assert list(lora_lib.to_model_names(peft)) == list(model_names)
+
+
+def test_merge_folds_adapters_and_drops_factors() -> None:
+    base = torch.randn(4, 3)
+    a, b = torch.randn(2, 3), torch.randn(4, 2)
+    sd = {
+        "model.layers.0.mlp.up_proj.base_layer.weight": base,
+        "model.layers.0.mlp.up_proj.lora_A.default.weight": a,
+        "model.layers.0.mlp.up_proj.lora_B.default.weight": b,
+        "model.norm.weight": torch.ones(3),
+    }
+    merged = lora_lib.merged_state_dict(sd, scaling=2.0)
+    assert set(merged) == {"model.layers.0.mlp.up_proj.weight", "model.norm.weight"}
+    assert torch.allclose(merged["model.layers.0.mlp.up_proj.weight"], base + 2.0 * b @ a)
+    meta = lora_lib.merged_meta([(k, tuple(v.shape), "float32") for k, v in sd.items()])
+    assert [m[0] for m in meta] == list(merged)
+
+
+def test_draft_keys_are_recognised() -> None:
+    assert lora_lib.is_draft_key("model.mtp.0.eh_proj.weight")
+    assert lora_lib.is_draft_key("mtp_layers.0.weight")
+    assert not lora_lib.is_draft_key("model.layers.0.mlp.up_proj.weight")
+
+
+def test_spec_decode_delta_sums_engines_and_survives_restarts() -> None:
+    d = SpecDecodeDelta()
+    first = d.step({0: {"num_drafts": 10, "num_draft_tokens": 20, "num_accepted_tokens": 5}})
+    assert first["spec_decode/acceptance_rate"] == pytest.approx(0.25)
+    assert first["spec_decode/mean_accepted_len"] == pytest.approx(1.5)
+    second = d.step(
+        {
+            0: {"num_drafts": 20, "num_draft_tokens": 40, "num_accepted_tokens": 15},  # +10 drafts, +10 accepted
+            1: {"num_drafts": 10, "num_draft_tokens": 20, "num_accepted_tokens": 0},
+        }
+    )
+    assert second["spec_decode/acceptance_rate"] == pytest.approx(10 / 40)
+    restarted = d.step({0: {"num_drafts": 2, "num_draft_tokens": 4, "num_accepted_tokens": 4}})
+    assert restarted["spec_decode/acceptance_rate"] == pytest.approx(1.0)
+    idle = d.step({0: {"num_drafts": 2, "num_draft_tokens": 4, "num_accepted_tokens": 4}})
+    assert idle["spec_decode/acceptance_rate"] == 0.0 and idle["spec_decode/mean_accepted_len"] == 1.0
+
+
+def _pool(routing: str, teachers: list[tuple[str, str | None, float]]) -> TeacherPool:
+    pool = TeacherPool.__new__(TeacherPool)
+    pool.settings = SimpleNamespace(routing=routing)
+    pool.teachers = [SimpleNamespace(name=n, domain=d, weight=w) for n, d, w in teachers]
+    return pool
+
+
+def test_domain_routing_and_mixture_combination() -> None:
+    pool = _pool("domain", [("math", "math", 1.0), ("code", "code", 1.0)])
+    assert pool.route(["math", "code", None, "math"]) == {"math": [0, 3], "code": [1]}
+    ids = [[1, 2, 3], [1, 2], [1, 2]]
+    rows = {"math": [[0.0, -1.0, -2.0], [], []], "code": [[], [0.0, -3.0], []]}
+    inputs = pool.combine(rows, ids)
+    assert inputs["teacher_logprobs"] == [[0.0, -1.0, -2.0], [0.0, -3.0], [0.0, 0.0]]
+    assert inputs["distill_weights"] == [1.0, 1.0, 0.0]  # no teacher serves the third: no distill term
+
+    mix = _pool("mixture", [("a", None, 3.0), ("b", None, 1.0)])
+    assert mix.route(["x", None]) == {"a": [0, 1], "b": [0, 1]}
+    inputs = mix.combine({"a": [[0.0, -1.0]], "b": [[0.0, -5.0]]}, [[1, 2]])
+    assert inputs["teacher_logprobs"] == [[0.0, pytest.approx(0.75 * -1.0 + 0.25 * -5.0)]]
+
+
+def test_teacher_metrics_mean_over_scored_response_tokens() -> None:
+    rows = {"t": [[0.0, -2.0, -1.0], []]}
+    student = [[0.0, -1.0, -1.0], [0.0, -1.0]]
+    mask = [[0, 1, 1], [0, 1]]
+    m = teacher_metrics(rows, student, mask)
+    assert m["distill/t/reverse_kl"] == pytest.approx((1.0 + 0.0) / 2)
+    assert m["distill/t/tokens"] == 2.0
+
+
+@pytest.mark.slow
+def test_lora_trainer_keeps_base_weights_and_round_trips_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rlc.runtime.train.trainer import TrainerWorker
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    cfg = {"lr": 1e-2, "lora": {"rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}}
+    w = TrainerWorker(0, 1, "127.0.0.1", port, str(tiny_model_dir), "cpu", cfg)
+    try:
+        before = {k: v.clone() for k, v in w.full_state_dict().items() if ".lora_" not in k}
+        batch = {
+            "input_ids": [[1, 5, 6, 7, 8, 9], [1, 4, 3, 6, 2]],
+            "loss_mask": [[0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1]],
+            "behaviour_logprobs": [[0.0, 0, 0, 0, -1.0, -1.0], [0.0, 0, 0, -1.0, -1.0]],
+            "advantages": [1.0, -1.0],
+        }
+        ref = w.compute_logprobs(batch, adapters=False)
+        for _ in range(3):
+            w.train_step(batch, {"clip": 0.2})
+        after = w.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), "base weights changed"
+        assert w.compute_logprobs(batch, adapters=False) == ref  # the reference is the untouched base
+        current = w.compute_logprobs(batch)
+        assert max(abs(a - b) for r0, r1 in zip(ref, current, strict=True) for a, b in zip(r0, r1, strict=True)) > 1e-3
+        adapter = Path(w.save_adapter(str(tmp_path / "adapter")))
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+        peft = PeftModel.from_pretrained(base, str(adapter)).eval()
+        ids = torch.tensor([batch["input_ids"][0]])
+        with torch.no_grad():
+            lp = torch.log_softmax(peft(ids).logits[0], -1)
+        gap = max(abs(lp[t - 1, ids[0, t]].item() - current[0][t]) for t in range(1, ids.shape[1]))
+        assert gap < 1e-4
+        merged = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+        merged.load_state_dict(w.sync_state_dict(), strict=False)
+        with torch.no_grad():
+            lp = torch.log_softmax(merged(ids).logits[0], -1)
+        assert max(abs(lp[t - 1, ids[0, t]].item() - current[0][t]) for t in range(1, ids.shape[1])) < 1e-4
+    finally:
+        w.shutdown()
