@@ -126,7 +126,7 @@ def test_bad_dataset_is_clear_before_any_actor(tmp_path: Path) -> None:
 def test_tampered_plan_is_refused_before_any_import(tmp_path: Path) -> None:
     plan = compile_quickstart(tmp_path)
     plan_json = plan / "plan.json"
-    plan_json.write_text(plan_json.read_text().replace('"steps": 350', '"steps": 81'))
+    plan_json.write_text(plan_json.read_text().replace('"steps": 600', '"steps": 81'))
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     result = subprocess.run([*RLC, "run", str(plan)], capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 1
