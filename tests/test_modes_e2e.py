@@ -2,7 +2,7 @@
 
 Every example in examples/cpu-*.yaml is validated, compiled and run for a few steps with a real local Ray,
 vLLM engines and an FSDP2 trainer. Engine start-up dominates (tens of seconds each on two cores), so runs
-are a few steps, except the MOPD comparison (40 steps with distillation against the quickstart without).
+are a few steps, except the MOPD comparison (40 steps with distillation against the same spec without).
 """
 
 from __future__ import annotations
@@ -119,9 +119,20 @@ def test_speculative_counters_in_metrics(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def baseline_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """The quickstart (same task, batch, lr and seed as cpu-mopd) without distillation."""
+    """cpu-mopd without its distill block (and teacher pin): the same run with RL alone."""
     tmp = tmp_path_factory.mktemp("baseline")
-    plan = compile_example("quickstart", tmp, f"algorithm.steps={MOPD_STEPS}", "output.checkpoint_every=1000")
+    kept, skipping = [], False
+    for line in (ROOT / "examples" / "cpu-mopd.yaml").read_text().splitlines():
+        if line.startswith("distill:"):
+            skipping = True
+            continue
+        if skipping and line.startswith(" "):
+            continue
+        skipping = False
+        if not line.lstrip().startswith("teachers:"):
+            kept.append(line)
+    text = "\n".join(kept).replace("name: cpu-mopd", "name: cpu-mopd-baseline") + "\n"
+    plan = compile_example("cpu-mopd", tmp, f"algorithm.steps={MOPD_STEPS}", "output.checkpoint_every=1000", text=text)
     return run(plan, tmp / "run")
 
 
