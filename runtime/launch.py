@@ -6,6 +6,7 @@ another plan) is checked before any actor starts, and reported as a `RunError` w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -14,6 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from rlc.schemas.plan import Plan
+
+PLACEMENT_TIMEOUT_S = 300
+# Placement groups this process created, released when the run ends on a Ray it did not start.
+_PLACEMENT_GROUPS: list[Any] = []
 
 
 class RunError(RuntimeError):
@@ -73,18 +78,36 @@ def load_inputs(plan: Plan, model_path: Path) -> tuple[Any, Any]:
     return tokenizer, reward_fn
 
 
-def start_ray(plan: Plan, log) -> None:  # type: ignore[no-untyped-def]
-    """Join the cluster when launched as a Ray job; otherwise start an embedded local Ray sized by the plan."""
+def _check_resources(plan: Plan, resource: str) -> None:
+    """A Ray that cannot hold the plan would leave placement waiting forever: say what is missing instead."""
+    import ray
+
+    have = ray.cluster_resources().get(resource, 0)
+    need = plan.cluster.total_devices
+    if have < need:
+        raise RunError(
+            f"the Ray cluster offers {have:g} `{resource}` but the plan needs {need}: start every node with "
+            f"`launch.sh` (or `ray start --resources='{{\"{resource}\": N}}'`), or run in a fresh process"
+        )
+
+
+def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
+    """Join the cluster when launched as a Ray job; otherwise start an embedded local Ray sized by the plan.
+
+    Returns whether this call started Ray (and so must shut it down).
+    """
     import ray
 
     from rlc.schemas.registry import load_target
 
+    target = load_target(plan.target)
     if ray.is_initialized():
-        return
+        _check_resources(plan, target.ray_resource)
+        return False
     if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
-        return
-    target = load_target(plan.target)
+        _check_resources(plan, target.ray_resource)
+        return False
     devices = plan.cluster.total_devices
     cpus = max(os.cpu_count() or 1, devices + 2)
     log(f"starting a local Ray with {devices} logical `{target.ray_resource}` device(s)")
@@ -95,15 +118,24 @@ def start_ray(plan: Plan, log) -> None:  # type: ignore[no-untyped-def]
         log_to_driver=False,
         runtime_env={"env_vars": dict(plan.env)},
     )
+    return True
 
 
 def _placement_group(bundles: list[dict[str, float]], name: str) -> Any:
     import ray
+    from ray.exceptions import GetTimeoutError
     from ray.util.placement_group import placement_group
 
     pg = placement_group(bundles, strategy="PACK", name=name)
-    if not ray.get(pg.ready(), timeout=600):
-        raise RunError(f"Ray could not place role {name}: the cluster lacks {bundles}")
+    _PLACEMENT_GROUPS.append(pg)
+    try:
+        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except GetTimeoutError:
+        free = {k: v for k, v in sorted(ray.available_resources().items()) if not k.startswith("node:")}
+        raise RunError(
+            f"Ray could not place role {name} within {PLACEMENT_TIMEOUT_S} s: it needs bundles {bundles}; "
+            f"free resources are {free}"
+        ) from None
     return pg
 
 
@@ -265,7 +297,7 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> i
 
     from rlc.runtime.controller import Controller
 
-    start_ray(plan, log)
+    started_ray = start_ray(plan, log)
     trainer = pool = controller = teachers = reference = None
     previous = signal.getsignal(signal.SIGINT)
     try:
@@ -298,5 +330,12 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> i
                     part.shutdown()
                 except Exception as exc:
                     print(f"rlc: warning: shutdown: {exc}", file=sys.stderr)
-        if ray.is_initialized() and not (os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID")):
+        if started_ray:
             ray.shutdown()
+        else:
+            from ray.util.placement_group import remove_placement_group
+
+            while _PLACEMENT_GROUPS:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(_PLACEMENT_GROUPS.pop())
+        _PLACEMENT_GROUPS.clear()

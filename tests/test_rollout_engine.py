@@ -74,7 +74,8 @@ def test_split_batch_keeps_order_and_shared_keys() -> None:
 # ------------------------------------------------------------------ engine fixtures
 
 
-@pytest.fixture(scope="session")
+# Module scope: the next test file may need a Ray of its own shape (e.g. `rlc run` in-process).
+@pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
@@ -86,7 +87,7 @@ def ray_cluster():
         ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine(ray_cluster, tiny_model_dir: Path):
     from rlc.runtime.rollout.engine import rollout_engine_actor
 

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5  # same fp32 CPU kernels on both sides; measured differences are ~1e-7
 
 
-@pytest.fixture(scope="session")
+# Module scope: the next test file may need a Ray of its own shape (e.g. `rlc run` in-process).
+@pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
