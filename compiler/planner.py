@@ -76,7 +76,8 @@ def speculative_config(problem: Problem) -> dict | None:
     method = speculative_method(problem.arch, mtp.method)
     config: dict = {"method": method, "num_speculative_tokens": mtp.num_speculative_tokens}
     if method == "ngram":
-        config["prompt_lookup_max"] = 4
+        config["prompt_lookup_max"] = max(4, mtp.ngram_min)
+        config["prompt_lookup_min"] = mtp.ngram_min
     return config
 
 

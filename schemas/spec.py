@@ -141,6 +141,10 @@ class Mtp(StrictModel):
         description="Drafter: the model's own MTP layers (auto picks them when the model has any) or n-gram "
         "prompt lookup (works on every model and on the cpu target).",
     )
+    ngram_min: Annotated[int, Field(ge=1, le=8)] = Field(
+        2,
+        description="n-gram only: shortest prompt/context match the drafter looks up (it tries up to 4 tokens).",
+    )
     acceptance_rate: float = Field(
         0.7,
         gt=0.0,
