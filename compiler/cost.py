@@ -41,10 +41,9 @@ DISK_GBPS = 2.0
 #: vocab-parallel logits and every TP rank runs the sampler on the whole batch (V1 model runner), so this work
 #: is per engine, not split by TP.
 SAMPLER_PASSES = 4
-#: The controller's admission rule (runtime/controller.py), mirrored so the estimate matches what runs: each
-#: engine holds at most ENGINE_CHUNKS generate requests, each of
-#: max(1, min(CHUNK_MAX_PROMPTS, batch_prompts // (2 · engines))) prompts × group_size samples.
-#: tests/test_cost.py checks the two agree.
+#: How the controller feeds engines (plan.schedule.rollout_chunk_prompts / rollout_chunks_per_engine, which
+#: the planner sets from `rollout_chunk_prompts` below and the controller obeys): ENGINE_CHUNKS generate
+#: requests per engine, each of max(1, min(CHUNK_MAX_PROMPTS, batch_prompts // (2 · engines))) prompts.
 ENGINE_CHUNKS = 2
 CHUNK_MAX_PROMPTS = 8
 #: Concurrency left in the long tail of a synchronous rollout, as a fraction of the full batch: the last
@@ -218,15 +217,23 @@ def decode_step_s(
     return t + DECODE_STEP_OVERHEAD_S[target.kind]
 
 
+def rollout_chunk_prompts(batch_prompts: int, replicas: int) -> int:
+    """Prompts per generate request: half an engine's share of a step, at most CHUNK_MAX_PROMPTS.
+
+    Two requests per engine overlap the driver's bookkeeping with generation; the cap keeps a request short
+    enough that finished groups reach the trainer steadily and a lost engine loses little work.
+    """
+    return max(1, min(CHUNK_MAX_PROMPTS, batch_prompts // max(1, 2 * replicas)))
+
+
 def engine_inflight_samples(batch_prompts: int, group_size: int, replicas: int) -> int:
     """Sequences the controller keeps in flight on one engine: ENGINE_CHUNKS requests of
-    max(1, min(CHUNK_MAX_PROMPTS, batch_prompts // (2 · engines))) prompts, group_size samples each.
+    `rollout_chunk_prompts` prompts, group_size samples each.
 
     This is per engine, whatever its width: one TP 8 engine is fed as many sequences at once as one TP 1
     engine, so on a fixed pool, replicas (not TP) multiply the concurrency that amortises each weight read.
     """
-    chunk = max(1, min(CHUNK_MAX_PROMPTS, batch_prompts // max(1, 2 * replicas)))
-    return ENGINE_CHUNKS * chunk * group_size
+    return ENGINE_CHUNKS * rollout_chunk_prompts(batch_prompts, replicas) * group_size
 
 
 def rollout_time(

@@ -11,7 +11,7 @@ import hashlib
 import json
 
 import rlc
-from rlc.compiler import memory, search
+from rlc.compiler import cost, memory, search
 from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
 from rlc.compiler.memory import MemoryBreakdown, RolloutLayout
@@ -425,6 +425,8 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
         logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
         packing=spec.train.packing,
         max_staleness=0 if colocated else spec.algorithm.max_staleness,
+        rollout_chunk_prompts=cost.rollout_chunk_prompts(spec.algorithm.batch_prompts, rl.replicas),
+        rollout_chunks_per_engine=cost.ENGINE_CHUNKS,
         weight_sync=sync,  # type: ignore[arg-type]
         offload=_offload_steps(problem, colocated, best),
         checkpoint_every=spec.output.checkpoint_every,

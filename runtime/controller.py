@@ -23,6 +23,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,6 @@ from rlc.runtime.prompts import PromptItem, PromptStream
 from rlc.runtime.spec_decode import SpecDecodeDelta
 from rlc.runtime.staleness import StalenessGate
 from rlc.schemas.plan import Plan
-
-# Chunks in flight per engine: two keeps an engine busy while the driver collects the other.
-CHUNKS_PER_ENGINE = 2
 
 
 @dataclass
@@ -159,7 +157,9 @@ class Controller:
             random.setstate(_rng_from_json(start.rng))
         else:
             random.seed(plan.algorithm.seed)
-        self.chunk_prompts = max(1, min(8, self.batch_prompts // max(1, 2 * rollout.replicas)))
+        # The planner sizes generate requests (its rollout estimate assumes exactly this feed).
+        self.chunk_prompts = sched.rollout_chunk_prompts
+        self.chunks_per_engine = sched.rollout_chunks_per_engine
         self.finished: list[Group] = []
         self.inflight: dict[Any, Chunk] = {}
         self._trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlc-trainer")
@@ -210,7 +210,7 @@ class Controller:
             if chunk.engine in per_engine:
                 per_engine[chunk.engine] += 1
         for engine in sorted(per_engine, key=per_engine.get):  # type: ignore[arg-type]
-            while per_engine[engine] < CHUNKS_PER_ENGINE:
+            while per_engine[engine] < self.chunks_per_engine:
                 if self._reissue:  # already admitted: their slots were counted when first submitted
                     self._submit(engine, self._reissue.pop(0))
                     per_engine[engine] += 1
@@ -227,7 +227,11 @@ class Controller:
         from ray.exceptions import RayActorError
 
         if not self.inflight:
-            time.sleep(min(timeout, 0.05))
+            # Nothing to collect: wake as soon as the trainer finishes instead of sleeping a fixed slice.
+            if self._training is not None:
+                wait_futures([self._training], timeout=timeout)
+            else:
+                time.sleep(min(timeout, 0.005))
             return
         ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=timeout)
         for ref in ready:
@@ -485,7 +489,7 @@ class Controller:
         try:
             while self.step < total and not self._stop.is_set():
                 self._fill()
-                self._collect(timeout=0.05)
+                self._collect(timeout=0.005 if self._training is not None else 0.05)
                 if self._training is None and len(self.finished) >= self.batch_prompts:
                     self.finished.sort(key=lambda g: g.item.cursor)
                     groups, self.finished = self.finished[: self.batch_prompts], self.finished[self.batch_prompts :]

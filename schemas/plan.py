@@ -71,6 +71,8 @@ class Schedule(PlanModel):
     logprob_chunk_tokens: int = Field(description="Tokens per chunk in the log-prob computation.")
     packing: bool
     max_staleness: int = Field(description="0 = synchronous; colocated is always 0.")
+    rollout_chunk_prompts: int = Field(description="Prompts per generate request sent to one engine.")
+    rollout_chunks_per_engine: int = Field(2, description="Generate requests kept queued per engine.")
     weight_sync: Literal["broadcast", "disk", "inplace"]
     offload: list[OffloadStep] = Field(default_factory=list, description="Colocated phase transitions.")
     checkpoint_every: int

@@ -187,6 +187,7 @@ def a2_plan(nodes: int = 2, *, model_path: str = "/models/Qwen3-8B", data: str =
             logprob_chunk_tokens=1024,
             packing=True,
             max_staleness=2,
+            rollout_chunk_prompts=8,
             weight_sync="broadcast",
             checkpoint_every=50,
             keep_checkpoints=2,
@@ -296,6 +297,7 @@ def a3_plan(*, teacher_paths: tuple[str, str] = ("/models/Qwen3-32B-math", "/mod
             logprob_chunk_tokens=1024,
             packing=True,
             max_staleness=0,
+            rollout_chunk_prompts=8,
             weight_sync="inplace",
             offload=[
                 OffloadStep(phase="before_rollout", action="offload", what="optimizer"),
@@ -395,6 +397,7 @@ def cpu_plan(
             logprob_chunk_tokens=1024,
             packing=True,
             max_staleness=1,
+            rollout_chunk_prompts=8,
             weight_sync="broadcast",
             checkpoint_every=20,
             keep_checkpoints=2,

@@ -204,7 +204,18 @@ def test_reverse_kl_distill_gradient_is_score_function() -> None:
     loss, stats = reverse_kl_distill(student, teacher, mask)
     assert float(stats["reverse_kl"]) == pytest.approx((0.5 - 1.0) / 2)
     (grad,) = torch.autograd.grad(loss, student)
-    assert torch.allclose(grad, torch.tensor([0.25, -0.5, 0.0]))
+    # log-ratios [0.5, -1.0] minus their mean (-0.25) as a baseline: advantages [0.75, -0.75], token mean.
+    assert torch.allclose(grad, torch.tensor([0.375, -0.375, 0.0]))
+
+
+def test_reverse_kl_distill_clips_confident_teacher_outliers() -> None:
+    student = torch.tensor([-1.0, -0.1, -0.1, -0.1], requires_grad=True)
+    teacher = torch.tensor([-30.0, -0.1, -0.1, -0.1])  # the teacher all but forbids the first token
+    loss, stats = reverse_kl_distill(student, teacher, torch.ones(4, dtype=torch.bool), advantage_clip=5.0)
+    (grad,) = torch.autograd.grad(loss, student)
+    assert float(grad.abs().max()) <= 5.0 / 4 + 1e-6
+    assert float(grad[0]) > 0  # still pushed down hardest
+    assert float(stats["reverse_kl"]) == pytest.approx(29.0 / 4)
 
 
 def test_masked_mean_empty_mask_is_zero() -> None:

@@ -75,15 +75,16 @@ def test_weight_sync_methods() -> None:
     assert cost.weight_sync_s(SIZES, A2, "broadcast", cross_node=True, adapter_params=10**6) < 0.01
 
 
-def test_engine_feed_mirrors_the_controller() -> None:
-    """The cost model's per-engine concurrency bound is the controller's admission rule, verbatim."""
+def test_engine_feed_is_what_the_plan_tells_the_controller() -> None:
+    """The cost model's per-engine concurrency is the feed the plan prescribes and the controller obeys."""
     import inspect
 
     from rlc.runtime import controller
 
-    assert controller.CHUNKS_PER_ENGINE == cost.ENGINE_CHUNKS
     source = inspect.getsource(controller)
-    assert f"min({cost.CHUNK_MAX_PROMPTS}, self.batch_prompts // max(1, 2 * rollout.replicas))" in source
+    assert "self.chunk_prompts = sched.rollout_chunk_prompts" in source
+    assert "self.chunks_per_engine = sched.rollout_chunks_per_engine" in source
+    assert cost.rollout_chunk_prompts(64, 1) == 8 and cost.rollout_chunk_prompts(64, 8) == 4
     assert cost.engine_inflight_samples(64, 8, 1) == 2 * 8 * 8
     assert cost.engine_inflight_samples(64, 8, 8) == 2 * 4 * 8
     assert cost.engine_inflight_samples(4, 8, 16) == 2 * 1 * 8

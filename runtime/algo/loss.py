@@ -144,6 +144,7 @@ def reverse_kl_distill(
     mask: torch.Tensor,
     *,
     token_count: float | None = None,
+    advantage_clip: float | None = 5.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """On-policy distillation: minimise reverse KL(student ‖ teacher) on tokens the student sampled.
 
@@ -152,9 +153,18 @@ def reverse_kl_distill(
     score-function form ``sg(student − teacher) · log s``, whose gradient is the true reverse-KL
     gradient; i.e. the negative per-token KL acts as an advantage. The reported ``reverse_kl`` is
     the estimate itself.
+
+    Variance: a confident teacher gives the student's wrong tokens a log-ratio of 10 or more, which
+    swamps every other gradient once the global norm is clipped. Two standard remedies: the batch's
+    mean log-ratio is subtracted as a baseline (a constant, so the gradient stays unbiased), and the
+    centred log-ratio is clipped to ``±advantage_clip`` (biased, bounded; ``None`` disables it).
     """
     s = student_logprobs.to(torch.float32)
     per_token = (s - teacher_logprobs.to(torch.float32)).detach()
-    loss = masked_mean(per_token * s, mask.bool(), token_count)
+    bool_mask = mask.bool()
+    advantage = per_token - masked_mean(per_token, bool_mask) if bool_mask.any() else per_token
+    if advantage_clip is not None:
+        advantage = advantage.clamp(-advantage_clip, advantage_clip)
+    loss = masked_mean(advantage * s, bool_mask, token_count)
     stats = {"reverse_kl": masked_mean(per_token, mask.bool()), "n_tokens": mask.bool().sum().float()}
     return loss, stats
