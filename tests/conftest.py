@@ -28,3 +28,17 @@ def tiny_model(tiny_model_dir: Path):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     return model.eval()
+
+
+# Module scope: the next test file may need a Ray of its own shape (e.g. `rlc run` in-process starts one
+# with the plan's logical devices), so each module that uses this gets, and then releases, its own.
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray for actor tests: two real cores, logical CPUs so one engine and two trainer ranks fit."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()

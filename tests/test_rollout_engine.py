@@ -74,19 +74,6 @@ def test_split_batch_keeps_order_and_shared_keys() -> None:
 # ------------------------------------------------------------------ engine fixtures
 
 
-# Module scope: the next test file may need a Ray of its own shape (e.g. `rlc run` in-process).
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        # Two real cores; logical CPUs let one engine and two trainer ranks coexist.
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def engine(ray_cluster, tiny_model_dir: Path):
     from rlc.runtime.rollout.engine import rollout_engine_actor

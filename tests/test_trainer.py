@@ -17,18 +17,6 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5  # same fp32 CPU kernels on both sides; measured differences are ~1e-7
 
 
-# Module scope: the next test file may need a Ray of its own shape (e.g. `rlc run` in-process).
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def group(ray_cluster, tiny_model_dir: Path):
     from rlc.runtime.train.group import TrainerGroup
