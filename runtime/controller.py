@@ -291,7 +291,7 @@ class Controller:
 
     # ------------------------------------------------------------------ trainer side (one thread)
 
-    def _build_batch(self, groups: list[Group]) -> tuple[dict[str, Any], dict[str, float]]:
+    def _build_batch(self, groups: list[Group]) -> tuple[dict[str, Any], dict[str, float], list[str | None]]:
         import torch
 
         from rlc.runtime.algo.advantages import group_advantages

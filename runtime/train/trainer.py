@@ -304,6 +304,7 @@ class TrainerWorker:
         scale = float(self.world_size)
 
         sums: dict[str, float] = {}
+        maxima: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for idx in self._micro_batches(seqs):
             real = bool(idx)
@@ -345,7 +346,11 @@ class TrainerWorker:
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
             sums["entropy"] = sums.get("entropy", 0.0) + float((ent.detach() * mask).sum())
             for k, v in stats.items():
-                if k != "n_tokens" and torch.is_tensor(v) and v.numel() == 1:
+                if k == "n_tokens" or not (torch.is_tensor(v) and v.numel() == 1):
+                    continue
+                if k.endswith("_max"):  # a maximum stays a maximum across micro-batches and ranks
+                    maxima[k] = max(maxima.get(k, float("-inf")), float(v) if n > 0 else float("-inf"))
+                else:
                     sums[k] = sums.get(k, 0.0) + float(v) * n  # token-weighted across micro-batches/ranks
 
         grad_norm = torch.nn.utils.clip_grad_norm_(self._trainable(), float(self.cfg["max_grad_norm"]))
@@ -361,6 +366,11 @@ class TrainerWorker:
         result = {"loss": out.pop("loss")}
         for k, v in out.items():
             result[k] = v / global_tokens
+        max_keys = sorted(maxima)
+        if max_keys:
+            peaks = torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+            result.update({k: max(float(v), 0.0) for k, v in zip(max_keys, peaks.tolist(), strict=True)})
         result.update(
             grad_norm=float(grad_norm),
             n_tokens=global_tokens,
