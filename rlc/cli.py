@@ -142,6 +142,9 @@ def compile_(
         files = emit_plan_dir(plan, checked.problem.spec, output, provenance=provenance)
     except (PlanDirError, ValueError) as exc:
         raise _usage_error(str(exc)) from None
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise _usage_error(f"cannot write plan directory {output}: {exc.strerror or exc}{where}") from None
     shown = [d for d in report.diagnostics if d.severity != "info"]
     if shown:
         typer.echo(render_text([report]))
@@ -279,8 +282,11 @@ def schema(
     text = schema_text()
     if output is None:
         typer.echo(text, nl=False)
-    else:
+        return
+    try:
         output.write_text(text)
+    except OSError as exc:
+        raise _usage_error(f"cannot write {output}: {exc.strerror or exc}") from None
 
 
 @app.command()
@@ -302,10 +308,13 @@ def init(
     path = output or Path(f"{name}.yaml")
     if path.exists() and not force:
         raise _usage_error(f"{path} exists; pass --force to overwrite")
-    path.write_text(text)
     schema_path = path.parent / SCHEMA_NEIGHBOUR
-    if not schema_path.exists():
-        schema_path.write_text(schema_text())
+    try:
+        path.write_text(text)
+        if not schema_path.exists():
+            schema_path.write_text(schema_text())
+    except OSError as exc:
+        raise _usage_error(f"cannot write {exc.filename or path}: {exc.strerror or exc}") from None
     typer.echo(f"wrote {path} (schema: {schema_path}); next: rlc validate {path}")
 
 
