@@ -237,7 +237,10 @@ def run(
         typer.echo(render_text([report]), err=True)
     if not report.ok:
         raise typer.Exit(EXIT_FINDINGS)
-    plan = load_plan(plan_dir)
+    try:
+        plan = load_plan(plan_dir)
+    except (OSError, ValueError) as exc:
+        raise _usage_error(f"cannot read plan {plan_dir}: {exc}") from None
     from rlc.runtime.launch import RunError, run_plan
 
     try:
