@@ -53,7 +53,6 @@ class Group:
 class Chunk:
     engine: int
     items: list[PromptItem]
-    submitted_at: float
 
 
 class RolloutPool:
@@ -177,7 +176,6 @@ class Controller:
         self.eos_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
         self._step_started = time.perf_counter()
         self._rollout_tokens = 0
-        self._rollout_busy_s = 0.0
         self.logger = MetricsLogger(run_dir, plan.loggers, plan.schedule.steps, self.step)
         self.phases = PhaseSwitcher(plan, rollout, trainer, self.logger.message)
 
@@ -199,7 +197,7 @@ class Controller:
 
     def _submit(self, engine: int, items: list[PromptItem]) -> None:
         ref = self.rollout.engines[engine].generate.remote(self._requests(items))
-        self.inflight[ref] = Chunk(engine, items, time.perf_counter())
+        self.inflight[ref] = Chunk(engine, items)
 
     def _fill(self) -> None:
         """Admit chunks while the staleness bound allows (and, colocated, only between train phases)."""
@@ -241,7 +239,6 @@ class Controller:
             except RayActorError:
                 self._engine_died(chunk)
                 continue
-            self._rollout_busy_s += time.perf_counter() - chunk.submitted_at
             for item, samples in zip(chunk.items, results, strict=True):
                 group = Group(
                     item,
