@@ -12,7 +12,7 @@ from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
 from rlc.schemas.arch import AttentionArch, ModelArch, MoeArch
 from rlc.schemas.registry import UnknownNameError, load_arch, load_target
-from rlc.schemas.spec import InlineArch, ModelRef, Spec
+from rlc.schemas.spec import TARGET_NAMES, InlineArch, ModelRef, Spec
 from rlc.schemas.target import TargetProfile
 
 
@@ -119,7 +119,7 @@ def resolve(spec: Spec, lines: LineMap, file: str) -> tuple[Problem | None, list
                 "RLC107",
                 "no hardware target: set `target:` in the spec or pass --target",
                 "target",
-                hint="one of a2, a2-32g, a3, cpu, h100, h800, h20, a800",
+                hint=f"one of {', '.join(TARGET_NAMES)}",
                 line=1,
                 file=file,
             )
