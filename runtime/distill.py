@@ -7,7 +7,8 @@ the sampled token, ``reverse_kl_distill``) on the response tokens.
 
 Routing (``plan.distill.routing``):
 * ``domain``: a trajectory goes to the teacher whose ``domain`` equals its prompt's domain (the built-in
-  arithmetic task's domain is ``arithmetic``); a trajectory no teacher serves gets no distillation term.
+  arithmetic task's domain is ``arithmetic``); a sole teacher without a ``domain`` serves every trajectory;
+  a trajectory no teacher serves gets no distillation term.
 * ``mixture``: every teacher scores every trajectory, and the term is the *weighted sum of the per-token
   reverse-KL terms*, Σ_k w_k (log s − log t_k) with weights normalised to 1. That equals one reverse-KL
   term against Σ_k w_k log t_k (a weighted geometric mean of the teachers), which is what is sent to the
@@ -57,7 +58,13 @@ class TeacherPool:
         """Which sequences each teacher scores."""
         if self.settings.routing == "mixture":
             return {t.name: list(range(len(domains))) for t in self.teachers}
-        return {t.name: [i for i, d in enumerate(domains) if d == t.domain] for t in self.teachers}
+        # A teacher without a domain (allowed only when it is the sole teacher, RLC203) serves every
+        # trajectory that no teacher's domain claims, whatever the data calls its domain.
+        claimed = {t.domain for t in self.teachers if t.domain is not None}
+        return {
+            t.name: [i for i, d in enumerate(domains) if (d == t.domain if t.domain is not None else d not in claimed)]
+            for t in self.teachers
+        }
 
     def score(self, input_ids: Sequence[Sequence[int]], domains: Sequence[str | None]) -> Scoring:
         """Send each teacher its routed sequences, split evenly over its replicas; returns at once."""

@@ -77,6 +77,8 @@ def test_domain_routing_and_mixture_combination() -> None:
     inputs = pool.combine(rows, ids)
     assert inputs["teacher_logprobs"] == [[0.0, -1.0, -2.0], [0.0, -3.0], [0.0, 0.0]]
     assert inputs["distill_weights"] == [1.0, 1.0, 0.0]  # no teacher serves the third: no distill term
+    sole = _pool("domain", [("only", None, 1.0)])
+    assert sole.route(["arithmetic", None]) == {"only": [0, 1]}  # a sole domain-less teacher serves all
 
     mix = _pool("mixture", [("a", None, 3.0), ("b", None, 1.0)])
     assert mix.route(["x", None]) == {"a": [0, 1], "b": [0, 1]}
