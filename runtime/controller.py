@@ -165,6 +165,7 @@ class Controller:
         self._training: Future | None = None
         self._sync_group: tuple[str, int] | None = None
         self._in_group: set[int] = set()
+        self._synced_version = self.version
         self._warming: set[int] = set()
         self._reissue: list[list[PromptItem]] = []
         self.reference: Any = None
@@ -273,8 +274,10 @@ class Controller:
         self._sync_group = None
 
     def _load_current_weights(self, engine: int) -> None:
+        # Runs on the trainer thread, after any sync already queued there: the weights it pushes are those
+        # of the last completed sync, which can be one ahead of `self.version` until the driver records it.
         try:
-            self._push_files([engine], self.version)
+            self._push_files([engine], self._synced_version)
         finally:
             self._warming.discard(engine)
 
@@ -389,6 +392,7 @@ class Controller:
         for attempt in range(1, attempts + 1):
             try:
                 self._sync_once(version)
+                self._synced_version = version
                 return
             except (RayActorError, RayTaskError) as exc:
                 if attempt == attempts:
@@ -464,13 +468,22 @@ class Controller:
         refs += self.trainer.sync_weights_broadcast_async(host, port, world, meta)
         ray.get(refs)
 
+    def _resume_cursor(self) -> int:
+        """Where a resumed run restarts the prompt stream: the oldest prompt not yet trained on.
+
+        Prompts in flight, finished but not yet trained, or waiting to be re-issued would otherwise be lost
+        on resume. (Called while the driver waits for the checkpoint, so these collections are stable.)
+        """
+        pending = [c.items for c in self.inflight.values()] + [[g.item] for g in self.finished] + self._reissue
+        return min((item.cursor for items in pending for item in items), default=self.prompts.cursor)
+
     def _checkpoint(self) -> None:
         staged = staging_dir(self.run_dir, self.step)
         self.trainer.save_checkpoint(str(staged))
         state = ControllerState(
             step=self.step,
             version=self.version,
-            data_cursor=self.prompts.cursor,
+            data_cursor=self._resume_cursor(),
             rng=_rng_to_json(random.getstate()),
             plan_hash=self.plan.spec_hash,
         )
