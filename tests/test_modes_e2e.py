@@ -157,8 +157,10 @@ def test_mopd_pulls_student_towards_teacher(tmp_path: Path, baseline_rows: list[
         f"MOPD last-half reward {distill_reward:.3f} vs baseline {baseline_reward:.3f}; "
         f"reverse KL {kl_first:.3f} -> {kl_last:.3f}"
     )
-    # Measured on two cores (three runs): reverse KL to the teacher falls every time (1.44->0.87, 1.31->1.09,
-    # 1.29->1.12), but 40 steps do not show a reward gain over the same run without distillation (0.32 vs
-    # 0.34 in the like-for-like run), so the test holds the KL claim and only guards against harm.
+    # Measured on two cores (last-half reward, distill vs RL alone, same data seed): coef 1.0 gives +0.10
+    # (seed 0: 0.356 vs 0.260), -0.07 (seed 1: 0.129 vs 0.196) and -0.02 (seed 2: 0.300 vs 0.320); coef 0.3
+    # gives +0.01 and +0.00 (seeds 1, 2); coef 3.0 +0.07 (seed 0). Reverse KL to the teacher falls in every
+    # run, but no setting of coef (0.3-3) at 40 steps beats RL alone on every seed, so the test holds the
+    # KL claim and only guards against harm (the worst measured gap is -0.07).
     assert kl_last < kl_first
     assert distill_reward > baseline_reward - 0.1
