@@ -268,7 +268,7 @@ def main() -> None:
     labels = {
         "A": "plain vllm.LLM.generate, whole batch",
         "B1": "RolloutEngine Ray actor, whole batch",
-        "B": f"Ray actor + Controller ({bench_chunk(plan)}-prompt chunks)",
+        "B": f"Ray actor + Controller ({plan.schedule.rollout_chunk_prompts}-prompt chunks)",
     }
     print(f"{'path':4s} {'':44s} {'tokens/s':>10s} {'min':>9s} {'max':>9s} {'ratio':>7s}")
     for name in ("A", "B1", "B"):
@@ -281,12 +281,6 @@ def main() -> None:
         f"({'meets' if ratio >= 0.8 else 'below'} the 0.8 aim); the same actor fed whole batches "
         f"{statistics.median(res['B1']) / base:.2f}x"
     )
-
-
-def bench_chunk(plan: Any) -> int:
-    """The controller's chunk size in prompts (mirrors ``Controller.chunk_prompts``)."""
-    replicas = plan.roles_of("rollout")[0].replicas
-    return max(1, min(8, plan.schedule.batch_prompts // max(1, 2 * replicas)))
 
 
 if __name__ == "__main__":
