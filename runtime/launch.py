@@ -17,8 +17,6 @@ from typing import Any
 from rlc.schemas.plan import Plan
 
 PLACEMENT_TIMEOUT_S = 300
-# Placement groups this process created, released when the run ends on a Ray it did not start.
-_PLACEMENT_GROUPS: list[Any] = []
 
 
 class RunError(RuntimeError):
@@ -121,13 +119,14 @@ def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
     return True
 
 
-def _placement_group(bundles: list[dict[str, float]], name: str) -> Any:
+def _placement_group(bundles: list[dict[str, float]], name: str, created: list[Any]) -> Any:
+    """Create and wait for a placement group; it is recorded in `created` first so the caller can release it."""
     import ray
     from ray.exceptions import GetTimeoutError
     from ray.util.placement_group import placement_group
 
     pg = placement_group(bundles, strategy="PACK", name=name)
-    _PLACEMENT_GROUPS.append(pg)
+    created.append(pg)
     try:
         ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except GetTimeoutError:
@@ -139,7 +138,7 @@ def _placement_group(bundles: list[dict[str, float]], name: str) -> Any:
     return pg
 
 
-def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, Any, Any]:
+def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) -> tuple[Any, Any, Any, Any]:
     """Placement groups, the trainer group, the rollout engines, the reference policy and the teachers.
 
     Colocated, trainer ranks and engines share one placement group: each device's logical resource is
@@ -159,10 +158,10 @@ def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, A
     colocated = plan.schedule.mode == "colocated"
     if colocated:
         # Engine i uses devices [i·tp, (i+1)·tp); it is anchored on its first device's bundle.
-        train_pg = rollout_pg = _placement_group([{resource: 1}] * actor.devices, "rlc-colocated")
+        train_pg = rollout_pg = _placement_group([{resource: 1}] * actor.devices, "rlc-colocated", created)
     else:
-        train_pg = _placement_group([{resource: 1}] * actor.devices, "rlc-actor")
-        rollout_pg = _placement_group([{resource: rollout.parallel.tp}] * rollout.replicas, "rlc-rollout")
+        train_pg = _placement_group([{resource: 1}] * actor.devices, "rlc-actor", created)
+        rollout_pg = _placement_group([{resource: rollout.parallel.tp}] * rollout.replicas, "rlc-rollout", created)
     train_cfg = {
         "lr": plan.algorithm.lr,
         "weight_decay": plan.algorithm.weight_decay,
@@ -226,14 +225,14 @@ def build_roles(plan: Plan, model_path: Path, version: int) -> tuple[Any, Any, A
         return cls.remote(engine_args, plan.platform, engine_env, version if stamp == 0 else stamp)
 
     pool = RolloutPool(plan, make_engine)
-    teachers = build_teachers(plan, resource) if plan.distill else None
+    teachers = build_teachers(plan, resource, created) if plan.distill else None
     pool.wait_ready()
     if teachers is not None:
         teachers.wait_ready()
     return trainer, pool, reference, teachers
 
 
-def build_teachers(plan: Plan, resource: str) -> Any:
+def build_teachers(plan: Plan, resource: str, created: list[Any]) -> Any:
     """Forward-only teacher engines, one placement group per teacher role, named rlc-teacher-<name>-<i>."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -242,7 +241,7 @@ def build_teachers(plan: Plan, resource: str) -> Any:
 
     groups = {
         t.role: _placement_group(
-            [{resource: plan.role(t.role).parallel.tp}] * plan.role(t.role).replicas, f"rlc-{t.role}"
+            [{resource: plan.role(t.role).parallel.tp}] * plan.role(t.role).replicas, f"rlc-{t.role}", created
         )
         for t in plan.distill.teachers  # type: ignore[union-attr]
     }
@@ -298,11 +297,14 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> i
     from rlc.runtime.controller import Controller
 
     started_ray = start_ray(plan, log)
+    placement_groups: list[Any] = []  # released at the end when Ray is not ours to shut down
     trainer = pool = controller = teachers = reference = None
     previous = signal.getsignal(signal.SIGINT)
     try:
         log("starting trainer and rollout engines")
-        trainer, pool, reference, teachers = build_roles(plan, model_path, start.version if start else 0)
+        trainer, pool, reference, teachers = build_roles(
+            plan, model_path, start.version if start else 0, placement_groups
+        )
         controller = Controller(plan, run_dir, tokenizer, reward_fn, pool, trainer, start=start)
         controller.reference = reference
         controller.teachers = teachers
@@ -335,7 +337,6 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> i
         else:
             from ray.util.placement_group import remove_placement_group
 
-            while _PLACEMENT_GROUPS:
+            for pg in placement_groups:
                 with contextlib.suppress(Exception):
-                    remove_placement_group(_PLACEMENT_GROUPS.pop())
-        _PLACEMENT_GROUPS.clear()
+                    remove_placement_group(pg)
