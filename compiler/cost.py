@@ -412,8 +412,11 @@ def weight_sync_s(
     Volume: the full model in compute dtype (total params × bytes), or only the LoRA adapters when the
     engine serves them. broadcast: one pipelined broadcast from trainer rank 0 (bytes / link bw; across
     nodes the scale-out link bounds it) after gathering the shards on that rank (same volume, intra-node).
-    inplace (colocated): each device copies the gathered tensors into the engine's slots at intra-node
-    speed. disk: safetensors written once and read in parallel at DISK_GBPS.
+    inplace (colocated): the gathered weights go through host shared memory, because the trainer rank
+    and the engine worker of one device cannot both be ranks of one NCCL/HCCL group (AReaL also moves
+    colocated weights through host memory on NPU): rank 0 copies them to the host and the engines'
+    devices load them back in parallel, 2 × bytes / host↔device bandwidth after the gather.
+    disk: safetensors written once and read in parallel at DISK_GBPS.
     """
     b = dtype_bytes(target)
     volume = (adapter_params or sizes.total) * b
@@ -421,7 +424,7 @@ def weight_sync_s(
         return 2 * volume / (DISK_GBPS * 1e9)
     intra = _collective_s(target, volume, target.intra_node_bandwidth_gbps)
     if method == "inplace":
-        return intra
+        return intra + 2 * volume / (target.host_to_device_bandwidth_gbps * 1e9)
     link = target.inter_node_bandwidth_gbps if cross_node else target.intra_node_bandwidth_gbps
     return intra + _collective_s(target, volume, link)
 

@@ -173,6 +173,7 @@ class Controller:
         self.lora_adapter = plan.lora is not None and plan.lora.rollout == "adapter"
         self.spec_decode = SpecDecodeDelta() if plan.sampling.speculative else None
         self._shm_dir: Path | None = None
+        self._shared_host: bool | None = None
         self._stop = threading.Event()
         self.eos_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
         self._step_started = time.perf_counter()
@@ -359,6 +360,7 @@ class Controller:
             student = batch.get("proximal_logprobs", batch["behaviour_logprobs"])
             stats.update(teacher_metrics(rows, student, batch["loss_mask"]))
             stats["time/teacher_wait_s"] = time.perf_counter() - t_teach
+            stats["distill/teacher_restarts"] = float(self.teachers.restarts)
         result = self.trainer.train_step(batch, loss_cfg)
         train_s = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -405,21 +407,32 @@ class Controller:
                     self._forget_engine(index)
 
     def _sync_method(self) -> str:
-        """adapter (LoRA served by vLLM), broadcast, shm (colocated on cpu) or disk.
+        """adapter (LoRA served by vLLM), broadcast, shm or disk.
 
-        `inplace` (colocated) on cpu goes through a safetensors file in /dev/shm: engines and trainer share
-        the node's memory, so that is a memory copy, and it reuses the tested reload path. On accelerators
-        it uses the broadcast group (an IPC-handle path would avoid the copy; not built yet).
+        `inplace` (colocated) never uses the broadcast group: the trainer rank and the engine worker of a
+        device would be two ranks of one NCCL/HCCL group on one device, which NCCL refuses (AReaL, too,
+        moves colocated weights through host memory on NPU). Rank 0 writes the gathered weights as one
+        safetensors file in /dev/shm when every engine runs on its host (a memory copy each way, through the
+        tested reload path), else in the run directory.
         """
         if self.lora_adapter:
             return "adapter"
         method = self.plan.schedule.weight_sync
         if method == "inplace":
-            return "shm" if self.plan.platform == "cpu" else "broadcast"
+            return "shm" if self._engines_on_trainer_host() else "disk"
         return method
 
+    def _engines_on_trainer_host(self) -> bool:
+        """Whether every rollout engine shares trainer rank 0's host (and its /dev/shm); asked once."""
+        if self._shared_host is None:
+            import ray
+
+            hosts = set(ray.get([e.node_ip.remote() for e in self.rollout.engines]))
+            self._shared_host = Path("/dev/shm").is_dir() and hosts == {self.trainer.host()}
+        return self._shared_host
+
     def _weights_dir(self) -> Path:
-        if self._sync_method() == "shm" and Path("/dev/shm").is_dir():
+        if self._sync_method() == "shm":
             if self._shm_dir is None:
                 self._shm_dir = Path("/dev/shm") / f"rlc-{os.getpid()}-{abs(hash(str(self.run_dir))) % 10**8}"
             return self._shm_dir

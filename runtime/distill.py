@@ -16,6 +16,10 @@ Routing (``plan.distill.routing``):
 
 Teacher log-probs are raw model log-probs (temperature 1): the student is pulled towards the teacher's
 own distribution whatever temperature rollout samples at.
+
+A teacher engine that dies is restarted in place (teachers never change weights, so a new actor on the
+same bundle is an exact replacement) and its share of the batch is scored again; the run only fails if
+the same share fails ``MAX_SCORE_ATTEMPTS`` times in a row.
 """
 
 from __future__ import annotations
@@ -27,22 +31,27 @@ from typing import Any
 
 from rlc.schemas.plan import Plan, TeacherSettings
 
+MAX_SCORE_ATTEMPTS = 3
+
 
 @dataclass
 class Scoring:
     """Teacher calls in flight for one batch: per teacher, the routed sequence indices and Ray refs."""
 
     routed: dict[str, list[int]]
-    refs: dict[str, list[tuple[list[int], Any]]]
+    refs: dict[str, list[tuple[int, list[int], Any]]]  # (engine index, sequence indices, ref)
 
 
 class TeacherPool:
     """The teachers' engine actors; ``score`` → ``collect`` gives the distillation inputs of a batch."""
 
-    def __init__(self, plan: Plan, make_engine: Callable[[str, int], Any]) -> None:
-        """``make_engine(role_name, index)`` starts one teacher engine actor."""
+    def __init__(self, plan: Plan, make_engine: Callable[[str, int], Any], log: Callable[[str], None] = print) -> None:
+        """``make_engine(role_name, index)`` starts one teacher engine actor; ``log`` reports restarts."""
         if plan.distill is None:
             raise ValueError("TeacherPool without plan.distill")
+        self._make = make_engine
+        self.log = log
+        self.restarts = 0
         self.settings = plan.distill
         self.teachers: list[TeacherSettings] = list(plan.distill.teachers)
         self.engines: dict[str, list[Any]] = {
@@ -69,28 +78,55 @@ class TeacherPool:
     def score(self, input_ids: Sequence[Sequence[int]], domains: Sequence[str | None]) -> Scoring:
         """Send each teacher its routed sequences, split evenly over its replicas; returns at once."""
         routed = self.route(domains)
-        refs: dict[str, list[tuple[list[int], Any]]] = {}
+        refs: dict[str, list[tuple[int, list[int], Any]]] = {}
         for name, indices in routed.items():
             engines = self.engines[name]
             refs[name] = []
             for r, engine in enumerate(engines):
                 part = indices[r :: len(engines)]
                 if part:
-                    refs[name].append((part, engine.prompt_logprobs.remote([list(input_ids[i]) for i in part])))
+                    refs[name].append((r, part, engine.prompt_logprobs.remote([list(input_ids[i]) for i in part])))
         return Scoring(routed, refs)
+
+    def _teacher(self, name: str) -> TeacherSettings:
+        return next(t for t in self.teachers if t.name == name)
+
+    def _restart(self, name: str, index: int) -> None:
+        """Replace a dead teacher engine by a fresh actor on the same bundle (same weights: teachers are frozen)."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.engines[name][index], no_restart=True)
+        self.engines[name][index] = self._make(self._teacher(name).role, index)
+        ray.get(self.engines[name][index].ready.remote())
+        self.restarts += 1
+
+    def _get(self, name: str, index: int, part: list[int], ref: Any, input_ids: Sequence[Sequence[int]]) -> list:
+        """The log-probs of one share, restarting the engine and re-scoring if it died."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        for attempt in range(1, MAX_SCORE_ATTEMPTS + 1):
+            try:
+                return ray.get(ref)
+            except RayActorError:
+                if attempt == MAX_SCORE_ATTEMPTS:
+                    raise
+                self.log(f"teacher {name} engine {index} died; restarting it and re-scoring {len(part)} sequence(s)")
+                self._restart(name, index)
+                ref = self.engines[name][index].prompt_logprobs.remote([list(input_ids[i]) for i in part])
+        raise AssertionError("unreachable")
 
     def collect(
         self, scoring: Scoring, input_ids: Sequence[Sequence[int]]
     ) -> tuple[dict[str, list[list[float]]], dict[str, Any]]:
         """Per teacher, rows aligned with ``input_ids`` (entry t = log p(x_t | x_<t), entry 0 = 0.0; empty
         for sequences it did not score); and the batch keys ``teacher_logprobs`` + ``distill_weights``."""
-        import ray
-
         rows: dict[str, list[list[float]]] = {}
         for name, parts in scoring.refs.items():
             rows[name] = [[] for _ in input_ids]
-            for indices, ref in parts:
-                for i, lps in zip(indices, ray.get(ref), strict=True):
+            for index, indices, ref in parts:
+                for i, lps in zip(indices, self._get(name, index, indices, ref, input_ids), strict=True):
                     rows[name][i] = [0.0, *lps]
         return rows, self.combine(rows, input_ids)
 

@@ -308,6 +308,8 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> i
         controller = Controller(plan, run_dir, tokenizer, reward_fn, pool, trainer, start=start)
         controller.reference = reference
         controller.teachers = teachers
+        if teachers is not None:
+            teachers.log = controller.logger.message
         if start is not None:
             trainer.load_checkpoint(str(checkpoint))
             controller._sync_weights(start.version)

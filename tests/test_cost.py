@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rlc.compiler import cost, memory
 from rlc.compiler.memory import RolloutLayout, TrainLayout
 from rlc.schemas.registry import load_arch, load_target
@@ -73,6 +75,11 @@ def test_weight_sync_methods() -> None:
     disk = cost.weight_sync_s(SIZES, A2, "disk", cross_node=True)
     assert inplace < cross < disk
     assert cost.weight_sync_s(SIZES, A2, "broadcast", cross_node=True, adapter_params=10**6) < 0.01
+    # Colocated weights go through host memory: the gather on rank 0 (half an intra-node broadcast) plus one
+    # device-to-host and one host-to-device copy of the model.
+    gather = cost.weight_sync_s(SIZES, A2, "broadcast", cross_node=False) / 2
+    copies = 2 * SIZES.total * cost.dtype_bytes(A2) / (A2.host_to_device_bandwidth_gbps * 1e9)
+    assert inplace == pytest.approx(gather + copies)
 
 
 def test_engine_feed_is_what_the_plan_tells_the_controller() -> None:

