@@ -2,7 +2,8 @@
 
 What: output tokens per second of generation on the quickstart's tiny model (built locally with
 ``build_tiny_model``) with the engine arguments of the quickstart plan's rollout role, compiled with
-``rollout.max_response_len=64`` so every sample is 64 tokens (``ignore_eos``; actual tokens are counted).
+``rollout.max_response_len=64`` so every sample is 64 tokens (``ignore_eos`` and no ``stop_token_ids``, on
+which vLLM stops even with ``ignore_eos``; actual tokens are counted).
 Every path samples the same prompts (the plan's seeded arithmetic stream), ``n = group_size`` (8),
 temperature 1.0, top-p 1.0, one behaviour log-prob per token, no detokenization.
 
@@ -97,7 +98,6 @@ class Bench:
         self.env = {**plan.env, **role.env}
         os.environ.update(self.env)  # vLLM reads its settings when the engine starts
         self.n = plan.schedule.group_size
-        self.eos = [i for i in [self.tokenizer.eos_token_id] if i is not None]
         # warm-up + reps × batches, the same prompt sequence for every path
         self.prompts = batches_of_prompts(plan, self.tokenizer, 2 + reps * batches)
         self.results: dict[str, list[float]] = {"A": [], "B": [], "B1": []}
@@ -110,7 +110,6 @@ class Bench:
             "temperature": s.temperature,
             "top_p": s.top_p,
             "max_tokens": MAX_TOKENS,
-            "stop_token_ids": self.eos,
             "ignore_eos": True,
         }
 
@@ -125,7 +124,6 @@ class Bench:
             temperature=s.temperature,
             top_p=s.top_p,
             max_tokens=MAX_TOKENS,
-            stop_token_ids=self.eos,
             ignore_eos=True,
             logprobs=0,
             detokenize=False,
@@ -176,7 +174,9 @@ class Bench:
 
         class RolloutOnly(Controller):
             def _requests(self, items):  # type: ignore[no-untyped-def]
-                return [{**r, "ignore_eos": True, "max_tokens": MAX_TOKENS} for r in super()._requests(items)]
+                # vLLM stops on stop_token_ids even with ignore_eos: drop them so every sample is MAX_TOKENS long.
+                full = {"stop_token_ids": [], "ignore_eos": True, "max_tokens": MAX_TOKENS}
+                return [{**r, **full} for r in super()._requests(items)]
 
         pool = RolloutPool(self.plan, make_engine)
         pool.wait_ready()
