@@ -254,8 +254,16 @@ def main() -> None:
     parser.add_argument(
         "--sync-baseline", action="store_true", help="add the baseline with async_scheduling=False (one more engine)"
     )
-    parser.add_argument("--rounds", type=int, default=1, help="1: each engine once; 2: then again in reverse order")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="1: each engine once; 2: then again in reverse order (tokens/s pools both rounds; the draft and "
+        "log-prob columns come from the last round)",
+    )
     args = parser.parse_args()
+    if args.reps < 1 or args.prompts < 1 or args.n < 1 or args.max_tokens < 1 or args.k < 1:
+        parser.error("--reps, --prompts, --n, --max-tokens and --k must be at least 1")
 
     skip = {"unrepaired"} if args.no_unrepaired else set()
     if not args.sync_baseline:

@@ -412,10 +412,11 @@ def weight_sync_s(
     Volume: the full model in compute dtype (total params × bytes), or only the LoRA adapters when the
     engine serves them. broadcast: one pipelined broadcast from trainer rank 0 (bytes / link bw; across
     nodes the scale-out link bounds it) after gathering the shards on that rank (same volume, intra-node).
-    inplace (colocated): the gathered weights go through host shared memory, because the trainer rank
-    and the engine worker of one device cannot both be ranks of one NCCL/HCCL group (AReaL also moves
-    colocated weights through host memory on NPU): rank 0 copies them to the host and the engines'
-    devices load them back in parallel, 2 × bytes / host↔device bandwidth after the gather.
+    inplace (colocated, one node): the gathered weights go through host shared memory, because the
+    trainer rank and the engine worker of one device cannot both be ranks of one NCCL group: rank 0
+    copies them to the host and the engines' devices load them back in parallel, 2 × bytes /
+    host↔device bandwidth after the gather. Across nodes the runtime uses files (priced as disk by
+    the search).
     disk: safetensors written once and read in parallel at DISK_GBPS.
     """
     b = dtype_bytes(target)

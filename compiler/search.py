@@ -635,6 +635,10 @@ def _combine(
     adapter = memory.lora_params(sizes.arch, ctx.lora_rank, ctx.lora_targets) if ctx.lora_adapter else 0
     method = _sync_method(ctx, mode)
     cross = mode == "disaggregated" and ctx.nodes > 1
+    if method == "inplace" and ctx.nodes > 1 and target.kind != "cpu":
+        # Colocated over several nodes: engines on other nodes cannot read rank 0's /dev/shm, so the
+        # runtime moves the weights through files in the (shared) run directory.
+        method = "disk"
     sync = cost.weight_sync_s(sizes, target, method, cross_node=cross, adapter_params=adapter)
     switch = cost.switch_s(target, state_gib) if mode == "colocated" else 0.0
     teacher_s = max((t.seconds for t in teachers), default=0.0)

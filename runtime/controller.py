@@ -16,6 +16,7 @@ speculative decoding's counters are read from the engines after every step (`spe
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import shutil
@@ -33,9 +34,14 @@ from rlc.runtime.colocate import PhaseSwitcher
 from rlc.runtime.distill import teacher_metrics
 from rlc.runtime.metrics import MetricsLogger
 from rlc.runtime.prompts import PromptItem, PromptStream
+from rlc.runtime.rollout.failures import engine_is_dead
 from rlc.runtime.spec_decode import SpecDecodeDelta
 from rlc.runtime.staleness import StalenessGate
 from rlc.schemas.plan import Plan
+
+# /dev/shm must hold the gathered weights with this much room to spare before colocated moves use it.
+SHM_HEADROOM = 1.1
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 @dataclass
@@ -90,6 +96,13 @@ class RolloutPool:
             return False
         except GetTimeoutError:
             return True  # busy (queued behind a long generate), not dead
+
+    def kill(self, index: int) -> None:
+        """Stop engine ``index``'s actor (whatever state it is in), so that ``revive`` replaces it."""
+        import ray
+
+        with self._lock, contextlib.suppress(Exception):
+            ray.kill(self.engines[index], no_restart=True)
 
     def revive(self, indices: list[int] | None = None) -> list[int]:
         """Restart whichever of `indices` (default: all) are dead; returns the restarted ones.
@@ -224,7 +237,6 @@ class Controller:
 
     def _collect(self, timeout: float) -> None:
         import ray
-        from ray.exceptions import RayActorError
 
         if not self.inflight:
             # Nothing to collect: wake as soon as the trainer finishes instead of sleeping a fixed slice.
@@ -238,7 +250,9 @@ class Controller:
             chunk = self.inflight.pop(ref)
             try:
                 results = ray.get(ref)
-            except RayActorError:
+            except Exception as exc:
+                if not engine_is_dead(exc):
+                    raise
                 self._engine_died(chunk)
                 continue
             for item, samples in zip(chunk.items, results, strict=True):
@@ -264,6 +278,7 @@ class Controller:
         self.logger.message(f"rollout engine {chunk.engine} died; restarting it and re-issuing {len(lost)} chunk(s)")
         self._reissue.extend(c.items for c in lost)
         self._warming.add(chunk.engine)
+        self.rollout.kill(chunk.engine)  # its vLLM core may have died under a live actor
         for index in self.rollout.revive([chunk.engine]):
             self._forget_engine(index)
         # The trainer thread loads the current weights, then the engine takes new work again.
@@ -273,6 +288,7 @@ class Controller:
         """A restarted engine is not in the weight-sync group: the next sync rebuilds the group."""
         self._in_group.discard(index)
         self._sync_group = None
+        self._shared_host = None  # it may have landed on another node
 
     def _load_current_weights(self, engine: int) -> None:
         # Runs on the trainer thread, after any sync already queued there: the weights it pushes are those
@@ -410,25 +426,39 @@ class Controller:
         """adapter (LoRA served by vLLM), broadcast, shm or disk.
 
         `inplace` (colocated) never uses the broadcast group: the trainer rank and the engine worker of a
-        device would be two ranks of one NCCL/HCCL group on one device, which NCCL refuses (AReaL, too,
-        moves colocated weights through host memory on NPU). Rank 0 writes the gathered weights as one
-        safetensors file in /dev/shm when every engine runs on its host (a memory copy each way, through the
-        tested reload path), else in the run directory.
+        device would be two ranks of one NCCL/HCCL group on one device, which NCCL refuses. Rank 0 writes
+        the gathered weights as one safetensors file in its node's /dev/shm when every engine runs on that
+        node and the file fits (a memory copy each way, through the tested reload path), else in the run
+        directory, which every node must then see (as for checkpoints).
         """
         if self.lora_adapter:
             return "adapter"
         method = self.plan.schedule.weight_sync
         if method == "inplace":
-            return "shm" if self._engines_on_trainer_host() else "disk"
+            return "shm" if self._shm_usable() else "disk"
         return method
 
-    def _engines_on_trainer_host(self) -> bool:
-        """Whether every rollout engine shares trainer rank 0's host (and its /dev/shm); asked once."""
+    def _shm_usable(self) -> bool:
+        """Whether every engine shares trainer rank 0's node and its /dev/shm can hold the weights.
+
+        Decided once and logged; forgotten when an engine is restarted (it may land on another node).
+        """
         if self._shared_host is None:
             import ray
 
-            hosts = set(ray.get([e.node_ip.remote() for e in self.rollout.engines]))
-            self._shared_host = Path("/dev/shm").is_dir() and hosts == {self.trainer.host()}
+            info = self.trainer.host_info()
+            nodes = set(ray.get([e.node_id.remote() for e in self.rollout.engines]))
+            meta = self.trainer.weight_meta()
+            needed = SHM_HEADROOM * sum(math.prod(shape) * _DTYPE_BYTES.get(dtype, 4) for _, shape, dtype in meta)
+            if nodes != {info["node_id"]}:
+                self._shared_host, why = False, "engines run on other nodes than trainer rank 0"
+            elif info["shm_free"] < needed:
+                free, want = info["shm_free"] / 2**30, needed / 2**30
+                self._shared_host, why = False, f"/dev/shm has {free:.2f} GiB free, the weights need {want:.2f} GiB"
+            else:
+                self._shared_host, why = True, "every engine shares trainer rank 0's node"
+            where = "/dev/shm" if self._shared_host else f"files in {self.run_dir / 'sync'}"
+            self.logger.message(f"colocated weight moves go through {where} ({why})")
         return self._shared_host
 
     def _weights_dir(self) -> Path:
@@ -564,8 +594,11 @@ class Controller:
         return self.spec_decode.step(dict(enumerate(snaps)))
 
     def close(self) -> None:
-        if self._shm_dir is not None:
-            shutil.rmtree(self._shm_dir, ignore_errors=True)
+        if self._shm_dir is not None:  # on trainer rank 0's node, which wrote it
+            try:
+                self.trainer.remove_dir(str(self._shm_dir))
+            except Exception as exc:  # the trainer is gone: say what is left behind
+                self.logger.message(f"could not remove {self._shm_dir} ({type(exc).__name__}); delete it by hand")
         self.logger.close()
         self._trainer_thread.shutdown(wait=False, cancel_futures=True)
 

@@ -101,20 +101,24 @@ class TeacherPool:
         ray.get(self.engines[name][index].ready.remote())
         self.restarts += 1
 
-    def _get(self, name: str, index: int, part: list[int], ref: Any, input_ids: Sequence[Sequence[int]]) -> list:
+    def _get(
+        self, name: str, index: int, part: list[int], ref: Any, input_ids: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
         """The log-probs of one share, restarting the engine and re-scoring if it died."""
         import ray
-        from ray.exceptions import RayActorError
+
+        from rlc.runtime.rollout.failures import engine_is_dead
 
         for attempt in range(1, MAX_SCORE_ATTEMPTS + 1):
             try:
+                if attempt > 1:
+                    self._restart(name, index)
+                    ref = self.engines[name][index].prompt_logprobs.remote([list(input_ids[i]) for i in part])
                 return ray.get(ref)
-            except RayActorError:
-                if attempt == MAX_SCORE_ATTEMPTS:
+            except Exception as exc:
+                if not engine_is_dead(exc) or attempt == MAX_SCORE_ATTEMPTS:
                     raise
                 self.log(f"teacher {name} engine {index} died; restarting it and re-scoring {len(part)} sequence(s)")
-                self._restart(name, index)
-                ref = self.engines[name][index].prompt_logprobs.remote([list(input_ids[i]) for i in part])
         raise AssertionError("unreachable")
 
     def collect(

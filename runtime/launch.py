@@ -246,11 +246,16 @@ def build_teachers(plan: Plan, resource: str, created: list[Any]) -> Any:
         for t in plan.distill.teachers  # type: ignore[union-attr]
     }
 
+    generations: dict[tuple[str, int], int] = {}
+
     def make_teacher(role_name: str, index: int) -> Any:
+        # rlc-teacher-<name>-<index>[-r<restart>]: a restart never waits for the dead actor's name to be freed.
+        generation = generations.get((role_name, index), 0)
+        generations[(role_name, index)] = generation + 1
         role = plan.role(role_name)
         env = {**plan.env, **role.env}
         cls = rollout_engine_actor(
-            name=f"rlc-{role_name}-{index}",
+            name=f"rlc-{role_name}-{index}" + (f"-r{generation}" if generation else ""),
             num_cpus=0,
             resources={resource: role.parallel.tp},
             scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -162,7 +162,8 @@ class Rollout(StrictModel):
     weight_sync: Literal["auto", "broadcast", "disk"] = Field(
         "auto",
         description="How new weights reach the engines: a collective broadcast from trainer rank 0, or "
-        "safetensors on shared disk. auto: broadcast when disaggregated, in-place when colocated.",
+        "safetensors on shared disk. auto: broadcast when disaggregated; colocated: through host shared memory "
+        "on one node, or files in the run directory (which every node must see) across nodes.",
     )
 
     @property

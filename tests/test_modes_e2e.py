@@ -84,7 +84,9 @@ def test_colocated_is_strictly_on_policy(tmp_path: Path, capsys: pytest.CaptureF
     # cpu: no sleep mode and trainer state already in host memory; recorded as 0, not pretended.
     assert all(r["time/offload_s"] == 0 and r["time/onload_s"] == 0 for r in rows)
     assert all(r["logprob_gap/max"] < 1e-3 for r in rows)  # engines hold exactly the trainer's weights
-    assert "sleep mode is not supported" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "sleep mode is not supported" in out
+    assert "colocated weight moves go through /dev/shm (every engine shares trainer rank 0's node)" in out
 
 
 def _sha256(path: Path) -> str:

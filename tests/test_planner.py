@@ -66,6 +66,22 @@ def test_colocated_npu_sleeps_and_offloads() -> None:
     assert {s.what for s in plan.schedule.offload} >= {"params", "optimizer", "kv_cache"}
 
 
+def test_colocated_weight_moves_cost_host_memory_on_one_node_and_files_across_nodes() -> None:
+    """The runtime moves colocated weights through rank 0's /dev/shm on one node, else through run-dir files."""
+    from rlc.compiler import cost
+    from rlc.compiler.memory import model_sizes
+    from rlc.schemas.registry import load_arch, load_target
+
+    one, _ = plan_for("model: {name: qwen3-8b, path: /m}\nmode: colocated\n")
+    two, _ = plan_for("model: {name: qwen3-8b, path: /m}\ncluster: {nodes: 2}\nmode: colocated\n")
+    assert one is not None and two is not None
+    sizes, a2 = model_sizes(load_arch("qwen3-8b")), load_target("a2")
+    shm = cost.weight_sync_s(sizes, a2, "inplace", cross_node=False)
+    files = cost.weight_sync_s(sizes, a2, "disk", cross_node=True)
+    assert one.estimates.weight_sync_s == pytest.approx(shm, abs=1e-3)
+    assert two.estimates.weight_sync_s == pytest.approx(files, abs=1e-3)
+
+
 def test_mtp_and_lora_engine_args() -> None:
     plan, _ = plan_for(
         """

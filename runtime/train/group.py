@@ -154,9 +154,17 @@ class TrainerGroup:
         host, port = ray.get(self.workers[0].sync_address.remote())
         return host, port
 
-    def host(self) -> str:
-        """The IP of rank 0's node: where gathered weights are written."""
-        return self.weight_sync_address()[0]
+    def host_info(self) -> dict[str, Any]:
+        """Rank 0's Ray node id and free /dev/shm bytes: rank 0 writes the gathered weights."""
+        import ray
+
+        return ray.get(self.workers[0].host_info.remote())
+
+    def remove_dir(self, path: str) -> None:
+        """Delete a folder on rank 0's node."""
+        import ray
+
+        ray.get(self.workers[0].remove_dir.remote(path))
 
     def sync_weights_broadcast_async(
         self, host: str, port: int, world_size: int, meta: Sequence[TensorMeta] | None = None

@@ -575,6 +575,22 @@ class TrainerWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
+    def host_info(self) -> dict[str, Any]:
+        """This rank's Ray node id and the free bytes of its /dev/shm (0 if absent): where weights can go."""
+        import shutil
+
+        import ray
+
+        shm = Path("/dev/shm")
+        free = shutil.disk_usage(shm).free if shm.is_dir() else 0
+        return {"node_id": ray.get_runtime_context().get_node_id(), "shm_free": free}
+
+    def remove_dir(self, path: str) -> None:
+        """Delete a folder on this rank's node (the weights it wrote to /dev/shm)."""
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
     def shutdown(self) -> None:
         """Leave every process group."""
         self.close_weight_sync()
