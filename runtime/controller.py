@@ -97,15 +97,9 @@ class RolloutPool:
         except GetTimeoutError:
             return True  # busy (queued behind a long generate), not dead
 
-    def kill(self, index: int) -> None:
-        """Stop engine ``index``'s actor (whatever state it is in), so that ``revive`` replaces it."""
-        import ray
-
-        with self._lock, contextlib.suppress(Exception):
-            ray.kill(self.engines[index], no_restart=True)
-
-    def revive(self, indices: list[int] | None = None) -> list[int]:
-        """Restart whichever of `indices` (default: all) are dead; returns the restarted ones.
+    def revive(self, indices: list[int] | None = None, force: bool = False) -> list[int]:
+        """Restart whichever of `indices` (default: all) are dead, or all of them with ``force`` (an actor
+        alive around a dead vLLM core); returns the restarted ones.
 
         A restarted engine holds the base weights, so it is stamped with version -1 until the controller
         loads the current weights into it: anything it generates before then is recognisably stale.
@@ -115,7 +109,7 @@ class RolloutPool:
         restarted = []
         with self._lock:
             for index in indices if indices is not None else range(len(self.engines)):
-                if self._alive(index):
+                if not force and self._alive(index):
                     continue
                 with contextlib.suppress(Exception):
                     ray.kill(self.engines[index], no_restart=True)
@@ -278,8 +272,9 @@ class Controller:
         self.logger.message(f"rollout engine {chunk.engine} died; restarting it and re-issuing {len(lost)} chunk(s)")
         self._reissue.extend(c.items for c in lost)
         self._warming.add(chunk.engine)
-        self.rollout.kill(chunk.engine)  # its vLLM core may have died under a live actor
-        for index in self.rollout.revive([chunk.engine]):
+        # Forced: the actor may be alive around a dead vLLM core. Other in-flight chunks of this engine
+        # were dropped above, so this runs once per death.
+        for index in self.rollout.revive([chunk.engine], force=True):
             self._forget_engine(index)
         # The trainer thread loads the current weights, then the engine takes new work again.
         self._trainer_thread.submit(self._load_current_weights, chunk.engine)
