@@ -90,8 +90,7 @@ class RolloutPool:
         from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
-            ray.get(self.engines[index].get_version.remote(), timeout=timeout)
-            return True
+            return bool(ray.get(self.engines[index].healthy.remote(), timeout=timeout))
         except RayActorError:
             return False
         except GetTimeoutError:

@@ -367,6 +367,11 @@ class RolloutEngine:
         if not self.engine_args.get("enable_sleep_mode"):
             raise NotSupported("engine was started without enable_sleep_mode=True")
 
+    def healthy(self) -> bool:
+        """Whether vLLM's engine core still runs: its process can die (e.g. OOM-killed) under this live actor."""
+        client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        return not bool(getattr(getattr(client, "resources", None), "engine_dead", False))
+
     def node_id(self) -> str:
         """The Ray node this engine runs on (colocated weight moves use /dev/shm only within one node)."""
         import ray

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,10 @@ TensorMeta = tuple[str, tuple[int, ...], str]
 """(parameter name in HF checkpoint format, shape, dtype name such as ``"float32"``)."""
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+# Per-operation limit of the weight-sync group (joining it, each bucket's broadcast). A peer that dies
+# without closing its connection (an engine whose vLLM core was killed before it joined) then fails the
+# sync after this long instead of the backend's default 30 minutes, and the controller's retry restarts it.
+SYNC_TIMEOUT_S = 300
 
 
 def dtype_from_str(name: str) -> torch.dtype:
@@ -129,7 +134,9 @@ def _init_group(host: str, port: int, rank: int, world_size: int, backend: str) 
     # with the trainer's FSDP group on one side and vLLM's TP group on the other.
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-    return stateless_init_torch_distributed_process_group(host, port, rank, world_size, backend=backend)
+    return stateless_init_torch_distributed_process_group(
+        host, port, rank, world_size, backend=backend, timeout=timedelta(seconds=SYNC_TIMEOUT_S)
+    )
 
 
 class WeightSyncExtension:
