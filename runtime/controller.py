@@ -41,7 +41,6 @@ from rlc.schemas.plan import Plan
 
 # /dev/shm must hold the gathered weights with this much room to spare before colocated moves use it.
 SHM_HEADROOM = 1.1
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 @dataclass
@@ -440,10 +439,12 @@ class Controller:
         if self._shared_host is None:
             import ray
 
+            from rlc.runtime.rollout.weight_sync import dtype_from_str
+
             info = self.trainer.host_info()
             nodes = set(ray.get([e.node_id.remote() for e in self.rollout.engines]))
             meta = self.trainer.weight_meta()
-            needed = SHM_HEADROOM * sum(math.prod(shape) * _DTYPE_BYTES.get(dtype, 4) for _, shape, dtype in meta)
+            needed = SHM_HEADROOM * sum(math.prod(shape) * dtype_from_str(dtype).itemsize for _, shape, dtype in meta)
             if nodes != {info["node_id"]}:
                 self._shared_host, why = False, "engines run on other nodes than trainer rank 0"
             elif info["shm_free"] < needed:
