@@ -261,6 +261,31 @@ def test_rule_pinned_ep_divides_experts() -> None:
     assert "128 experts" in d.message
 
 
+def test_rule_ulysses_cp_needs_heads_ring_does_not() -> None:
+    """Qwen3-8B has 32 heads: TP 8 · CP 8 Ulysses cannot split them; ring CP has no head constraint."""
+    pins = "placement: {train: {devices: 64, tp: 8, cp: 8, cp_kind: ulysses}}\n"
+    d = only(check(GOOD.replace("nodes: 2", "nodes: 16") + pins), "RLC207")
+    assert "TP(8)·CP(8)=64 does not divide" in d.message and d.path == "placement.train.cp_kind"
+    assert "ring" in d.hint
+    ring = check(GOOD.replace("nodes: 2", "nodes: 16") + pins.replace("ulysses", "ring"))
+    assert "RLC207" not in codes(ring)
+
+
+def test_rule_device_memory_budget() -> None:
+    d = only(check(GOOD.replace("nodes: 2}", "nodes: 2, device_memory_gib: 80}")), "RLC214")
+    assert "exceeds the 60.96 GiB" in d.message
+    assert "RLC214" not in codes(check(GOOD.replace("nodes: 2}", "nodes: 2, device_memory_gib: 50}")))
+    d = only(check(GOOD.replace("nodes: 2}", "nodes: 2, device_memory_gib: 0.5}")), "RLC214")
+    assert "reserve" in d.message
+
+
+def test_rule_fsdp2_has_no_selective_recompute_or_pipeline() -> None:
+    report = check(GOOD + "train: {backend: fsdp2, recompute: selective}\nplacement: {train: {pp: 2}}\n")
+    found = [d for d in report.diagnostics if d.code == "RLC215"]
+    assert {d.path for d in found} == {"train.recompute", "placement.train.pp"}
+    assert "whole decoder layers" in found[0].message or "whole decoder layers" in found[1].message
+
+
 def test_rule_tp_inside_node() -> None:
     d = only(check(GOOD + "placement: {rollout: {tp: 16}}\n"), "RLC207")
     assert "inside a node" in d.message
