@@ -78,6 +78,8 @@ class ModelSizes:
     max_layer: int
     mtp: int
     act: dict[str, float]
+    #: Elements HF (transformers) decoder layers keep per token for backward: what the FSDP2 trainer stores.
+    act_hf: float = 0.0
     #: Layers with full attention (a KV cache); hybrid models' linear layers excluded. Counted once here
     #: because the search asks for it per candidate layout.
     full_attention_layers: int = 0
@@ -114,6 +116,7 @@ def model_sizes(arch: ModelArch) -> ModelSizes:
         max_layer=arch.max_layer_params(),
         mtp=arch.mtp_params(),
         act={rc: activation_elements_per_token_layer(arch, rc) for rc in ("none", "selective", "full")},
+        act_hf=hf_activation_elements_per_token_layer(arch),
         full_attention_layers=arch.num_full_attention_layers(),
     )
 
@@ -209,13 +212,71 @@ def train_param_shard(sizes: ModelSizes, layout: TrainLayout) -> tuple[float, fl
     return dense, expert
 
 
+def hf_activation_elements_per_token_layer(arch: ModelArch) -> float:
+    """Activation elements a transformers decoder layer keeps per token for backward (the FSDP2 trainer's).
+
+    `activation_elements_per_token_layer` counts what fused kernels keep (Megatron). The HF modules keep more,
+    each op saving its own inputs. Counted from Qwen3/Llama's modeling code, per token:
+      norms: input, normalised value and output of both RMSNorms: 6h;
+      q and k: the projection's output, then (with QK-norm) the norm's normalised value and output, the
+        rotate_half copy and the rotary output: 5·(n_q + n_kv)·d_h with QK-norm, 3·(n_q + n_kv)·d_h without;
+      v: n_kv·d_h; the attention output and the copy reshaped for o_proj: 2·n_q·d_h;
+      SwiGLU: gate, up, act(gate) and act(gate)·up: 4f.
+    Linear-attention layers of hybrid models keep the fused-kernel count. Measured on the cpu target (2-layer
+    hidden-128 model, fp32, 6K-12K-token micro-batches, tests/test_layout_memory.py): 2,918 elements per
+    token per layer against 3,072 counted here.
+    """
+    if arch.attention.kind == "mla":
+        return activation_elements_per_token_layer(arch, "none")
+    h, d, f = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
+    q_width = q * (2 if arch.attention.output_gate else 1)
+    full = (5 if arch.attention.qk_norm else 3) * (q_width + kv) + kv + 2 * q
+    share = arch.num_full_attention_layers() / arch.num_layers
+    attn = share * full + (1 - share) * _linear_attention_elements(arch)
+    if arch.moe is not None:  # routed experts are Megatron's; keep the fused count for the FFN there
+        return 6 * h + attn + activation_elements_per_token_layer(arch, "none") - 4 * h - _fused_attention(arch)
+    return 6 * h + attn + 4 * f
+
+
 def replicated_activation_elements(arch: ModelArch, recompute: str) -> float:
-    """The part of `activation_elements_per_token_layer` that tensor parallelism without sequence parallelism
-    does not split: the norms' inputs and outputs (4h; 2h under selective recompute, which drops the norm
-    outputs), or the layer input under full recompute (h). FSDP2's DTensor TP in rlc splits only the
-    attention heads and the FFN width; Megatron with sequence parallelism splits everything."""
+    """The part of a layer's stored activations that tensor parallelism without sequence parallelism does not
+    split: the RMSNorms' inputs, normalised values and outputs and the two all-reduced projection outputs (8h;
+    4h under selective recompute, which drops the norms' values), or the layer input under full recompute
+    (h). FSDP2's DTensor TP in rlc splits only the attention heads and the FFN width; Megatron with sequence
+    parallelism splits everything."""
     h = arch.hidden_size
-    return {"none": 4.0 * h, "selective": 2.0 * h, "full": float(h)}[recompute]
+    return {"none": 8.0 * h, "selective": 4.0 * h, "full": float(h)}[recompute]
+
+
+def _linear_attention_elements(arch: ModelArch) -> float:
+    """Fused-kernel activations of one linear-attention layer per token (hybrid models), 0 otherwise."""
+    a = arch.attention
+    if a.kind != "linear-hybrid":
+        return 0.0
+    nk, nv = a.linear_num_key_heads or 0, a.linear_num_value_heads or 0
+    dk, dv = a.linear_key_head_dim or 0, a.linear_value_head_dim or 0
+    return float(2 * (2 * nk * dk + nv * dv) + 2 * nv * dv)
+
+
+def _fused_attention(arch: ModelArch) -> float:
+    """The attention part of `activation_elements_per_token_layer`: q/k/v and the output (MLA's latents), the
+    full-attention share of a hybrid model's layers and the linear share."""
+    a = arch.attention
+    if a.kind == "mla":
+        qk = (a.qk_nope_head_dim or 0) + (a.qk_rope_head_dim or 0)
+        return float(
+            (a.q_lora_rank or 0)
+            + (a.kv_lora_rank or 0)
+            + (a.qk_rope_head_dim or 0)
+            + 2 * arch.num_attention_heads * qk
+            + 2 * arch.num_attention_heads * (a.v_head_dim or 0)
+        )
+    full = (arch.num_attention_heads * (3 if a.output_gate else 2) + 2 * arch.num_kv_heads) * arch.head_dim
+    if a.kind != "linear-hybrid":
+        return float(full)
+    share = arch.num_full_attention_layers() / arch.num_layers
+    return share * full + (1 - share) * _linear_attention_elements(arch)
 
 
 def activation_elements_per_token_layer(arch: ModelArch, recompute: str) -> float:
@@ -234,26 +295,7 @@ def activation_elements_per_token_layer(arch: ModelArch, recompute: str) -> floa
     h = arch.hidden_size
     if recompute == "full":
         return float(h)
-    a = arch.attention
-    if a.kind == "mla":
-        qk = (a.qk_nope_head_dim or 0) + (a.qk_rope_head_dim or 0)
-        attn = (
-            (a.q_lora_rank or 0)
-            + (a.kv_lora_rank or 0)
-            + (a.qk_rope_head_dim or 0)
-            + 2 * arch.num_attention_heads * qk
-            + 2 * arch.num_attention_heads * (a.v_head_dim or 0)
-        )
-    else:
-        full = (arch.num_attention_heads * (3 if a.output_gate else 2) + 2 * arch.num_kv_heads) * arch.head_dim
-        if a.kind == "linear-hybrid":
-            nk, nv = a.linear_num_key_heads or 0, a.linear_num_value_heads or 0
-            dk, dv = a.linear_key_head_dim or 0, a.linear_value_head_dim or 0
-            linear = 2 * (2 * nk * dk + nv * dv) + 2 * nv * dv
-            share = arch.num_full_attention_layers() / arch.num_layers
-            attn = share * full + (1 - share) * linear
-        else:
-            attn = full
+    attn = _fused_attention(arch)
     moe_layers = sum(1 for i in range(arch.num_layers) if arch.layer_is_moe(i))
     moe_share = moe_layers / arch.num_layers
     dense_ffn, dense_act = 3 * arch.intermediate_size, arch.intermediate_size
@@ -295,11 +337,13 @@ def train_memory(
     the expert-DP tp·cp·dp/(ep·etp) for experts); on the cpu target 4 + 4 + 8.
     LoRA: the frozen base keeps only weights; the adapters carry weights, grads and optimizer (same
     sharding). A KL reference without LoRA is one more frozen weight copy.
-    Activations: `activation_elements_per_token_layer` × compute bytes × tokens per device (micro_batch_tokens/cp)
-    × ceil(L/p) layers × p in-flight micro-batches on the first 1F1B stage. Megatron (sequence parallel)
-    divides all of it by t; FSDP2's tensor parallelism splits heads and FFN width only, so the norms' share
-    (`replicated_activation_elements`) stays whole. Full recompute adds one layer's complete set for the layer
-    being recomputed.
+    Activations, per device, in the compute dtype, for tokens = micro_batch_tokens / cp. Megatron:
+    `activation_elements_per_token_layer` (fused kernels, Korthikanti et al.) × tokens × ceil(L/p) layers × p
+    in-flight micro-batches on the first 1F1B stage, all divided by t (sequence parallel); full recompute adds
+    one layer's complete set for the layer being recomputed. FSDP2: `hf_activation_elements_per_token_layer`
+    (what transformers' modules keep) × tokens × L, plus 2h of hidden-state gradients in backward; its tensor
+    parallelism splits heads and FFN width only, so the norms' and the all-reduced outputs' share
+    (`replicated_activation_elements`) stays whole; full recompute keeps h per layer and rebuilds one.
     Logits: log-probs are computed in chunks of `logprob_chunk_tokens`, so chunk × V × 4 bytes × 3 (fp32
     logits, log-softmax, gradient) — never tokens × V; Megatron's vocab-parallel head divides V by t.
     Offload: FSDP2 parameter offload (CPUOffloadPolicy) keeps parameters, gradients and the optimizer step on
@@ -335,17 +379,21 @@ def train_memory(
     tokens = ceil(layout.micro_batch_tokens / layout.cp)
     arch = sizes.arch
 
-    def per_token(recompute: str) -> float:
-        total = sizes.act[recompute]
-        if not fsdp:
-            return total / layout.tp
-        kept = replicated_activation_elements(arch, recompute)
-        return kept + (total - kept) / layout.tp
-
     stage_layers = ceil(arch.num_layers / layout.pp)
-    act = per_token(layout.recompute) * tokens * stage_layers * layout.pp
-    if layout.recompute == "full":
-        act += per_token("none") * tokens
+    if fsdp:
+        # HF layers: every layer's stored set; backward frees each saved tensor as it makes the gradient that
+        # replaces it, so on top only the incoming and outgoing hidden-state gradients (2h) are live (measured
+        # on the cpu target). Full recompute keeps each layer's input and rebuilds one layer at a time.
+        kept = replicated_activation_elements(arch, "none")
+        layer = kept + (sizes.act_hf - kept) / layout.tp
+        backward = 2 * arch.hidden_size
+        stored = arch.hidden_size if layout.recompute == "full" else layer
+        act = stored * tokens * arch.num_layers + (layer if layout.recompute == "full" else 0.0) * tokens
+        act += backward * tokens
+    else:
+        act = sizes.act[layout.recompute] / layout.tp * tokens * stage_layers * layout.pp
+        if layout.recompute == "full":
+            act += sizes.act["none"] / layout.tp * tokens
     if lora:
         act += 2 * (lora_rank or 0) * len(LORA_MODULES) * tokens * stage_layers * layout.pp / layout.tp
     items["activations"] = gib(act * cb)

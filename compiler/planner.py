@@ -88,7 +88,7 @@ def model_path(problem: Problem, ref: ModelRef, arch: ModelArch) -> tuple[str, b
     """Local folder for a model; on cpu the tiny model is built under the run directory when none is given."""
     if ref.path:
         return ref.path, False
-    if problem.target.kind == "cpu" and arch.id == "rlc-tiny":
+    if problem.target.kind == "cpu" and arch.family == "rlc":
         return f"{problem.spec.run_dir}/model", True
     hub = [a for a in arch.aliases if "/" in a]
     return (hub[0] if hub else arch.id), False
@@ -103,6 +103,7 @@ def model_settings(problem: Problem, ref: ModelRef, arch: ModelArch) -> ModelSet
         params_b=significant(arch.total_params() / 1e9),
         vocab_size=arch.vocab_size,
         build_tiny=build,
+        tiny_max_positions=arch.max_position_embeddings if build else None,
     )
 
 
@@ -273,6 +274,15 @@ def _warnings(problem: Problem, lines: LineMap, file: str) -> list[Diagnostic]:
     return out
 
 
+def _gaps(problem: Problem, layout: layout_lib.TrainLayout) -> list[str]:
+    return layout_lib.runtime_gaps(
+        layout,
+        PLATFORM_OF_KIND[problem.target.kind],  # type: ignore[arg-type]
+        lora=problem.spec.lora is not None,
+        kv_heads=problem.arch.num_kv_heads,
+    )
+
+
 def build_plan(
     problem: Problem, lines: LineMap | None = None, file: str = "", *, exhaustive: bool = False
 ) -> tuple[Plan | None, list[Diagnostic]]:
@@ -283,8 +293,7 @@ def build_plan(
     diags = _warnings(problem, lines, file)
     if result.best is None:
         return None, diags + infeasible(problem, result, ctx, lines, file)
-    platform = PLATFORM_OF_KIND[problem.target.kind]
-    for gap in layout_lib.runtime_gaps(result.best.train.layout, platform):
+    for gap in _gaps(problem, result.best.train.layout):
         diags.append(
             Diagnostic(
                 "RLC303",
@@ -572,6 +581,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
             answer_key=spec.data.answer_key,
             domain_key=spec.data.domain_key,
             digits=spec.data.digits,
+            shots=spec.data.shots,
             reward=spec.reward.fn,
         ),
         lora=LoraSettings(
@@ -604,7 +614,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
         ),
         runners_up=runners,
         warnings=[d.message for d in diags if d.severity == "warning"],
-        runtime_gaps=layout_lib.runtime_gaps(tl, PLATFORM_OF_KIND[target.kind]),  # type: ignore[arg-type]
+        runtime_gaps=_gaps(problem, tl),
     )
 
 

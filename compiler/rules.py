@@ -400,7 +400,7 @@ def check_cpu_model_size(ctx: RuleContext) -> Iterator[Diagnostic]:
 @rule("RLC211", "Model weights must be a local folder on real hardware")
 def check_model_paths(ctx: RuleContext) -> Iterator[Diagnostic]:
     p = ctx.problem
-    builds_locally = p.target.kind == "cpu" and p.arch.id == "rlc-tiny"
+    builds_locally = p.target.kind == "cpu" and p.arch.family == "rlc"
     if p.spec.model.path is None and not builds_locally:
         yield ctx.diag(
             "RLC211",
@@ -510,6 +510,13 @@ def check_device_memory(ctx: RuleContext) -> Iterator[Diagnostic]:
 def check_backend_choices(ctx: RuleContext) -> Iterator[Diagnostic]:
     spec = ctx.problem.spec
     pin = spec.placement.train
+    if pin.cp and pin.cp > 1 and not spec.train.packing:
+        yield ctx.diag(
+            "RLC215",
+            "placement.train.cp",
+            f"CP({pin.cp}) with train.packing: false: context parallelism splits packed micro-batches",
+            "set train.packing: true, or drop the cp pin",
+        )
     backend = pin.backend or (spec.train.backend if spec.train.backend != "auto" else None)
     if backend != "fsdp2":
         return

@@ -31,6 +31,7 @@ from rlc.schemas.layout import (
     backend_recomputes,
     cp_problem,
     default_cp_kind,
+    fsdp2_runs_tp,
     tp_problem,
 )
 from rlc.schemas.target import TargetProfile
@@ -273,6 +274,8 @@ def _train_search(ctx: Context, n: int, resident_gib: float) -> RoleSearch:
         else:
             offloads = list(OFFLOAD_ORDER)
         tps = [pin.tp] if pin.tp else [t for t in _pow2_upto(min(dpn, n)) if tp_problem(arch, t) is None]
+        if backend == "fsdp2" and not pin.tp:  # only what the fsdp2 runtime executes (`layout.runtime_gaps`)
+            tps = [t for t in tps if fsdp2_runs_tp(t, arch.num_kv_heads, ctx.lora_rank is not None)]
         if backend == "fsdp2":
             pps, eps = [1], [1]
         else:
@@ -285,7 +288,8 @@ def _train_search(ctx: Context, n: int, resident_gib: float) -> RoleSearch:
                     if pin.ep
                     else [e for e in _pow2_upto(min(arch.moe.num_experts, n)) if arch.moe.num_experts % e == 0]
                 )
-        cps_all = [pin.cp] if pin.cp else _pow2_upto(min(16, n))
+        # Context parallelism splits packed micro-batches: without packing there is nothing to split.
+        cps_all = [pin.cp] if pin.cp else (_pow2_upto(min(16, n)) if spec.train.packing else [1])
         for tp in tps:
             # CP beyond what the context needs only splits activations further: all-to-alls and no FLOPs saved.
             # Megatron splits activations with TP and PP as well, so there it is skipped outright; FSDP2 has no

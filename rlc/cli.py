@@ -7,6 +7,7 @@ Exit codes: 0 ok, 1 findings (invalid spec, refused plan, plans differ), 2 usage
 
 from __future__ import annotations
 
+import json
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -224,6 +225,13 @@ def run(
     allow_modified: Annotated[
         bool, typer.Option("--allow-modified", help="Run a plan whose files no longer match its manifest.")
     ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Print the placement groups, actors, trainer mesh, engines and sync path."),
+    ] = False,
+    output_format: Annotated[
+        ExplainFormat, typer.Option("--format", help="Dry-run output: text or json.")
+    ] = ExplainFormat.text,
 ) -> None:
     """Verify a plan directory and execute it (Ray, vLLM rollout, FSDP2 training)."""
     from rlc.compiler.diagnostics import Report, render_text
@@ -241,10 +249,31 @@ def run(
         plan = load_plan(plan_dir)
     except (OSError, ValueError) as exc:
         raise _usage_error(f"cannot read plan {plan_dir}: {exc}") from None
-    from rlc.runtime.launch import RunError, run_plan
+    from rlc.runtime.launch import RunError, RuntimeGapError, refuse_gaps, run_plan
+    from rlc.runtime.launch_request import launch_request, render_request
 
+    if dry_run:
+        try:
+            request = launch_request(plan)
+        except ValueError as exc:
+            raise _usage_error(f"cannot read plan {plan_dir}: {exc}") from None
+        if output_format == ExplainFormat.json:
+            typer.echo(json.dumps(request.to_json(), indent=2, sort_keys=True))
+        else:
+            typer.echo(render_request(request))
+        raise typer.Exit(EXIT_USAGE if request.refusals else EXIT_OK)
     try:
+        refuse_gaps(plan)
         run_plan(plan, run_dir, resume=resume)
+    except RuntimeGapError as exc:
+        lines = "\n".join(f"    - {gap}" for gap in exc.gaps)
+        typer.echo(
+            f"rlc run: error[RLC707]: this runtime cannot execute plan {plan.name}:\n{lines}\n"
+            "    hint: recompile with a layout it runs (e.g. pin train.backend: fsdp2 for a dense model); "
+            "`rlc run --dry-run` shows what would start",
+            err=True,
+        )
+        raise typer.Exit(EXIT_USAGE) from None
     except RunError as exc:
         typer.echo(f"rlc run: error: {exc}", err=True)
         raise typer.Exit(EXIT_FINDINGS) from None

@@ -16,7 +16,6 @@ speculative decoding's counters are read from the engines after every step (`spe
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import random
 import shutil
@@ -32,15 +31,13 @@ from typing import Any
 from rlc.runtime.checkpoint import ControllerState, finalize, staging_dir
 from rlc.runtime.colocate import PhaseSwitcher
 from rlc.runtime.distill import teacher_metrics
+from rlc.runtime.host_moves import HostMoves, plan_host_moves, weight_bytes
 from rlc.runtime.metrics import MetricsLogger
 from rlc.runtime.prompts import PromptItem, PromptStream
 from rlc.runtime.rollout.failures import engine_is_dead
 from rlc.runtime.spec_decode import SpecDecodeDelta
 from rlc.runtime.staleness import StalenessGate
 from rlc.schemas.plan import Plan
-
-# /dev/shm must hold the gathered weights with this much room to spare before colocated moves use it.
-SHM_HEADROOM = 1.1
 
 
 @dataclass
@@ -177,8 +174,8 @@ class Controller:
         self.teachers: Any = None  # a distill.TeacherPool when the plan distills
         self.lora_adapter = plan.lora is not None and plan.lora.rollout == "adapter"
         self.spec_decode = SpecDecodeDelta() if plan.sampling.speculative else None
-        self._shm_dir: Path | None = None
-        self._shared_host: bool | None = None
+        self._host_moves: HostMoves | None = None  # colocated: who writes the weights into which node's /dev/shm
+        self._written_dirs: dict[int, str] = {}  # folders trainer ranks wrote, removed at the end
         self._stop = threading.Event()
         self.eos_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
         self._step_started = time.perf_counter()
@@ -281,7 +278,7 @@ class Controller:
         """A restarted engine is not in the weight-sync group: the next sync rebuilds the group."""
         self._in_group.discard(index)
         self._sync_group = None
-        self._shared_host = None  # it may have landed on another node
+        self._host_moves = None  # it may have landed on another node
 
     def _load_current_weights(self, engine: int) -> None:
         # Runs on the trainer thread, after any sync already queued there: the weights it pushes are those
@@ -416,52 +413,26 @@ class Controller:
                     self._forget_engine(index)
 
     def _sync_method(self) -> str:
-        """adapter (LoRA served by vLLM), broadcast, shm or disk.
+        """adapter (LoRA served by vLLM), or the plan's broadcast, disk or inplace (see `host_moves`)."""
+        return "adapter" if self.lora_adapter else self.plan.schedule.weight_sync
 
-        `inplace` (colocated) never uses the broadcast group: the trainer rank and the engine worker of a
-        device would be two ranks of one NCCL/HCCL group on one device, which NCCL refuses. Rank 0 writes
-        the gathered weights as one safetensors file in its node's /dev/shm when every engine runs on that
-        node and the file fits (a memory copy each way, through the tested reload path), else in the run
-        directory, which every node must then see (as for checkpoints).
-        """
-        if self.lora_adapter:
-            return "adapter"
-        method = self.plan.schedule.weight_sync
-        if method == "inplace":
-            return "shm" if self._shm_usable() else "disk"
-        return method
+    def prepare_weight_path(self) -> None:
+        """Check, before any step, that the plan's weight path works here; colocated runs find their writers."""
+        if self._sync_method() == "inplace":
+            self._moves()
 
-    def _shm_usable(self) -> bool:
-        """Whether every engine shares trainer rank 0's node and its /dev/shm can hold the weights.
-
-        Decided once and logged; forgotten when an engine is restarted (it may land on another node).
-        """
-        if self._shared_host is None:
+    def _moves(self) -> HostMoves:
+        """Which trainer rank writes into which node's /dev/shm for which engines; decided once and logged,
+        forgotten when an engine is restarted (it may land on another node)."""
+        if self._host_moves is None:
             import ray
 
-            from rlc.runtime.rollout.weight_sync import dtype_from_str
-
-            info = self.trainer.host_info()
-            nodes = set(ray.get([e.node_id.remote() for e in self.rollout.engines]))
-            meta = self.trainer.weight_meta()
-            needed = SHM_HEADROOM * sum(math.prod(shape) * dtype_from_str(dtype).itemsize for _, shape, dtype in meta)
-            if nodes != {info["node_id"]}:
-                self._shared_host, why = False, "engines run on other nodes than trainer rank 0"
-            elif info["shm_free"] < needed:
-                free, want = info["shm_free"] / 2**30, needed / 2**30
-                self._shared_host, why = False, f"/dev/shm has {free:.2f} GiB free, the weights need {want:.2f} GiB"
-            else:
-                self._shared_host, why = True, "every engine shares trainer rank 0's node"
-            where = "/dev/shm" if self._shared_host else f"files in {self.run_dir / 'sync'}"
-            self.logger.message(f"colocated weight moves go through {where} ({why})")
-        return self._shared_host
-
-    def _weights_dir(self) -> Path:
-        if self._sync_method() == "shm":
-            if self._shm_dir is None:
-                self._shm_dir = Path("/dev/shm") / f"rlc-{os.getpid()}-{abs(hash(str(self.run_dir))) % 10**8}"
-            return self._shm_dir
-        return self.run_dir / "sync" / "latest"
+            ranks = self.trainer.hosts_info()
+            nodes = ray.get([e.node_id.remote() for e in self.rollout.engines])
+            tag = f"{os.getpid()}-{abs(hash(str(self.run_dir))) % 10**8}"
+            self._host_moves = plan_host_moves(ranks, nodes, weight_bytes(self.trainer.weight_meta()), tag)
+            self.logger.message(f"colocated weight moves through host memory: {self._host_moves.describe()}")
+        return self._host_moves
 
     def _push_files(self, indices: list[int], version: int) -> None:
         """Write the current weights (or LoRA adapter) as files and have engines `indices` load them."""
@@ -477,8 +448,14 @@ class Controller:
             for old in sorted(root.glob("adapter-v*"))[:-2]:
                 shutil.rmtree(old, ignore_errors=True)
             return
-        path = self.trainer.save_weights(str(self._weights_dir()))
-        ray.get([e.update_weights_from_path.remote(str(Path(path).parent), version) for e in engines])
+        if self._sync_method() == "inplace":
+            moves = self._moves()
+            self._written_dirs.update(self.trainer.save_weights_per_node(moves.dirs))
+            folders = [moves.folder_for(i) for i in indices]
+        else:
+            path = self.trainer.save_weights(str(self.run_dir / "sync" / "latest"))
+            folders = [str(Path(path).parent)] * len(indices)
+        ray.get([e.update_weights_from_path.remote(f, version) for e, f in zip(engines, folders, strict=True)])
 
     def _sync_once(self, version: int) -> None:
         import ray
@@ -589,11 +566,11 @@ class Controller:
         return self.spec_decode.step(dict(enumerate(snaps)))
 
     def close(self) -> None:
-        if self._shm_dir is not None:  # on trainer rank 0's node, which wrote it
+        for rank, folder in sorted(self._written_dirs.items()):  # each on the node of the rank that wrote it
             try:
-                self.trainer.remove_dir(str(self._shm_dir))
+                self.trainer.remove_dir(folder, rank)
             except Exception as exc:  # the trainer is gone: say what is left behind
-                self.logger.message(f"could not remove {self._shm_dir} ({type(exc).__name__}); delete it by hand")
+                self.logger.message(f"could not remove {folder} ({type(exc).__name__}); delete it by hand")
         self.logger.close()
         self._trainer_thread.shutdown(wait=False, cancel_futures=True)
 

@@ -7,6 +7,7 @@ another plan) is checked before any actor starts, and reported as a `RunError` w
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -14,13 +15,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rlc.schemas.plan import Plan
+from rlc.runtime.host_moves import HostMovesError
+from rlc.runtime.launch_request import ActorRequest, LaunchRequest, launch_request
+from rlc.schemas.plan import Plan, Role
 
 PLACEMENT_TIMEOUT_S = 300
 
 
 class RunError(RuntimeError):
     """A problem with the run's inputs or environment, reported to the user without a traceback."""
+
+
+class RuntimeGapError(RunError):
+    """The plan asks for something this runtime does not execute (RLC707): refused before anything starts."""
+
+    def __init__(self, gaps: list[str]) -> None:
+        self.gaps = gaps
+        super().__init__("this runtime cannot execute the plan: " + "; ".join(gaps))
 
 
 def _model_path(plan: Plan) -> Path:
@@ -36,7 +47,7 @@ def prepare_model(plan: Plan, log) -> Path:  # type: ignore[no-untyped-def]
         from rlc.runtime.tasks.tiny_model import build_tiny_model
 
         log(f"building the quickstart model in {path} (one-time, a few seconds)")
-        build_tiny_model(path, seed=plan.algorithm.seed)
+        build_tiny_model(path, seed=plan.algorithm.seed, max_positions=plan.model.tiny_max_positions or 512)
     if not path.is_dir():
         raise RunError(f"model folder not found: {path} (model.path in the spec; it must exist on every node)")
     if not (path / "config.json").is_file():
@@ -76,10 +87,11 @@ def load_inputs(plan: Plan, model_path: Path) -> tuple[Any, Any]:
     return tokenizer, reward_fn
 
 
-def _check_resources(plan: Plan, resource: str) -> None:
+def _check_resources(plan: Plan) -> None:
     """A Ray that cannot hold the plan would leave placement waiting forever: say what is missing instead."""
     import ray
 
+    resource = plan.cluster.ray_resource
     have = ray.cluster_resources().get(resource, 0)
     need = plan.cluster.total_devices
     if have < need:
@@ -96,22 +108,20 @@ def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
     """
     import ray
 
-    from rlc.schemas.registry import load_target
-
-    target = load_target(plan.target)
+    resource = plan.cluster.ray_resource
     if ray.is_initialized():
-        _check_resources(plan, target.ray_resource)
+        _check_resources(plan)
         return False
     if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
-        _check_resources(plan, target.ray_resource)
+        _check_resources(plan)
         return False
     devices = plan.cluster.total_devices
     cpus = max(os.cpu_count() or 1, devices + 2)
-    log(f"starting a local Ray with {devices} logical `{target.ray_resource}` device(s)")
+    log(f"starting a local Ray with {devices} logical `{resource}` device(s)")
     ray.init(
         num_cpus=cpus,
-        resources={target.ray_resource: devices},
+        resources={resource: devices},
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": dict(plan.env)},
@@ -119,90 +129,90 @@ def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
     return True
 
 
-def _placement_group(bundles: list[dict[str, float]], name: str, created: list[Any]) -> Any:
-    """Create and wait for a placement group; it is recorded in `created` first so the caller can release it."""
+def _placement_groups(request: LaunchRequest, created: list[Any]) -> dict[str, Any]:
+    """Create and wait for every placement group of the request; each is recorded in `created` first so the
+    caller can release it."""
     import ray
     from ray.exceptions import GetTimeoutError
     from ray.util.placement_group import placement_group
 
-    pg = placement_group(bundles, strategy="PACK", name=name)
-    created.append(pg)
-    try:
-        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-    except GetTimeoutError:
-        free = {k: v for k, v in sorted(ray.available_resources().items()) if not k.startswith("node:")}
-        raise RunError(
-            f"Ray could not place role {name} within {PLACEMENT_TIMEOUT_S} s: it needs bundles {bundles}; "
-            f"free resources are {free}"
-        ) from None
-    return pg
+    groups: dict[str, Any] = {}
+    for g in request.placement_groups:
+        pg = placement_group(g.bundles, strategy=g.strategy, name=g.name)
+        created.append(pg)
+        groups[g.name] = pg
+    for g in request.placement_groups:
+        try:
+            ray.get(groups[g.name].ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except GetTimeoutError:
+            free = {k: v for k, v in sorted(ray.available_resources().items()) if not k.startswith("node:")}
+            raise RunError(
+                f"Ray could not place {g.name} within {PLACEMENT_TIMEOUT_S} s: it needs bundles {g.bundles}; "
+                f"free resources are {free}"
+            ) from None
+    return groups
 
 
-def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) -> tuple[Any, Any, Any, Any]:
-    """Placement groups, the trainer group, the rollout engines, the reference policy and the teachers.
-
-    Colocated, trainer ranks and engines share one placement group: each device's logical resource is
-    split between the trainer rank and the engine on it (they take turns; see colocate.PhaseSwitcher).
-    A LoRA run has no reference group: the trainer scores with adapters disabled.
-    """
+def _strategy(groups: dict[str, Any], actor: ActorRequest) -> Any:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from rlc.runtime.controller import RolloutPool
-    from rlc.runtime.rollout.engine import rollout_engine_actor
-    from rlc.runtime.train.group import TrainerGroup
-    from rlc.schemas.registry import load_target
+    return PlacementGroupSchedulingStrategy(
+        placement_group=groups[actor.placement_group], placement_group_bundle_index=actor.bundle_index
+    )
 
-    resource = load_target(plan.target).ray_resource
-    actor = plan.roles_of("train")[0]
-    rollout = plan.roles_of("rollout")[0]
-    colocated = plan.schedule.mode == "colocated"
-    if colocated:
-        # Engine i uses devices [i·tp, (i+1)·tp); it is anchored on its first device's bundle.
-        train_pg = rollout_pg = _placement_group([{resource: 1}] * actor.devices, "rlc-colocated", created)
-    else:
-        train_pg = _placement_group([{resource: 1}] * actor.devices, "rlc-actor", created)
-        rollout_pg = _placement_group([{resource: rollout.parallel.tp}] * rollout.replicas, "rlc-rollout", created)
-    train_cfg = {
+
+def train_config(plan: Plan, role: Role) -> dict[str, Any]:
+    """The trainer's settings that are not its layout: optimizer, sampling temperature, batching, LoRA."""
+    return {
         "lr": plan.algorithm.lr,
         "weight_decay": plan.algorithm.weight_decay,
         "max_grad_norm": plan.algorithm.grad_clip,
         "temperature": plan.sampling.temperature,
         "seed": plan.algorithm.seed,
-        # The trainer's micro-batching and log-prob chunking follow the plan (its memory model assumes them).
-        **{k: v for k, v in actor.engine.items() if k in ("micro_batch_tokens", "logprob_chunk_tokens", "packing")},
-        # FSDP2 recomputes activations per decoder layer (full); selective maps to the same on this backend.
-        "gradient_checkpointing": actor.engine.get("recompute", "none") != "none",
+        **{k: v for k, v in role.engine.items() if k in ("logprob_chunk_tokens", "packing", "packed_attention")},
         "lora": plan.lora.model_dump() if plan.lora else None,
     }
+
+
+def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) -> tuple[Any, Any, Any, Any]:
+    """Placement groups, the trainer group, the rollout engines, the reference policy and the teachers,
+    exactly as `launch_request(plan)` (what `--dry-run` prints) describes them.
+
+    A LoRA run has no reference group: the trainer scores with adapters disabled.
+    """
+    from rlc.runtime.controller import RolloutPool
+    from rlc.runtime.rollout.engine import rollout_engine_actor
+    from rlc.runtime.train.group import TrainerGroup
+
+    request = launch_request(plan)
+    groups = _placement_groups(request, created)
+    actor = plan.roles_of("train")[0]
+    rollout = plan.roles_of("rollout")[0]
+    assert actor.layout is not None
+    ranks = [a for a in request.actors if a.kind == "trainer"]
+    refs = [a for a in request.actors if a.kind == "reference"]
     env = {**plan.env, **actor.env}
-    separate_reference = plan.algorithm.kl_coef > 0 and plan.lora is None
-    # A KL reference shares the trainer's devices (each takes half of a device's logical resource); colocated,
-    # the engines take the other half.
-    share = (0.5 if separate_reference else 1.0) * (0.5 if colocated else 1.0)
-    trainer = TrainerGroup(
-        actor.devices,
-        str(model_path),
-        plan.platform,
-        train_cfg,
-        placement_group=train_pg,
-        num_cpus=0,
-        resources={resource: share},
-        env=env,
-    )
-    reference = None
-    if separate_reference:
-        reference = TrainerGroup(
+    train_cfg = train_config(plan, actor)
+
+    def group_of(members: list[ActorRequest], cfg: dict[str, Any]) -> Any:
+        return TrainerGroup(
             actor.devices,
             str(model_path),
             plan.platform,
-            {**train_cfg, "lr": 0.0},
-            placement_group=train_pg,
+            cfg,
+            layout=actor.layout,
+            placement_group=groups[members[0].placement_group],
+            bundle_indices=[a.bundle_index for a in members],
             num_cpus=0,
-            resources={resource: share},
+            resources=members[0].resources,
             env=env,
         )
+
+    trainer = group_of(ranks, train_cfg)
+    reference = group_of(refs, {**train_cfg, "lr": 0.0}) if refs else None
     engine_env = {**plan.env, **rollout.env}
     engine_args = {**rollout.engine, "model": str(model_path)}
+    engines = [a for a in request.actors if a.role == rollout.name]
 
     generations: dict[int, int] = {}
 
@@ -210,41 +220,29 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
         # Named so operators (and the failure tests) can find them: rlc-rollout-<index>[-r<restart>].
         generation = generations.get(index, 0)
         generations[index] = generation + 1
-        name = f"rlc-rollout-{index}" + (f"-r{generation}" if generation else "")
+        spec = engines[index]
         cls = rollout_engine_actor(
-            name=name,
+            name=spec.name + (f"-r{generation}" if generation else ""),
             num_cpus=0,
-            resources={resource: 0.5 if colocated else rollout.parallel.tp},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=rollout_pg,
-                placement_group_bundle_index=index * rollout.parallel.tp if colocated else index,
-            ),
+            resources=spec.resources,
+            scheduling_strategy=_strategy(groups, spec),
             runtime_env={"env_vars": engine_env},
             max_concurrency=1,
         )
         return cls.remote(engine_args, plan.platform, engine_env, version if stamp == 0 else stamp)
 
     pool = RolloutPool(plan, make_engine)
-    teachers = build_teachers(plan, resource, created) if plan.distill else None
+    teachers = build_teachers(plan, request, groups) if plan.distill else None
     pool.wait_ready()
     if teachers is not None:
         teachers.wait_ready()
     return trainer, pool, reference, teachers
 
 
-def build_teachers(plan: Plan, resource: str, created: list[Any]) -> Any:
-    """Forward-only teacher engines, one placement group per teacher role, named rlc-teacher-<name>-<i>."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+def build_teachers(plan: Plan, request: LaunchRequest, groups: dict[str, Any]) -> Any:
+    """Forward-only teacher engines on their planned bundles, named rlc-teacher-<name>-<i>."""
     from rlc.runtime.distill import TeacherPool
     from rlc.runtime.rollout.engine import rollout_engine_actor
-
-    groups = {
-        t.role: _placement_group(
-            [{resource: plan.role(t.role).parallel.tp}] * plan.role(t.role).replicas, f"rlc-{t.role}", created
-        )
-        for t in plan.distill.teachers  # type: ignore[union-attr]
-    }
 
     generations: dict[tuple[str, int], int] = {}
 
@@ -253,14 +251,13 @@ def build_teachers(plan: Plan, resource: str, created: list[Any]) -> Any:
         generation = generations.get((role_name, index), 0)
         generations[(role_name, index)] = generation + 1
         role = plan.role(role_name)
+        spec = [a for a in request.actors if a.role == role_name][index]
         env = {**plan.env, **role.env}
         cls = rollout_engine_actor(
-            name=f"rlc-{role_name}-{index}" + (f"-r{generation}" if generation else ""),
+            name=spec.name + (f"-r{generation}" if generation else ""),
             num_cpus=0,
-            resources={resource: role.parallel.tp},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=groups[role_name], placement_group_bundle_index=index
-            ),
+            resources=spec.resources,
+            scheduling_strategy=_strategy(groups, spec),
             runtime_env={"env_vars": env},
             max_concurrency=1,
         )
@@ -269,10 +266,65 @@ def build_teachers(plan: Plan, resource: str, created: list[Any]) -> Any:
     return TeacherPool(plan, make_teacher)
 
 
+def check_built_layout(plan: Plan, built: list[dict[str, Any]]) -> list[str]:
+    """Every way the trainer ranks' built layouts differ from the plan's layout (empty: they match)."""
+    role = plan.roles_of("train")[0]
+    layout = role.layout
+    assert layout is not None
+    want = {
+        "mesh": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp},
+        "tp": layout.tp,
+        "shard_group": layout.shard_group,
+        "cp_kind": layout.cp_kind if layout.cp > 1 else None,
+        "param_dtype": layout.precision.param_dtype,
+        "compute_dtype": layout.precision.compute_dtype,
+        "reduce_dtype": layout.precision.reduce_dtype,
+        "recompute": layout.recompute,
+        "offload_params": layout.offload_params,
+        "offload_optimizer": layout.offload_optimizer,
+    }
+    found = []
+    for rank, entry in enumerate(built):
+        got = entry["built"]
+        if got["coords"] != layout.coordinates(rank):
+            found.append(f"rank {rank}: mesh position {got['coords']} instead of {layout.coordinates(rank)}")
+        found += [f"rank {rank}: {k} is {got[k]!r}, the plan says {v!r}" for k, v in want.items() if got[k] != v]
+    return found
+
+
+def layout_record(plan: Plan, built: list[dict[str, Any]]) -> dict[str, Any]:
+    """`RUN/layout.json`: the plan's layout, what each rank built, and predicted vs measured peak memory."""
+    role = plan.roles_of("train")[0]
+    assert role.layout is not None
+    return {
+        "role": role.name,
+        "plan_layout": role.layout.model_dump(),
+        "layout_summary": role.layout.summary(),
+        "predicted_memory_gib": {"total": role.memory.total_gib, "items": role.memory.items},
+        "ranks": built,
+    }
+
+
+def write_layout_record(run_dir: Path, plan: Plan, built: list[dict[str, Any]]) -> Path:
+    path = run_dir / "layout.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(layout_record(plan, built), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def refuse_gaps(plan: Plan) -> None:
+    """What this runtime cannot execute stops the run before anything starts (`RuntimeGapError`)."""
+    gaps = launch_request(plan).refusals
+    if gaps:
+        raise RuntimeGapError(gaps)
+
+
 def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> int:
     """Execute a verified plan; returns the number of steps trained in total."""
     from rlc.runtime.checkpoint import latest_checkpoint
 
+    refuse_gaps(plan)
     run_dir = Path(run_dir or plan.run_dir)
     log = lambda text: print(f"rlc: {text}", flush=True)  # noqa: E731
     start = None
@@ -310,7 +362,16 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> i
         trainer, pool, reference, teachers = build_roles(
             plan, model_path, start.version if start else 0, placement_groups
         )
+        mismatches = check_built_layout(plan, trainer.built_layouts())
+        if mismatches:
+            raise RunError("the trainer did not build the plan's layout: " + "; ".join(mismatches))
+        write_layout_record(run_dir, plan, trainer.built_layouts())
+        log(f"trainer layout as planned: {plan.roles_of('train')[0].layout.summary()}")  # type: ignore[union-attr]
         controller = Controller(plan, run_dir, tokenizer, reward_fn, pool, trainer, start=start)
+        try:
+            controller.prepare_weight_path()
+        except HostMovesError as exc:
+            raise RunError(str(exc)) from None
         controller.reference = reference
         controller.teachers = teachers
         if teachers is not None:
@@ -331,6 +392,9 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> i
         return steps
     finally:
         signal.signal(signal.SIGINT, previous)
+        if controller is not None and trainer is not None:
+            with contextlib.suppress(Exception):  # the measured peaks of the whole run, when the ranks still answer
+                write_layout_record(run_dir, plan, trainer.built_layouts())
         if controller is not None:
             controller.close()
         for part in (teachers, pool, reference, trainer):

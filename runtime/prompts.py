@@ -29,7 +29,7 @@ def _examples(data: DataSettings, seed: int) -> Iterator[Example]:
     if data.builtin:
         if data.train != "arithmetic":
             raise ValueError(f"unknown built-in task {data.train!r}")
-        yield from ArithmeticTask(digits=data.digits, seed=seed).stream()
+        yield from ArithmeticTask(digits=data.digits, seed=seed, shots=data.shots).stream()
         return
     examples = load_jsonl(data.train, data.prompt_key, data.answer_key, data.domain_key)
     if not examples:

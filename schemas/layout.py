@@ -243,13 +243,21 @@ def backend_recomputes(backend: str) -> tuple[str, ...]:
     return FSDP2_RECOMPUTE if backend == "fsdp2" else ("none", "selective", "full")
 
 
-def runtime_gaps(layout: TrainLayout, platform: PlatformName) -> list[str]:
+def fsdp2_runs_tp(tp: int, kv_heads: int, lora: bool) -> bool:
+    """FSDP2's DTensor TP splits K/V projections by head (no KV-head replication) and does not wrap LoRA
+    layers, so it runs TP only where tp divides the KV heads and without LoRA."""
+    return tp == 1 or (kv_heads % tp == 0 and not lora)
+
+
+def runtime_gaps(
+    layout: TrainLayout, platform: PlatformName, *, lora: bool = False, kv_heads: int | None = None
+) -> list[str]:
     """What `rlc run` cannot execute about this layout on `platform`, one sentence each (empty: it runs).
 
-    The capability table: FSDP2 runs data, tensor (DTensor) and context parallelism (Ulysses everywhere;
-    ring on cpu), full or no recompute, parameter and optimizer offload, fp32 or bf16 compute. The Megatron
-    backend is planned (its memory and time models are used to size MoE and very large dense runs) but not
-    executed yet.
+    The capability table: FSDP2 runs data, tensor (DTensor, KV heads split not replicated, no LoRA) and
+    context parallelism (Ulysses everywhere; ring on cpu), full or no recompute, parameter and optimizer
+    offload, fp32 or bf16 compute. The Megatron backend is planned (its memory and time models are used to
+    size MoE and very large dense runs) but not executed yet. `kv_heads` is checked when known.
     """
     gaps: list[str] = []
     if layout.backend == "megatron":
@@ -262,6 +270,13 @@ def runtime_gaps(layout: TrainLayout, platform: PlatformName) -> list[str]:
         gaps.append(f"pipeline parallelism (PP {layout.pp}) is not implemented on the fsdp2 backend")
     if layout.ep > 1:
         gaps.append(f"expert parallelism (EP {layout.ep}) is not implemented on the fsdp2 backend")
+    if layout.tp > 1 and lora:
+        gaps.append(f"LoRA with tensor parallelism (TP {layout.tp}) is not implemented on the fsdp2 backend")
+    if layout.tp > 1 and kv_heads is not None and kv_heads % layout.tp:
+        gaps.append(
+            f"TP {layout.tp} beyond the model's {kv_heads} KV heads needs KV-head replication, which the fsdp2 "
+            "backend does not implement"
+        )
     if layout.recompute not in FSDP2_RECOMPUTE:
         gaps.append(f"recompute={layout.recompute}: the fsdp2 backend recomputes whole layers (full) or nothing")
     if layout.cp > 1 and layout.cp_kind == "ring" and platform != "cpu":

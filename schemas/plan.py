@@ -147,6 +147,7 @@ class DataSettings(PlanModel):
     answer_key: str
     domain_key: str | None
     digits: int
+    shots: int = Field(0, description="Built-in arithmetic: solved examples before each question.")
     reward: str
 
 
@@ -157,6 +158,9 @@ class ModelSettings(PlanModel):
     params_b: float
     vocab_size: int
     build_tiny: bool = Field(False, description="Build the quickstart model at `path` when it is missing.")
+    tiny_max_positions: int | None = Field(
+        None, description="Rotary positions of the tiny model to build (its catalog entry: rlc-tiny, rlc-tiny-long)."
+    )
 
 
 class LoraSettings(PlanModel):

@@ -125,6 +125,11 @@ class Data(StrictModel):
     digits: Annotated[int, Field(ge=1, le=6)] = Field(
         1, description="Built-in arithmetic task only: digits per operand."
     )
+    shots: Annotated[int, Field(ge=0, le=100_000)] = Field(
+        0,
+        description="Built-in arithmetic task only: solved examples written before each question, which makes "
+        "long prompts (about 6 tokens per shot) for long-context runs.",
+    )
 
     @property
     def is_builtin(self) -> bool:

@@ -40,15 +40,27 @@ def test_zero_accounting_fsdp2() -> None:
 
 def test_fsdp2_tensor_parallel_splits_heads_and_ffn_not_norms() -> None:
     kwargs = {"logprob_chunk_tokens": 1024}
-    one = memory.train_memory(QWEN3_8B, L(8, micro_batch_tokens=8192), A2, **kwargs)
     two = memory.train_memory(QWEN3_8B, L(8, tp=2, micro_batch_tokens=8192), A2, **kwargs)
-    kept = memory.replicated_activation_elements(QWEN3_8B.arch, "none")
-    expected = (kept + (QWEN3_8B.act["none"] - kept) / 2) / QWEN3_8B.act["none"]
-    assert abs(two.items["activations"] / one.items["activations"] - expected) < 1e-9
+    one = memory.train_memory(QWEN3_8B, L(8, micro_batch_tokens=8192), A2, **kwargs)
+    arch, h = QWEN3_8B.arch, QWEN3_8B.arch.hidden_size
+    kept = memory.replicated_activation_elements(arch, "none")
+    layer = kept + (QWEN3_8B.act_hf - kept) / 2
+    expected = (layer * arch.num_layers + 2 * h) * 8192 * 2  # bf16
+    assert abs(two.items["activations"] - expected / GIB) < 1e-9
     assert two.items["logits"] == one.items["logits"]  # the LM head is not tensor-parallel on fsdp2
     # Embeddings are not tensor-parallel: TP 2 over the same 8 devices shards them over 4 ranks, not 8.
     emb = QWEN3_8B.embedding + QWEN3_8B.head
     assert abs((two.items["weights"] - one.items["weights"]) * GIB - 4 * (emb / 4 - emb / 8)) < 1e3
+
+
+def test_fsdp2_counts_what_hf_layers_keep() -> None:
+    """Qwen3-8B: the RMSNorms' normalised values, QK-norm and rotary copies of q/k, the attention output's copy
+    and SwiGLU's product come on top of the fused-kernel count: 6h + 5(n_q + n_kv)d + n_kv d + 2 n_q d + 4f
+    elements per token per layer."""
+    a = QWEN3_8B.arch
+    d, q, kv = a.head_dim, a.num_attention_heads, a.num_kv_heads
+    counted = 6 * a.hidden_size + 5 * (q + kv) * d + kv * d + 2 * q * d + 4 * a.intermediate_size
+    assert QWEN3_8B.act_hf == counted
 
 
 def test_optimizer_offload_streams_one_unit() -> None:

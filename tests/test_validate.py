@@ -284,6 +284,8 @@ def test_rule_fsdp2_has_no_selective_recompute_or_pipeline() -> None:
     found = [d for d in report.diagnostics if d.code == "RLC215"]
     assert {d.path for d in found} == {"train.recompute", "placement.train.pp"}
     assert "whole decoder layers" in found[0].message or "whole decoder layers" in found[1].message
+    d = only(check(GOOD + "train: {packing: false}\nplacement: {train: {cp: 2}}\n"), "RLC215")
+    assert "packed micro-batches" in d.message
 
 
 def test_rule_tp_inside_node() -> None:

@@ -19,11 +19,16 @@ _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * 
 
 @dataclass(frozen=True)
 class ArithmeticTask:
-    """Prompts ``"{a}{op}{b}="`` with operands of exactly ``digits`` digits (0–9 when ``digits`` is 1)."""
+    """Prompts ``"{a}{op}{b}="`` with operands of exactly ``digits`` digits (0–9 when ``digits`` is 1).
+
+    With ``shots`` > 0 each prompt first lists that many solved examples (``"3+5=8 1+2=3 ... 4+4="``): the
+    same question, in a long context, for long-context runs.
+    """
 
     digits: int = 1
     ops: Sequence[str] = ("+",)
     seed: int = 0
+    shots: int = 0
 
     def __post_init__(self) -> None:
         if self.digits < 1:
@@ -52,7 +57,12 @@ class ArithmeticTask:
         low, high = self._operand_range()
         ops = list(self.ops)
         while True:
-            yield self.make(rng.randint(low, high), rng.randint(low, high), rng.choice(ops))
+            solved = []
+            for _ in range(self.shots):
+                shot = self.make(rng.randint(low, high), rng.randint(low, high), rng.choice(ops))
+                solved.append(shot.prompt + shot.answer + " ")
+            question = self.make(rng.randint(low, high), rng.randint(low, high), rng.choice(ops))
+            yield Example("".join(solved) + question.prompt, question.answer, question.domain)
 
 
 def all_one_digit_additions() -> list[Example]:

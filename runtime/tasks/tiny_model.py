@@ -31,8 +31,11 @@ RECIPE_VERSION = 1
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", MARKER)
 
 
-def tiny_config() -> Qwen3Config:
-    """2 layers, hidden 128, 4 heads / 2 KV heads of dim 32 (vLLM-CPU needs ≥ 32), vocab 32, tied."""
+def tiny_config(max_positions: int = 512) -> Qwen3Config:
+    """2 layers, hidden 128, 4 heads / 2 KV heads of dim 32 (vLLM-CPU needs ≥ 32), vocab 32, tied.
+
+    `max_positions`: 512 for the quickstart (rlc-tiny), 8192 for rlc-tiny-long.
+    """
     return Qwen3Config(
         vocab_size=32,
         hidden_size=128,
@@ -41,7 +44,7 @@ def tiny_config() -> Qwen3Config:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
@@ -113,8 +116,13 @@ def greedy_accuracy(
     return sum(t == ex.answer for t, ex in zip(texts, examples, strict=True)) / len(examples)
 
 
-def _recipe(seed: int, warmup_steps: int) -> dict[str, Any]:
-    return {"recipe_version": RECIPE_VERSION, "seed": seed, "warmup_steps": warmup_steps}
+def _recipe(seed: int, warmup_steps: int, max_positions: int) -> dict[str, Any]:
+    return {
+        "recipe_version": RECIPE_VERSION,
+        "seed": seed,
+        "warmup_steps": warmup_steps,
+        "max_positions": max_positions,
+    }
 
 
 def _is_complete(path: Path) -> bool:
@@ -122,7 +130,7 @@ def _is_complete(path: Path) -> bool:
 
 
 def _check_recipe(path: Path, recipe: dict[str, Any]) -> None:
-    found = json.loads((path / MARKER).read_text())
+    found = {"max_positions": 512, **json.loads((path / MARKER).read_text())}  # older markers: the 512 default
     mismatched = {k: (found.get(k), v) for k, v in recipe.items() if found.get(k) != v}
     if mismatched:
         detail = ", ".join(f"{k}: has {a!r}, wanted {b!r}" for k, (a, b) in mismatched.items())
@@ -131,14 +139,14 @@ def _check_recipe(path: Path, recipe: dict[str, Any]) -> None:
         )
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, warmup_steps: int = 40) -> Path:
+def build_tiny_model(out_dir: str | Path, seed: int = 0, warmup_steps: int = 40, max_positions: int = 512) -> Path:
     """Create (or reuse) the quickstart checkpoint in ``out_dir`` and return its path.
 
     Deterministic for a given seed on a given machine. Refuses to overwrite a non-empty folder that
     is not a complete tiny model, and a complete one built with another seed or step count.
     """
     out = Path(out_dir)
-    recipe = _recipe(seed, warmup_steps)
+    recipe = _recipe(seed, warmup_steps, max_positions)
     if _is_complete(out):
         _check_recipe(out, recipe)
         return out
@@ -153,15 +161,15 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, warmup_steps: int = 40)
         # a fixed thread count keeps the weights identical whatever the caller's setting.
         torch.set_num_threads(1)
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(tiny_config()).to(torch.float32)
-        tokenizer = build_char_tokenizer()
+        model = Qwen3ForCausalLM(tiny_config(max_positions)).to(torch.float32)
+        tokenizer = build_char_tokenizer(max_positions)
         _warmup(model, tokenizer, warmup_steps, seed)
         accuracy = greedy_accuracy(model, tokenizer, all_one_digit_additions())
         model.generation_config.bos_token_id = BOS_ID
         model.generation_config.eos_token_id = EOS_ID
         model.generation_config.pad_token_id = PAD_ID
         model.save_pretrained(str(tmp))
-        save_char_tokenizer(tmp)
+        save_char_tokenizer(tmp, max_positions)
         marker = {**recipe, "warmup_greedy_accuracy": accuracy, "task": "one-digit addition"}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
         if out.exists():

@@ -23,7 +23,7 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = (VOCAB[t] for t in SPECIAL_TOKENS)
 MODEL_MAX_LENGTH = 512
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
+def build_char_tokenizer(model_max_length: int = MODEL_MAX_LENGTH) -> PreTrainedTokenizerFast:
     """The quickstart tokenizer in memory (19 tokens; unknown characters map to ``<unk>``)."""
     tok = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=UNK))
     # Every character is its own pre-token, spaces included.
@@ -39,17 +39,17 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,
-        model_max_length=MODEL_MAX_LENGTH,
+        model_max_length=model_max_length,
         padding_side="left",  # generation batches pad on the left
         clean_up_tokenization_spaces=False,
     )
 
 
-def save_char_tokenizer(out_dir: str | Path) -> Path:
+def save_char_tokenizer(out_dir: str | Path, model_max_length: int = MODEL_MAX_LENGTH) -> Path:
     """Write the tokenizer files (``tokenizer.json``, ``tokenizer_config.json`` …) into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    build_char_tokenizer().save_pretrained(str(out))
+    build_char_tokenizer(model_max_length).save_pretrained(str(out))
     # transformers 5 writes its own class name; the 4.x name loads in both (NPU hosts may run 4.x).
     cfg_path = out / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())

@@ -178,11 +178,22 @@ class TrainerGroup:
 
         return ray.get(self.workers[0].host_info.remote())
 
-    def remove_dir(self, path: str) -> None:
-        """Delete a folder on rank 0's node."""
+    def hosts_info(self) -> list[dict[str, Any]]:
+        """Every rank's Ray node id and free /dev/shm bytes (colocated moves pick a writer per node)."""
+        return self._all("host_info")
+
+    def save_weights_per_node(self, dirs: dict[int, str]) -> dict[int, str]:
+        """Ranks in `dirs` write the weights into their folder on their own node; {rank: safetensors path}."""
+        written: dict[int, str] = {}
+        for part in self._all("save_weights_per_node", dirs):
+            written.update(part)
+        return written
+
+    def remove_dir(self, path: str, rank: int = 0) -> None:
+        """Delete a folder on `rank`'s node."""
         import ray
 
-        ray.get(self.workers[0].remove_dir.remote(path))
+        ray.get(self.workers[rank].remove_dir.remote(path))
 
     def sync_weights_broadcast_async(
         self, host: str, port: int, world_size: int, meta: Sequence[TensorMeta] | None = None

@@ -4,8 +4,9 @@ On accelerators this is the allocator's peak (``max_memory_allocated``, reset at
 where "device memory" is the worker process's share of host RAM, it is the resident-set high-water mark
 (``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``) above the process's resident size just before
 the model was loaded: interpreter, torch and transformers themselves are outside the budget, as in the cpu
-target's definition of usable memory. Where the high-water mark cannot be reset the figure is the peak since
-start and is flagged as such.
+target's definition of usable memory. Freed heap that glibc keeps (it does not return small frees to the
+OS) would carry one phase's peak into the next, so each phase starts with ``malloc_trim``. Where the
+high-water mark cannot be reset the figure is the peak since start and is flagged as such.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 GIB = 1024**3
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _trim_heap() -> None:
+    """Return freed heap to the OS (glibc), so the resident size is what is live."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _status_kib(field: str) -> int | None:
@@ -56,6 +66,7 @@ class PeakMemory:
     def start(self) -> None:
         """Reset the high-water mark: the next `stop` reports this phase's peak."""
         if self.platform.name == "cpu":
+            _trim_heap()
             try:
                 _CLEAR_REFS.write_text("5")
             except OSError:

@@ -1,0 +1,80 @@
+"""Colocated weight moves through each node's host memory: which trainer rank writes for which engines.
+
+A colocated plan (`schedule.weight_sync: inplace`) never uses a broadcast group: a device's trainer rank and
+engine worker cannot be two ranks of one NCCL/HCCL group. Instead, on every node the first trainer rank
+there gathers the weights and writes them as one safetensors file into that node's /dev/shm, and the
+engines on that node reload from it. Which rank and engine landed on which node is Ray's placement, found
+at run time; the path itself is the plan's. A node whose /dev/shm cannot hold the weights is an error with
+what to do, not a silent detour through the run directory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SHM_HEADROOM", "HostMoves", "HostMovesError", "plan_host_moves"]
+
+#: /dev/shm must hold the gathered weights with this much room to spare.
+SHM_HEADROOM = 1.1
+
+
+class HostMovesError(RuntimeError):
+    """Colocated weights cannot move through host memory as planned."""
+
+
+@dataclass(frozen=True)
+class HostMoves:
+    """Per node: the writing trainer rank, its folder in /dev/shm, and the engines reading from it."""
+
+    dirs: dict[int, str]  # writer rank -> folder
+    readers: dict[int, list[int]]  # writer rank -> engine indices
+
+    def folder_for(self, engine: int) -> str:
+        for rank, engines in self.readers.items():
+            if engine in engines:
+                return self.dirs[rank]
+        raise KeyError(engine)
+
+    def describe(self) -> str:
+        parts = [f"rank {r} → engine(s) {', '.join(map(str, e))} via {self.dirs[r]}" for r, e in self.readers.items()]
+        return "; ".join(parts)
+
+
+def weight_bytes(meta: list[tuple[str, tuple[int, ...], str]]) -> int:
+    from rlc.runtime.rollout.weight_sync import dtype_from_str
+
+    return sum(math.prod(shape) * dtype_from_str(dtype).itemsize for _, shape, dtype in meta)
+
+
+def plan_host_moves(ranks: list[dict[str, Any]], engine_nodes: list[str], needed_bytes: int, tag: str) -> HostMoves:
+    """Writers and readers from each trainer rank's ``{rank, node_id, shm_free}`` and each engine's node id.
+
+    `tag` makes the folders unique to this run (several runs may share a node).
+    """
+    first: dict[str, dict[str, Any]] = {}
+    for info in sorted(ranks, key=lambda r: r["rank"]):
+        first.setdefault(info["node_id"], info)
+    readers: dict[int, list[int]] = {}
+    for index, node in enumerate(engine_nodes):
+        writer = first.get(node)
+        if writer is None:
+            raise HostMovesError(
+                f"rollout engine {index} runs on a node without a trainer rank, so colocated weights cannot reach "
+                "it through host memory; the plan's placement put every engine beside a trainer rank, so Ray "
+                "placed them apart: check that every node runs `launch.sh`"
+            )
+        readers.setdefault(writer["rank"], []).append(index)
+    want = SHM_HEADROOM * needed_bytes
+    for rank in readers:
+        info = next(r for r in ranks if r["rank"] == rank)
+        if info["shm_free"] < want:
+            raise HostMovesError(
+                f"/dev/shm on trainer rank {rank}'s node has {info['shm_free'] / 2**30:.2f} GiB free, the colocated "
+                f"weight moves need {want / 2**30:.2f} GiB: mount a larger /dev/shm (in Kubernetes an emptyDir with "
+                "medium: Memory), or compile with rollout.weight_sync: disk"
+            )
+    dirs = {rank: str(Path("/dev/shm") / f"rlc-{tag}-r{rank}") for rank in readers}
+    return HostMoves(dirs, readers)

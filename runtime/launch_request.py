@@ -1,0 +1,202 @@
+"""What `rlc run` will ask Ray for, read off the plan: placement groups, actors, trainer mesh, engines, sync path.
+
+`rlc run --dry-run` prints this and exits (the request torchx's dryrun returns); a real run builds its actors
+from the same object, so what the dry run shows is what starts. Nothing here is derived from anything but
+the plan: the resource name, bundles and per-actor shares, the layout and engine arguments are all in it.
+Pure Python (no ray, torch or vllm import).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rlc.schemas.layout import runtime_gaps
+from rlc.schemas.plan import Plan, Role
+
+__all__ = ["ActorRequest", "LaunchRequest", "PlacementGroupRequest", "launch_request", "render_request"]
+
+
+@dataclass(frozen=True)
+class PlacementGroupRequest:
+    name: str
+    strategy: str
+    bundles: list[dict[str, float]]
+
+
+@dataclass(frozen=True)
+class ActorRequest:
+    """One Ray actor: which role it serves, where it sits and what it takes."""
+
+    name: str
+    role: str
+    kind: str  # trainer, reference, rollout, teacher
+    placement_group: str
+    bundle_index: int
+    resources: dict[str, float]
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    plan: str
+    platform: str
+    ray_resource: str
+    devices: int
+    placement_groups: list[PlacementGroupRequest]
+    actors: list[ActorRequest]
+    engines: dict[str, dict[str, Any]]
+    weight_sync: dict[str, Any]
+    refusals: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def trainer_ranks(self) -> list[ActorRequest]:
+        return [a for a in self.actors if a.kind == "trainer"]
+
+
+def _placement(role: Role) -> Any:
+    if role.ray is None:
+        raise ValueError(f"role {role.name} has no Ray placement; recompile the plan with this rlc")
+    return role.ray
+
+
+def _groups(plan: Plan) -> list[PlacementGroupRequest]:
+    out: dict[str, PlacementGroupRequest] = {}
+    for role in plan.roles:
+        ray = _placement(role)
+        group = PlacementGroupRequest(ray.placement_group, ray.strategy, [dict(b) for b in ray.bundles])
+        held = out.setdefault(ray.placement_group, group)
+        if held != group:
+            raise ValueError(f"roles disagree about placement group {ray.placement_group}'s bundles")
+    return list(out.values())
+
+
+def weight_sync_path(plan: Plan) -> dict[str, Any]:
+    """How new weights reach the engines, as the plan fixes it."""
+    rollout = plan.roles_of("rollout")[0]
+    backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[plan.platform]
+    if plan.lora is not None and plan.lora.rollout == "adapter":
+        return {
+            "method": "adapter",
+            "how": "trainer rank 0 writes each LoRA adapter version under RUN/sync/adapter-v<version>; engines "
+            "serve it as a new LoRA request",
+        }
+    method = plan.schedule.weight_sync
+    if method == "broadcast":
+        world = 1 + rollout.replicas * rollout.parallel.tp
+        return {
+            "method": "broadcast",
+            "how": f"trainer rank 0 gathers the weights and broadcasts them over a {backend} group of {world} "
+            f"ranks (itself + {rollout.replicas} engine(s) × TP {rollout.parallel.tp})",
+            "group_size": world,
+            "backend": backend,
+        }
+    if method == "disk":
+        return {
+            "method": "disk",
+            "how": "trainer rank 0 writes safetensors to RUN/sync/latest; every engine reloads from there "
+            "(the run directory must be on a filesystem every node sees)",
+        }
+    return {
+        "method": "inplace",
+        "how": "each node's first trainer rank writes the gathered weights as safetensors into its node's "
+        "/dev/shm; the engines on that node reload from it (host memory, never the broadcast group)",
+    }
+
+
+def launch_request(plan: Plan) -> LaunchRequest:
+    """Everything `rlc run` starts, from the plan alone."""
+    actors: list[ActorRequest] = []
+    for role in plan.roles:
+        ray = _placement(role)
+        if role.kind == "train":
+            layout = role.layout
+            assert layout is not None
+            for rank, bundle in enumerate(ray.bundle_indices):
+                actors.append(
+                    ActorRequest(
+                        f"rlc-{role.name}-rank{rank}",
+                        role.name,
+                        "trainer",
+                        ray.placement_group,
+                        bundle,
+                        dict(ray.actor_resources),
+                        {"rank": rank, "mesh": layout.coordinates(rank), "layout": layout.summary()},
+                    )
+                )
+                if ray.reference_resources is not None:
+                    actors.append(
+                        ActorRequest(
+                            f"rlc-reference-rank{rank}",
+                            role.name,
+                            "reference",
+                            ray.placement_group,
+                            bundle,
+                            dict(ray.reference_resources),
+                            {"rank": rank, "mesh": layout.coordinates(rank), "forward_only": True},
+                        )
+                    )
+        else:
+            kind = "rollout" if role.kind == "rollout" else "teacher"
+            for index, bundle in enumerate(ray.bundle_indices):
+                name = f"rlc-{role.name}-{index}"
+                actors.append(
+                    ActorRequest(name, role.name, kind, ray.placement_group, bundle, dict(ray.actor_resources))
+                )
+    refusals = list(plan.runtime_gaps)
+    for role in plan.roles_of("train"):
+        assert role.layout is not None
+        refusals += [
+            g for g in runtime_gaps(role.layout, plan.platform, lora=plan.lora is not None) if g not in refusals
+        ]
+    return LaunchRequest(
+        plan=plan.name,
+        platform=plan.platform,
+        ray_resource=plan.cluster.ray_resource,
+        devices=plan.cluster.total_devices,
+        placement_groups=_groups(plan),
+        actors=actors,
+        engines={r.name: dict(r.engine) for r in plan.roles if r.kind in ("rollout", "teacher")},
+        weight_sync=weight_sync_path(plan),
+        refusals=refusals,
+    )
+
+
+def _resources(res: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(res.items()))
+
+
+def render_request(req: LaunchRequest) -> str:
+    """The dry run's text: what would start, in the order it starts."""
+    lines = [f"rlc run --dry-run: plan {req.plan} on {req.platform} ({req.devices} `{req.ray_resource}` devices)"]
+    lines.append("placement groups:")
+    for g in req.placement_groups:
+        counts: dict[str, int] = {}
+        for b in g.bundles:
+            counts[_resources(b)] = counts.get(_resources(b), 0) + 1
+        shape = ", ".join(f"{n} × {{{k}}}" for k, n in counts.items())
+        lines.append(f"  {g.name} ({g.strategy}): {len(g.bundles)} bundle(s): {shape}")
+    lines.append("actors:")
+    for a in req.actors:
+        extra = ""
+        if a.kind in ("trainer", "reference"):
+            mesh = " ".join(f"{k}{v}" for k, v in a.detail["mesh"].items())
+            extra = f"  mesh [{mesh}]"
+        lines.append(
+            f"  {a.name:<24} {a.kind:<9} {a.placement_group}[{a.bundle_index}]  {_resources(a.resources)}{extra}"
+        )
+    trainers = req.trainer_ranks()
+    if trainers:
+        lines.append(f"trainer layout: {trainers[0].detail['layout']}")
+    for role, args in req.engines.items():
+        shown = {k: v for k, v in sorted(args.items()) if k != "model"}
+        lines.append(f"engine {role}: model {args.get('model')}; " + ", ".join(f"{k}={v}" for k, v in shown.items()))
+    lines.append(f"weight sync: {req.weight_sync['method']}: {req.weight_sync['how']}")
+    if req.refusals:
+        lines.append("refused: this runtime cannot execute the plan:")
+        lines += [f"  - {r}" for r in req.refusals]
+    else:
+        lines.append("nothing started (dry run)")
+    return "\n".join(lines)
