@@ -34,6 +34,11 @@ DECODE_STEP_OVERHEAD_S = {"npu": 4e-3, "gpu": 2e-3, "cpu": 2e-3}
 #: Share of data-parallel gradient/parameter traffic hidden behind compute (FSDP2 prefetch, Megatron
 #: overlap_grad_reduce). Half is a conservative middle of what torchtitan and Megatron report.
 DP_OVERLAP = 0.5
+#: Parameters per second one host's CPU updates with AdamW when the optimizer step runs there (FSDP2
+#: CPUOffloadPolicy). [estimate] a vectorised CPU Adam streams ~16 bytes of state per parameter, so a host with
+#: ~50 GB/s of usable memory bandwidth updates a few billion per second (ZeRO-Offload, Ren et al. 2021, §4.2
+#: reports its CPU-Adam several times faster than PyTorch's); the plain torch AdamW FSDP2 uses is slower.
+HOST_ADAM_PARAMS_PER_S = 1e9
 #: Shared-filesystem bandwidth for disk weight sync, GB/s (one writer, readers in parallel).
 DISK_GBPS = 2.0
 #: Passes over the fp32 [tokens × vocab] logits per decode step in vLLM's sampler: write the upcast logits,
@@ -329,6 +334,12 @@ def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
     return flops + extra * fwd
 
 
+def train_compute_s(sizes: ModelSizes, layout: TrainLayout, target: TargetProfile, work: Workload) -> float:
+    """Compute seconds of a training step: train_flops / (devices · peak · train MFU)."""
+    flops = train_flops(sizes, work, layout.recompute)
+    return flops / (layout.world_size * target.bf16_tflops * 1e12 * target.efficiency.train_mfu)
+
+
 def train_time(
     sizes: ModelSizes, layout: TrainLayout, target: TargetProfile, work: Workload, devices_per_node: int
 ) -> TrainTime:
@@ -348,8 +359,7 @@ def train_time(
     arch = sizes.arch
     fsdp = layout.backend == "fsdp2"
     b = layout.precision.compute_bytes if fsdp else dtype_bytes(target)
-    flops = train_flops(sizes, work, layout.recompute)
-    compute = flops / (layout.world_size * target.bf16_tflops * 1e12 * target.efficiency.train_mfu)
+    compute = train_compute_s(sizes, layout, target, work)
     tokens_rank = work.trained_tokens / layout.dp
     micro = max(1, ceil(tokens_rank / layout.micro_batch_tokens))
     bubble = (layout.pp - 1) / (micro + layout.pp - 1)
@@ -400,10 +410,14 @@ def train_time(
         # Parameters cross the host link for forward and backward of every micro-batch; gradients come back
         # once (a LoRA run's frozen base has none, but its weights still travel).
         offload_s += (2 * micro * w_bytes + (0 if work.lora else layout.precision.reduce_bytes)) * shard / host
-    if layout.offload_optimizer and not layout.offload_params and not work.lora:
-        # The moments come to the device for the update and go back: 2 × their bytes.
-        moments = 2 * layout.precision.param_bytes * shard if fsdp else 12 * shard / max(1, group)
-        offload_s += 2 * moments / host
+    if layout.offload_optimizer and not work.lora:
+        if fsdp and layout.offload_params:
+            # CPUOffloadPolicy runs AdamW on the host, whose cores update every local rank's shard.
+            offload_s += shard * min(devices_per_node, layout.world_size) / HOST_ADAM_PARAMS_PER_S
+        else:
+            # The moments come to the device for the update and go back: 2 × their bytes.
+            moments = 2 * layout.precision.param_bytes * shard if fsdp else 12 * shard / max(1, group)
+            offload_s += 2 * moments / host
     return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s)
 
 

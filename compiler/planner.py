@@ -11,7 +11,7 @@ import hashlib
 import json
 
 import rlc
-from rlc.compiler import cost, memory, search
+from rlc.compiler import cost, memory, refusal, search
 from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
 from rlc.compiler.memory import MemoryBreakdown, RolloutLayout
@@ -152,103 +152,6 @@ def engine_args(
     return args
 
 
-def _fixes(problem: Problem, role: str, b: MemoryBreakdown, ctx: search.Context) -> list[str]:
-    """Concrete changes that would make `role` fit, most effective first."""
-    spec = problem.spec
-    fixes: list[str] = []
-    nodes = _nodes_that_fit(ctx, role)
-    if nodes:
-        fixes.append(f"cluster.nodes >= {nodes}")
-    if role == "train":
-        pin = spec.placement.train
-        acts = b.items.get("activations", 0.0) + b.items.get("logits", 0.0)
-        if spec.lora is None and problem.target.kind != "cpu":
-            fixes.append("lora")
-        if acts > 0.2 * b.total_gib and not pin.cp and spec.rollout.max_total_len >= 8192:
-            fixes.append("train.cp=2")
-        if not (spec.train.offload.params and spec.train.offload.optimizer) and not pin.offload:
-            fixes.append("train.offload")
-        if acts > 0.2 * b.total_gib and spec.train.recompute not in ("full", "auto"):
-            fixes.append("train.recompute: full")
-        if acts > 0.3 * b.total_gib:
-            fixes.append("a shorter rollout.max_response_len")
-    else:
-        fixes.append(
-            f"a larger placement.{role.split('-')[0]}.tp"
-            if not role.startswith("teacher")
-            else f"placement.teachers.{role.removeprefix('teacher-')}.tp"
-        )
-        if b.items.get("kv_cache", 1.0) <= 0.0 or "sequence" in b.verdict():
-            fixes.append("a shorter rollout.max_response_len")
-        if spec.mode != "disaggregated":
-            fixes.append("mode: disaggregated")
-        if role.startswith("teacher"):
-            fixes.append("more cluster.nodes (a larger teacher pool)")
-    return fixes
-
-
-def _nodes_that_fit(ctx: search.Context, role: str) -> int | None:
-    """Smallest node count (up to 64× the current) at which the role alone fits on every device."""
-    if role != "train" or ctx.spec.placement.train.devices:
-        return None
-    dpn = ctx.devices_per_node
-    for factor in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
-        nodes = ctx.nodes * factor
-        n = nodes * dpn
-        if search.train_search(ctx, n).options:
-            for lower in range(ctx.nodes + 1, nodes):
-                if search.train_search(ctx, lower * dpn).options:
-                    return lower
-            return nodes
-    return None
-
-
-def infeasible(
-    problem: Problem, result: search.SearchResult, ctx: search.Context, lines: LineMap, file: str
-) -> list[Diagnostic]:
-    """RLC301 per role that cannot fit: the closest breakdown, the capacity, and what to change."""
-    found: list[Diagnostic] = []
-    target = problem.target
-    for role, rs in sorted(result.failures.items()):
-        b = rs.closest
-        if b is None:
-            message = f"{role} cannot be placed: {rs.reason or 'no layout satisfies the pins and topology'}"
-            fixes = ["check placement pins", "cluster.nodes"]
-        else:
-            over_host = b.problems and b.total_gib <= b.capacity_gib
-            if over_host:
-                message = f"{role}: {b.problems[0]}"
-            else:
-                message = (
-                    f"{role} needs {b.total_gib:.1f} GiB per device ({b.describe()}) but {target.id} devices "
-                    f"have {target.usable_hbm_gib:.1f} GiB usable"
-                )
-                layout = rs.closest_layout
-                if layout is not None and hasattr(layout, "summary"):
-                    message += f" (closest layout: {layout.summary()})"
-            fixes = _fixes(problem, role.split("-")[0] if role.startswith("rollout") else role, b, ctx)
-        pinned = (role == "train" and problem.spec.placement.train.model_fields_set) or (
-            role == "rollout" and problem.spec.placement.rollout.model_fields_set
-        )
-        path = f"placement.{role}" if pinned else ("cluster.nodes" if role == "train" else role)
-        found.append(
-            Diagnostic("RLC301", message, path, "error", "try " + ", ".join(fixes), lines.line_for(path), file)
-        )
-    if not found:
-        found.append(
-            Diagnostic(
-                "RLC301",
-                "no layout fits this cluster",
-                "cluster.nodes",
-                "error",
-                "add nodes or relax placement pins",
-                lines.line_for("cluster.nodes"),
-                file,
-            )
-        )
-    return found
-
-
 def _warnings(problem: Problem, lines: LineMap, file: str) -> list[Diagnostic]:
     out: list[Diagnostic] = []
     pin = problem.spec.placement.rollout
@@ -282,7 +185,7 @@ def build_plan(
     result = search.search_context(ctx)
     diags = _warnings(problem, lines, file)
     if result.best is None:
-        return None, diags + infeasible(problem, result, ctx, lines, file)
+        return None, diags + refusal.infeasible(problem, result, lines, file)
     platform = PLATFORM_OF_KIND[problem.target.kind]
     for gap in layout_lib.runtime_gaps(result.best.train.layout, platform):
         diags.append(
@@ -482,7 +385,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
                 weight=teacher.weight,
             )
         )
-    sync = search._sync_method(ctx, best.mode)
+    sync = search.sync_method(ctx, best.mode)
     schedule = Schedule(
         mode=best.mode,
         steps=spec.algorithm.steps,

@@ -89,13 +89,17 @@ def validate(
     output_format: Annotated[
         OutputFormat, typer.Option("--format", "-f", help="text, json (stable contract), github annotations.")
     ] = OutputFormat.text,
+    no_plan: Annotated[
+        bool, typer.Option("--no-plan", help="Skip the fit check (the planner): spec and rule checks only.")
+    ] = False,
 ) -> None:
-    """Check specs and report every problem at once (exit 0 clean, 1 findings, 2 usage)."""
+    """Check specs and report every problem at once, including whether the run fits the cluster (exit 0 clean,
+    1 findings, 2 usage)."""
     from rlc.compiler.diagnostics import render_github, render_json, render_text
-    from rlc.compiler.validate import check_file
+    from rlc.compiler.pipeline import compile_file
 
     _check_target(target)
-    reports = [check_file(path, target=target, overrides=set_ or []).report for path in specs]
+    reports = [compile_file(path, target=target, overrides=set_ or [], plan=not no_plan).report for path in specs]
     render = {"text": render_text, "json": render_json, "github": render_github}[output_format.value]
     text = render(reports)
     if text:
@@ -106,16 +110,12 @@ def validate(
 def _plan_spec(spec: Path, target: str | None, overrides: list[str], output_format: OutputFormat | None = None):  # type: ignore[no-untyped-def]
     """Validate and plan a spec; on findings print them and exit 1."""
     from rlc.compiler.diagnostics import Report, render_json, render_text
-    from rlc.compiler.planner import build_plan
-    from rlc.compiler.validate import check_file
+    from rlc.compiler.pipeline import compile_file
 
     _check_target(target)
-    checked = check_file(spec, target=target, overrides=overrides)
+    checked = compile_file(spec, target=target, overrides=overrides)
     report: Report = checked.report
-    plan = None
-    if checked.problem is not None:
-        plan, found = build_plan(checked.problem, checked.lines, str(spec))
-        report.extend(found)
+    plan = checked.plan
     if plan is None or not report.ok:
         render = render_json if output_format == OutputFormat.json else render_text
         typer.echo(render([report]))

@@ -127,7 +127,7 @@ def test_72b_without_offload_on_8_devices_is_refused() -> None:
     """)
     assert plan is None
     d = _errors(diags)[0]
-    assert "optimizer" in d.message and d.path == "placement.train"
+    assert "optimizer" in d.message and d.path == "placement.train.offload"
     assert "lora" in d.hint
 
 
