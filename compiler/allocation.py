@@ -82,7 +82,8 @@ def _bound(ctx: Context, mode: str, n_train: int, ro: RolloutOption, teachers: T
     )
     teacher_s = max((t.seconds for t in teachers[0]), default=0.0)
     lower = train_lower_bound_s(ctx, n_train)
-    return cost.step_time(mode, ctx.work, ro.time, lower, teacher_s, sync, 0.0).step_s
+    overhead = ctx.target.efficiency.step_overhead_s
+    return cost.step_time(mode, ctx.work, ro.time, lower, teacher_s, sync, 0.0, overhead).step_s
 
 
 # --------------------------------------------------------------------------------------------- colocated
@@ -302,7 +303,8 @@ class _TrainerPool:
         )
         teacher_s = max((t.seconds for t in self.teachers[0]), default=0.0)
         lower = train_lower_bound_s(ctx, self.train_devices)
-        return cost.step_time(self.mode, ctx.work, _no_rollout(), lower, teacher_s, sync, 0.0).step_s
+        overhead = ctx.target.efficiency.step_overhead_s
+        return cost.step_time(self.mode, ctx.work, _no_rollout(), lower, teacher_s, sync, 0.0, overhead).step_s
 
 
 class _Disaggregated:

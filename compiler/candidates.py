@@ -126,7 +126,7 @@ def combine(
     sync = cost.weight_sync_s(sizes, target, sync_method(ctx, mode), cross_node=cross, adapter_params=adapter)
     switch = tr.switch_s if mode == "colocated" else 0.0
     teacher_s = max((t.seconds for t in teachers), default=0.0)
-    step = cost.step_time(mode, work, ro.time, tr.seconds, teacher_s, sync, switch)
+    step = cost.step_time(mode, work, ro.time, tr.seconds, teacher_s, sync, switch, target.efficiency.step_overhead_s)
     return Candidate(mode, tr, ro, teachers, step, starts[0], starts[1], starts[2])
 
 

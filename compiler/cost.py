@@ -308,10 +308,12 @@ class TrainTime:
     ep_s: float
     dp_s: float
     offload_s: float
+    overhead_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.compute_s / (1 - self.bubble) + self.tp_s + self.cp_s + self.ep_s + self.dp_s + self.offload_s
+        comm = self.tp_s + self.cp_s + self.ep_s + self.dp_s
+        return self.compute_s / (1 - self.bubble) + comm + self.offload_s + self.overhead_s
 
 
 def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
@@ -418,7 +420,11 @@ def train_time(
             # The moments come to the device for the update and go back: 2 × their bytes.
             moments = 2 * layout.precision.param_bytes * shard if fsdp else 12 * shard / max(1, group)
             offload_s += 2 * moments / host
-    return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s)
+    # Fixed cost per pass over a micro-batch (launches, packing, Python): one forward+backward pass each, plus
+    # the forward-only passes of the decoupled loss' proximal log-probs and of a KL reference.
+    launches = micro * (1 + (1 if work.decoupled else 0) + (1 if work.reference else 0))
+    overhead = launches * target.efficiency.micro_batch_overhead_s
+    return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s, overhead)
 
 
 # --------------------------------------------------------------------------------------------- sync and step
@@ -446,14 +452,17 @@ def weight_sync_s(
     """
     b = dtype_bytes(target)
     volume = (adapter_params or sizes.total) * b
+    # Every path ends with the engine taking the weights in (vLLM reload_weights: copies into its parameters
+    # and, on cpu and NPUs, repacking for its kernels), at the target's measured or estimated rate.
+    reload = volume / (target.efficiency.weight_reload_gbps * 1e9) + target.efficiency.weight_sync_overhead_s
     if method == "disk":
-        return 2 * volume / (DISK_GBPS * 1e9)
+        return 2 * volume / (DISK_GBPS * 1e9) + reload
     intra = _collective_s(target, volume, target.intra_node_bandwidth_gbps)
     link = target.inter_node_bandwidth_gbps if cross_node else target.intra_node_bandwidth_gbps
     if method == "inplace":
         gather = _collective_s(target, volume, link)
-        return gather + 2 * volume / (target.host_to_device_bandwidth_gbps * 1e9)
-    return intra + _collective_s(target, volume, link)
+        return gather + 2 * volume / (target.host_to_device_bandwidth_gbps * 1e9) + reload
+    return intra + _collective_s(target, volume, link) + reload
 
 
 def switch_s(target: TargetProfile, train_state_gib: float) -> float:
@@ -485,6 +494,7 @@ class StepTime:
     sync_s: float
     switch_s: float
     tokens_per_s: float
+    overhead_s: float = 0.0
 
 
 def step_time(
@@ -495,12 +505,14 @@ def step_time(
     teacher_s: float,
     sync_s: float,
     switch: float,
+    overhead_s: float = 0.0,
 ) -> StepTime:
     """Combine the phases.
 
     Disaggregated with staleness > 0 (AReaL-style asynchrony): rollout streams while the trainer works, so
     step ≈ max(rollout, teachers, train) + sync. Staleness 0 serialises them: rollout (waiting for its long
-    tail) + teachers + train + sync. Colocated: rollout + teachers + train + sync + switch.
+    tail) + teachers + train + sync. Colocated: rollout + teachers + train + sync + switch. Every step also pays
+    the target's fixed `step_overhead_s` (controller bookkeeping, rewards, Python).
     """
     if mode == "disaggregated" and work.staleness > 0:
         r = rollout.async_s
@@ -508,6 +520,7 @@ def step_time(
     else:
         r = rollout.sync_s
         step = r + teacher_s + train_s + sync_s + (switch if mode == "colocated" else 0.0)
+    step += overhead_s
     if mode != "colocated":
         switch = 0.0
-    return StepTime(step, r, train_s, teacher_s, sync_s, switch, work.trained_tokens / step)
+    return StepTime(step, r, train_s, teacher_s, sync_s, switch, work.trained_tokens / step, overhead_s)

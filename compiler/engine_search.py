@@ -6,7 +6,7 @@ results are memoised per size and start within the node.
 
 from __future__ import annotations
 
-from math import gcd
+from math import floor, gcd
 
 from rlc.compiler import cost, memory
 from rlc.compiler.memory import RolloutLayout
@@ -51,15 +51,13 @@ def _rollout_search(
     found = RoleSearch()
     dpn = ctx.devices_per_node
     tps = [pin.tp] if pin.tp else [t for t in pow2_upto(min(dpn, n)) if arch.num_attention_heads % t == 0]
-    if fraction is None:
-        fraction = pin.memory_fraction or round(
-            min(MAX_AUTO_FRACTION, memory.max_memory_fraction(ctx.target, outside_gib)) - 0.005, 2
-        )
-    if fraction <= 0.02:
-        found.reason = f"no memory left for rollout engines beside {outside_gib:.1f} GiB of other roles"
-        return found
+    chosen = fraction
     for tp in tps:
         if n % tp or not groups_in_nodes(start, n, tp, dpn):
+            continue
+        fraction = chosen or pin.memory_fraction or auto_fraction(ctx, tp, outside_gib)
+        if fraction <= 0.02:
+            found.reason = f"no memory left for rollout engines beside {outside_gib:.1f} GiB of other roles"
             continue
         if arch.moe is None:
             eps = [1]
@@ -99,6 +97,17 @@ def _rollout_search(
     return found
 
 
+def auto_fraction(
+    ctx: Context, tp: int, outside_gib: float, extra_gib: float = 0.0, sizes: memory.ModelSizes | None = None
+) -> float:
+    """vLLM's memory share when none is pinned: what the device has beside the reserve, the other roles and
+    what the engine needs outside its share (`memory.engine_outside_items`: graph pool, long-prefill
+    transient), at most MAX_AUTO_FRACTION, rounded down to hundredths."""
+    beside = sum(memory.engine_outside_items(sizes or ctx.sizes, tp, ctx.target, ctx.max_model_len).values())
+    share = memory.max_memory_fraction(ctx.target, outside_gib + beside + extra_gib)
+    return floor(min(MAX_AUTO_FRACTION, share) * 100) / 100
+
+
 def rollout_rank(option: RolloutOption, sync: bool) -> tuple:
     """Order of rollout options, as `Candidate.key` orders plans that differ only in their rollout: quicker
     (for the step's kind: synchronous or streaming), then fewer devices, then smaller engines."""
@@ -133,15 +142,12 @@ def _teacher_search(
     tps = [pin.tp] if pin and pin.tp else [t for t in pow2_upto(min(dpn, n)) if arch.num_attention_heads % t == 0]
     tokens = TEACHER_BATCHED_TOKENS
     logits = memory.gib(tokens * arch.vocab_size * 4 * 2)
-    frac = (
-        (pin.memory_fraction if pin else None)
-        or fraction
-        or round(min(MAX_AUTO_FRACTION, memory.max_memory_fraction(ctx.target, outside_gib + logits)) - 0.005, 2)
-    )
+    pinned = (pin.memory_fraction if pin else None) or fraction
     share = _teacher_share(ctx, name)
     for tp in tps:
         if n % tp or not groups_in_nodes(start, n, tp, dpn):
             continue
+        frac = pinned or auto_fraction(ctx, tp, outside_gib, logits, sizes)
         layout = RolloutLayout(n, tp, 1, frac, 0, tokens)
         mem, seqs = memory.rollout_memory(
             sizes,

@@ -6,6 +6,7 @@ spec `rlc validate` accepts is one `rlc compile` plans, and the fit check (the w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,12 +44,24 @@ def plan_checked(checked: Checked, *, plan: bool = True) -> Compiled:
 
 
 def compile_file(
-    path: str | Path, *, target: str | None = None, overrides: list[str] | None = None, plan: bool = True
+    path: str | Path,
+    *,
+    target: str | None = None,
+    overrides: list[str] | None = None,
+    plan: bool = True,
+    targets: Sequence[Path] | None = None,
 ) -> Compiled:
-    """Check a spec file and plan it (`plan=False`: the checks only)."""
-    return plan_checked(check_file(path, target=target, overrides=overrides), plan=plan)
+    """Check a spec file and plan it (`plan=False`: the checks only); `targets`: profile directories."""
+    return plan_checked(check_file(path, target=target, overrides=overrides, targets=targets), plan=plan)
 
 
-def compile_text(text: str | bytes, file: str = "<spec>", *, target: str | None = None, plan: bool = True) -> Compiled:
-    """Check spec text and plan it (`plan=False`: the checks only)."""
-    return plan_checked(check_text(text, file, target=target), plan=plan)
+def compile_text(
+    text: str | bytes,
+    file: str = "<spec>",
+    *,
+    target: str | None = None,
+    plan: bool = True,
+    targets: Sequence[Path] | None = None,
+) -> Compiled:
+    """Check spec text and plan it (`plan=False`: the checks only); `targets`: profile directories."""
+    return plan_checked(check_text(text, file, target=target, targets=targets), plan=plan)

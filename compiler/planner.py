@@ -15,6 +15,7 @@ from rlc.compiler import cost, memory, refusal, search
 from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
 from rlc.compiler.memory import MemoryBreakdown, RolloutLayout
+from rlc.compiler.profiles import profile_record
 from rlc.compiler.resolve import Problem
 from rlc.schemas import layout as layout_lib
 from rlc.schemas.arch import ModelArch
@@ -176,6 +177,49 @@ def _warnings(problem: Problem, lines: LineMap, file: str) -> list[Diagnostic]:
     return out
 
 
+#: Spare memory per device under which a plan is flagged (RLC304): allocator variation, a longer prompt than
+#: planned or a framework upgrade has taken more than this in the published OOM reports (deployments.yaml).
+THIN_HEADROOM_GIB = 1.0
+
+
+def thin_headroom(problem: Problem, best: search.Candidate, lines: LineMap, file: str) -> list[Diagnostic]:
+    """RLC304 for each role of the plan with less than THIN_HEADROOM_GIB to spare on a device.
+
+    Trainers always; engines only at a pinned memory share (vLLM fills the share it is given, and the share
+    the planner picks already leaves what the engine needs outside it). Not on cpu, whose budget is a
+    convention rather than a device.
+    """
+    if problem.target.kind == "cpu":
+        return []
+    pins = problem.spec.placement
+    roles = [("train", best.train.memory)]
+    if pins.rollout.memory_fraction:
+        roles.append(("rollout", best.rollout.memory))
+    roles += [
+        (f"teacher-{t.name}", t.memory)
+        for t in best.teachers
+        if (pin := pins.teachers.get(t.name)) is not None and pin.memory_fraction
+    ]
+    out = []
+    for role, m in roles:
+        spare = m.capacity_gib - m.total_gib
+        if spare < THIN_HEADROOM_GIB:
+            path = "placement.teachers." + role.removeprefix("teacher-") if role.startswith("teacher") else role
+            out.append(
+                Diagnostic(
+                    "RLC304",
+                    f"{role} has {spare:.2f} GiB of headroom per device ({m.total_gib:.1f} of {m.capacity_gib:.1f} "
+                    f"GiB planned, margin and reserve included): thin",
+                    path,
+                    "warning",
+                    "raise cluster.memory_margin or lower cluster.device_memory_gib to plan with more room",
+                    lines.line_for(path),
+                    file,
+                )
+            )
+    return out
+
+
 def build_plan(
     problem: Problem, lines: LineMap | None = None, file: str = "", *, exhaustive: bool = False
 ) -> tuple[Plan | None, list[Diagnostic]]:
@@ -187,6 +231,7 @@ def build_plan(
     if result.best is None:
         return None, diags + refusal.infeasible(problem, result, lines, file)
     platform = PLATFORM_OF_KIND[problem.target.kind]
+    diags += thin_headroom(problem, result.best, lines, file)
     for gap in layout_lib.runtime_gaps(result.best.train.layout, platform):
         diags.append(
             Diagnostic(
@@ -504,7 +549,10 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
             weight_sync_s=r3(step.sync_s),
             switch_s=r3(step.switch_s),
             tokens_per_s=r3(step.tokens_per_s),
+            overhead_s=r3(step.overhead_s),
+            uncertainty=r3(target.estimate_uncertainty),
         ),
+        profile=profile_record(target, problem.profile_source),
         runners_up=runners,
         warnings=[d.message for d in diags if d.severity == "warning"],
         runtime_gaps=layout_lib.runtime_gaps(tl, PLATFORM_OF_KIND[target.kind]),  # type: ignore[arg-type]

@@ -41,6 +41,13 @@ class Cluster(StrictModel):
         description="Memory the planner may use per device, GiB. On cpu: the host-RAM slice of each worker "
         "process (default 3.5); on accelerators: a cap below the target's usable HBM, to leave headroom.",
     )
+    memory_margin: float | None = Field(
+        None,
+        ge=0.0,
+        lt=1.0,
+        description="Share of each trainer device's allocated memory kept free for allocator fragmentation "
+        "(default: the target's allocator_overhead, 0.14 on Ascend, from a measured reserved/allocated peak).",
+    )
 
 
 class MoeArch(StrictModel):

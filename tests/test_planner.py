@@ -119,16 +119,18 @@ def test_235b_on_one_node_is_refused() -> None:
     assert "GiB per device" in d.message and "weights" in d.message and "cluster.nodes >=" in d.hint
 
 
-def test_72b_without_offload_on_8_devices_is_refused() -> None:
+def test_72b_without_offload_on_16_devices_is_refused() -> None:
+    """Refused because of the offload pin, and the hint says so (unpinned, the planner offloads)."""
     plan, diags = plan_for("""
         model: {name: qwen2.5-72b, path: /m}
+        cluster: {nodes: 2}
         placement:
           train: {offload: {params: false, optimizer: false}}
     """)
     assert plan is None
     d = _errors(diags)[0]
     assert "optimizer" in d.message and d.path == "placement.train.offload"
-    assert "lora" in d.hint
+    assert "lora" in d.hint and "the pinned train offload" in d.hint and "unpinned, the planner uses offload" in d.hint
 
 
 def test_64k_context_on_32g_without_cp_is_refused() -> None:

@@ -12,16 +12,17 @@ from rlc.cli import app
 
 runner = CliRunner()
 
-#: Qwen2.5-72B full fine-tuning on one A2 node with offload pinned off: 150 GiB per device.
+#: Qwen2.5-72B full fine-tuning on two A2 nodes with offload pinned off: about 90 GiB per device.
 OOM = """name: oom
 target: a2
+cluster: {nodes: 2}
 model: {name: qwen2.5-72b, path: /m}
 data: {train: arithmetic}
 placement:
   train:
     offload: {params: false, optimizer: false}
 """
-OOM_LINE = 7  # the `offload:` pin is what rules it out
+OOM_LINE = 8  # the `offload:` pin is what rules it out
 
 
 def _write(tmp_path: Path, text: str) -> Path:
