@@ -309,11 +309,15 @@ class TrainTime:
     dp_s: float
     offload_s: float
     overhead_s: float = 0.0
+    #: Expert GEMMs' time beyond their FLOPs at peak MFU, when too few tokens reach each expert to keep the
+    #: device compute-bound (`expert_gemm_efficiency`).
+    expert_s: float = 0.0
 
     @property
     def total_s(self) -> float:
         comm = self.tp_s + self.cp_s + self.ep_s + self.dp_s
-        return self.compute_s / (1 - self.bubble) + comm + self.offload_s + self.overhead_s
+        busy = self.compute_s + self.expert_s
+        return busy / (1 - self.bubble) + comm + self.offload_s + self.overhead_s
 
 
 def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
@@ -342,6 +346,26 @@ def train_compute_s(sizes: ModelSizes, layout: TrainLayout, target: TargetProfil
     return flops / (layout.world_size * target.bf16_tflops * 1e12 * target.efficiency.train_mfu)
 
 
+def expert_gemm_efficiency(sizes: ModelSizes, layout: TrainLayout, target: TargetProfile) -> float:
+    """Share of peak an expert GEMM reaches: min(1, intensity / ridge) (roofline, Williams et al. 2009).
+
+    One local expert multiplies [m × h] by its [h × n] weight shard: 2·m·h·n FLOPs over 2·(m·h + h·n + m·n)
+    bf16 bytes, so its intensity is m·h·n / (m·h + h·n + m·n) FLOP/byte, against the device's ridge point
+    (peak FLOPs / HBM bandwidth). m, the rows an expert receives per micro-batch, is the local tokens × top-k
+    × the EP ranks that send to it, over the experts: (mbt / cp) · k · ep / E; n is the expert's width over
+    expert-TP, f_e / etp. Expert parallelism gathers ep ranks' tokens onto whole experts (large m and n), where
+    expert TP cuts every expert into thin slices: why published MoE recipes run EP 8-64 with ETP 1.
+    """
+    moe = sizes.arch.moe
+    if moe is None:
+        return 1.0
+    m = layout.micro_batch_tokens / layout.cp * moe.experts_per_token * layout.ep / moe.num_experts
+    h, n = sizes.arch.hidden_size, moe.expert_intermediate_size / layout.etp
+    intensity = m * h * n / (m * h + h * n + m * n)
+    ridge = target.bf16_tflops * 1e12 / (target.hbm_bandwidth_gbps * 1e9)
+    return min(1.0, intensity / ridge)
+
+
 def train_time(
     sizes: ModelSizes, layout: TrainLayout, target: TargetProfile, work: Workload, devices_per_node: int
 ) -> TrainTime:
@@ -356,12 +380,15 @@ def train_time(
     distributed optimizer reduce-scatters gradients and all-gathers parameters once per step; half of it hides
     behind compute. Offload: parameters cross the host link per micro-batch (forward, backward), also for a
     LoRA run's frozen base; offloaded optimizer moments are brought to the device for the update and back.
-    CP ring (Liu et al. 2023): K/V blocks passed cp − 1 times per layer and pass.
+    CP ring (Liu et al. 2023): K/V blocks passed cp − 1 times per layer and pass. Expert GEMMs that see too
+    few tokens run below peak (`expert_gemm_efficiency`).
     """
     arch = sizes.arch
     fsdp = layout.backend == "fsdp2"
     b = layout.precision.compute_bytes if fsdp else dtype_bytes(target)
     compute = train_compute_s(sizes, layout, target, work)
+    expert_share = (sizes.active_expert / sizes.active) if sizes.active else 0.0
+    expert_s = compute * expert_share * (1 / expert_gemm_efficiency(sizes, layout, target) - 1)
     tokens_rank = work.trained_tokens / layout.dp
     micro = max(1, ceil(tokens_rank / layout.micro_batch_tokens))
     bubble = (layout.pp - 1) / (micro + layout.pp - 1)
@@ -424,7 +451,7 @@ def train_time(
     # the forward-only passes of the decoupled loss' proximal log-probs and of a KL reference.
     launches = micro * (1 + (1 if work.decoupled else 0) + (1 if work.reference else 0))
     overhead = launches * target.efficiency.micro_batch_overhead_s
-    return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s, overhead)
+    return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s, overhead, expert_s)
 
 
 # --------------------------------------------------------------------------------------------- sync and step

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from rlc.compiler import codes
 from rlc.compiler.diagnostics import Diagnostic, Severity
 from rlc.compiler.load import LineMap
 from rlc.compiler.resolve import Problem
@@ -42,7 +43,10 @@ RULES: list[Rule] = []
 
 
 def rule(code: str, summary: str) -> Callable[[RuleFn], RuleFn]:
-    """Register a semantic check under a stable code."""
+    """Register a semantic check under a stable code, which must be in the registry (`codes.CODES`) with the
+    same summary."""
+    if codes.CODES.get(code) != summary:
+        raise ValueError(f"rule {code} ({summary!r}) is not registered as such in compiler/codes.py")
 
     def register(fn: RuleFn) -> RuleFn:
         RULES.append(Rule(code, summary, fn))
@@ -533,3 +537,26 @@ def check_backend_choices(ctx: RuleContext) -> Iterator[Diagnostic]:
                 + " parallelism",
                 "use backend: megatron (planned, not executed yet), or drop the pin",
             )
+
+
+@rule("RLC216", "group_size 1 leaves GRPO nothing to learn from unless a teacher distils")
+def check_group_size(ctx: RuleContext) -> Iterator[Diagnostic]:
+    spec = ctx.problem.spec
+    if spec.algorithm.group_size != 1:
+        return
+    if spec.distill is None:
+        yield ctx.diag(
+            "RLC216",
+            "algorithm.group_size",
+            "group_size 1: each prompt's only sample is its own group baseline, so every GRPO advantage is 0 and "
+            "nothing would train",
+            "use group_size >= 2, or add distill (on-policy distillation trains on the teachers' log-probs)",
+        )
+    else:
+        yield ctx.diag(
+            "RLC216",
+            "algorithm.group_size",
+            "group_size 1: the GRPO term is 0 (no group baseline); the distillation term alone trains",
+            "this is on-policy distillation; use group_size >= 2 to add the RL term",
+            "info",
+        )

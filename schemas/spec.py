@@ -96,7 +96,11 @@ class ModelRef(StrictModel):
 
 class Algorithm(StrictModel):
     name: Literal["grpo"] = Field("grpo", description="RL algorithm. GRPO: group-normalised advantages, no critic.")
-    group_size: Annotated[int, Field(ge=2)] = Field(8, description="Samples per prompt (the GRPO group).")
+    group_size: PositiveInt = Field(
+        8,
+        description="Samples per prompt (the GRPO group). 1 only with distill: a single sample has no group "
+        "baseline, so the RL term is zero and the distillation term alone trains (on-policy distillation).",
+    )
     batch_prompts: PositiveInt = Field(64, description="Prompts per training step.")
     max_staleness: int = Field(
         2,
