@@ -110,11 +110,11 @@ def profile_lines(plan: Plan) -> list[str]:
 
 def runners_table(plan: Plan) -> Table:
     table = Table(title="runners-up")
-    for col in ("layout", "tok/s", "why it lost"):
+    for col in ("layout", "tok/s", "lost on", "why it lost"):
         table.add_column(col)
     for c in plan.runners_up:
         # escaped: a summary like "train 16 (...)" or an older "[fsdp2 d16 ...]" is text, not Rich markup
-        table.add_row(escape(c.summary), f"{c.tokens_per_s:,.0f}", escape(c.verdict))
+        table.add_row(escape(c.summary), f"{c.tokens_per_s:,.0f}", c.lost_on, escape(c.verdict))
     return table
 
 

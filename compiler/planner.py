@@ -12,6 +12,7 @@ import json
 
 import rlc
 from rlc.compiler import cost, memory, refusal, search
+from rlc.compiler.candidates import loser_term
 from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
 from rlc.compiler.memory import MemoryBreakdown, RolloutLayout
@@ -323,96 +324,101 @@ def _offload_steps(problem: Problem, colocated: bool, best: search.Candidate) ->
     return steps
 
 
-def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult, diags: list[Diagnostic]) -> Plan:
-    """Turn the winning candidate into the explicit Plan."""
-    spec, target, arch = problem.spec, problem.target, problem.arch
-    best = result.best
-    assert best is not None
-    dpn = problem.devices_per_node
-    colocated = best.mode == "colocated"
-    model = model_settings(problem, spec.model, arch)
-    tl, rl = best.train.layout, best.rollout.layout
-    lora_mode = search.lora_rollout_mode(problem)
-    roles: list[Role] = []
-    placements = ray_placements(problem, best)
-    train_notes = [
+def _actor_role(problem: Problem, best: search.Candidate, placements: dict[str, RayPlacement]) -> Role:
+    """The trainer role: its layout exactly as the trainer builds it, memory, time split and notes."""
+    spec, tl, mem, t = problem.spec, best.train.layout, best.train.memory, best.train.time
+    notes = [
         f"{tl.summary()}: fastest fitting trainer layout on {tl.world_size} devices",
-        f"peak {best.train.memory.total_gib:.1f} of {best.train.memory.capacity_gib:.1f} GiB",
+        f"peak {mem.total_gib:.1f} of {mem.capacity_gib:.1f} GiB",
     ]
     if tl.offload_params or tl.offload_optimizer:
-        train_notes.append(f"host memory for offloaded state: {best.train.memory.host_gib_per_node:.0f} GiB per node")
-    roles.append(
-        Role(
-            name="actor",
-            kind="train",
-            devices=tl.world_size,
-            placement=placement_ids(best.train_start, tl.world_size, dpn),
-            parallel=Parallel(tp=tl.tp, pp=tl.pp, cp=tl.cp, ep=tl.ep, dp=tl.dp),
-            layout=layout_lib.TrainLayout.model_validate(tl.model_dump()),
-            ray=placements["actor"],
-            backend=tl.backend,
-            replicas=tl.dp,
-            memory=memory_model(best.train.memory, "train"),
-            engine={
-                "logprob_chunk_tokens": spec.train.logprob_chunk_tokens,
-                "packing": spec.train.packing,
-                "packed_attention": "varlen",
-                "etp": tl.etp,
-            },
-            estimates={
-                "train_s": r3(best.train.seconds),
-                "compute_s": r3(best.train.time.compute_s),
-                "pp_bubble": r3(best.train.time.bubble),
-                "comm_s": r3(best.train.time.tp_s + best.train.time.cp_s + best.train.time.ep_s + best.train.time.dp_s),
-                "offload_s": r3(best.train.time.offload_s),
-            },
-            notes=train_notes,
-        )
+        notes.append(f"host memory for offloaded state: {mem.host_gib_per_node:.0f} GiB per node")
+    return Role(
+        name="actor",
+        kind="train",
+        devices=tl.world_size,
+        placement=placement_ids(best.train_start, tl.world_size, problem.devices_per_node),
+        parallel=Parallel(tp=tl.tp, pp=tl.pp, cp=tl.cp, ep=tl.ep, dp=tl.dp),
+        layout=layout_lib.TrainLayout.model_validate(tl.model_dump()),
+        ray=placements["actor"],
+        backend=tl.backend,
+        replicas=tl.dp,
+        memory=memory_model(mem, "train"),
+        engine={
+            "logprob_chunk_tokens": spec.train.logprob_chunk_tokens,
+            "packing": spec.train.packing,
+            "packed_attention": "varlen",
+            "etp": tl.etp,
+        },
+        estimates={
+            "train_s": r3(best.train.seconds),
+            "compute_s": r3(t.compute_s),
+            "pp_bubble": r3(t.bubble),
+            "comm_s": r3(t.tp_s + t.cp_s + t.ep_s + t.dp_s),
+            "offload_s": r3(t.offload_s),
+        },
+        notes=notes,
     )
-    backend = "vllm-ascend" if target.kind == "npu" else "vllm"
-    roles.append(
-        Role(
-            name="rollout",
-            kind="rollout",
-            devices=rl.devices,
-            placement=placement_ids(best.rollout_start, rl.devices, dpn),
-            parallel=Parallel(tp=rl.tp, ep=rl.ep, dp=rl.replicas),
-            ray=placements["rollout"],
-            backend=backend,
-            replicas=rl.replicas,
-            memory=memory_model(best.rollout.memory, "rollout"),
-            engine=engine_args(
-                problem, model.path or "", rl, colocated=colocated, lora=lora_mode == "adapter", teacher=False
-            ),
-            estimates={
-                "rollout_s": r3(best.step.rollout_s),
-                "decode_step_s": r3(best.rollout.time.step_s),
-                "concurrent_seqs": float(best.rollout.time.concurrency),
-                "generated_tokens_per_s": r3(best.rollout.time.tokens_per_s),
-            },
-            notes=[
-                f"{rl.replicas} engine(s) of {rl.engine_devices} device(s), TP {rl.tp}"
-                + (f", EP {rl.ep}" if rl.ep > 1 else ""),
-                f"KV cache {best.rollout.memory.items.get('kv_cache', 0):.1f} GiB holds about {best.rollout.seqs} "
-                f"sequences of mean length per scheduler; max_num_seqs {rl.max_num_seqs}",
-            ],
-        )
+
+
+def _engine_backend(problem: Problem) -> str:
+    return "vllm-ascend" if problem.target.kind == "npu" else "vllm"
+
+
+def _rollout_role(
+    problem: Problem, best: search.Candidate, placements: dict[str, RayPlacement], model_path: str
+) -> Role:
+    """The rollout engines: TP/EP, vLLM arguments verbatim, KV budget and throughput."""
+    rl = best.rollout.layout
+    lora_mode = search.lora_rollout_mode(problem)
+    return Role(
+        name="rollout",
+        kind="rollout",
+        devices=rl.devices,
+        placement=placement_ids(best.rollout_start, rl.devices, problem.devices_per_node),
+        parallel=Parallel(tp=rl.tp, ep=rl.ep, dp=rl.replicas),
+        ray=placements["rollout"],
+        backend=_engine_backend(problem),
+        replicas=rl.replicas,
+        memory=memory_model(best.rollout.memory, "rollout"),
+        engine=engine_args(
+            problem, model_path, rl, colocated=best.mode == "colocated", lora=lora_mode == "adapter", teacher=False
+        ),
+        estimates={
+            "rollout_s": r3(best.step.rollout_s),
+            "decode_step_s": r3(best.rollout.time.step_s),
+            "concurrent_seqs": float(best.rollout.time.concurrency),
+            "generated_tokens_per_s": r3(best.rollout.time.tokens_per_s),
+        },
+        notes=[
+            f"{rl.replicas} engine(s) of {rl.engine_devices} device(s), TP {rl.tp}"
+            + (f", EP {rl.ep}" if rl.ep > 1 else ""),
+            f"KV cache {best.rollout.memory.items.get('kv_cache', 0):.1f} GiB holds about {best.rollout.seqs} "
+            f"sequences of mean length per scheduler; max_num_seqs {rl.max_num_seqs}",
+        ],
     )
-    teacher_settings: list[TeacherSettings] = []
+
+
+def _teacher_roles(
+    problem: Problem, best: search.Candidate, placements: dict[str, RayPlacement]
+) -> tuple[list[Role], list[TeacherSettings]]:
+    """One forward-only engine role per teacher, and the distillation settings that name them."""
+    spec = problem.spec
+    roles: list[Role] = []
+    settings: list[TeacherSettings] = []
     for option, start in zip(best.teachers, best.teacher_starts, strict=True):
         teacher = next(t for t in (spec.distill.teachers if spec.distill else []) if t.name == option.name)
-        t_arch = problem.teacher_archs[option.name]
-        t_model = model_settings(problem, teacher.model, t_arch)
+        t_model = model_settings(problem, teacher.model, problem.teacher_archs[option.name])
         layout = option.layout
         roles.append(
             Role(
                 name=f"teacher-{option.name}",
                 kind="teacher",
                 devices=layout.devices,
-                placement=placement_ids(start, layout.devices, dpn),
+                placement=placement_ids(start, layout.devices, problem.devices_per_node),
                 parallel=Parallel(tp=layout.tp, dp=layout.replicas),
                 ray=placements[f"teacher-{option.name}"],
-                backend=backend,
+                backend=_engine_backend(problem),
                 replicas=layout.replicas,
                 memory=memory_model(option.memory, "steady"),
                 engine=engine_args(problem, t_model.path or "", layout, colocated=False, lora=False, teacher=True)
@@ -421,7 +427,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
                 notes=[f"forward-only engines scoring student samples ({layout.replicas} x TP {layout.tp})"],
             )
         )
-        teacher_settings.append(
+        settings.append(
             TeacherSettings(
                 name=option.name,
                 role=f"teacher-{option.name}",
@@ -430,26 +436,36 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
                 weight=teacher.weight,
             )
         )
-    sync = search.sync_method(ctx, best.mode)
-    schedule = Schedule(
+    return roles, settings
+
+
+def _schedule(problem: Problem, ctx: search.Context, best: search.Candidate) -> Schedule:
+    """Batch, token budgets, staleness, how the controller feeds engines, weight sync and phase moves."""
+    spec = problem.spec
+    colocated = best.mode == "colocated"
+    return Schedule(
         mode=best.mode,
         steps=spec.algorithm.steps,
         batch_prompts=spec.algorithm.batch_prompts,
         group_size=spec.algorithm.group_size,
         batch_samples=spec.algorithm.batch_prompts * spec.algorithm.group_size,
-        micro_batch_tokens=tl.micro_batch_tokens,
+        micro_batch_tokens=best.train.layout.micro_batch_tokens,
         logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
         packing=spec.train.packing,
         max_staleness=0 if colocated else spec.algorithm.max_staleness,
-        rollout_chunk_prompts=cost.rollout_chunk_prompts(spec.algorithm.batch_prompts, rl.replicas),
+        rollout_chunk_prompts=cost.rollout_chunk_prompts(spec.algorithm.batch_prompts, best.rollout.layout.replicas),
         rollout_chunks_per_engine=cost.ENGINE_CHUNKS,
-        weight_sync=sync,  # type: ignore[arg-type]
+        weight_sync=search.sync_method(ctx, best.mode),  # type: ignore[arg-type]
         offload=_offload_steps(problem, colocated, best),
         checkpoint_every=spec.output.checkpoint_every,
         keep_checkpoints=spec.output.keep_checkpoints,
     )
-    algo = spec.algorithm
-    step = best.step
+
+
+def runners_up(result: search.SearchResult) -> list[Candidate]:
+    """The next layouts by rank, each with the step term that made it lose, then the closest misses."""
+    best = result.best
+    assert best is not None
     runners: list[Candidate] = []
     listed = {best.summary}
     for other in result.ranked[1:]:
@@ -464,6 +480,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
                 tokens_per_s=r3(other.step.tokens_per_s),
                 step_time_s=r3(other.step.step_s),
                 verdict=search.runner_up_verdict(best, other),
+                lost_on=loser_term(best, other),
             )
         )
     for role, rs in sorted(result.failures.items()):
@@ -475,8 +492,29 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
                 tokens_per_s=0.0,
                 step_time_s=0.0,
                 verdict=f"does not fit: {rs.closest.verdict()}",
+                lost_on="memory",
             )
         )
+    return runners
+
+
+def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult, diags: list[Diagnostic]) -> Plan:
+    """Turn the winning candidate into the explicit Plan."""
+    spec, target, arch = problem.spec, problem.target, problem.arch
+    best = result.best
+    assert best is not None
+    dpn = problem.devices_per_node
+    model = model_settings(problem, spec.model, arch)
+    tl = best.train.layout
+    lora_mode = search.lora_rollout_mode(problem)
+    placements = ray_placements(problem, best)
+    teachers, teacher_settings = _teacher_roles(problem, best, placements)
+    roles = [_actor_role(problem, best, placements), _rollout_role(problem, best, placements, model.path or "")]
+    roles += teachers
+    schedule = _schedule(problem, ctx, best)
+    algo = spec.algorithm
+    step = best.step
+    runners = runners_up(result)
     return Plan(
         rlc_version=rlc.__version__,
         name=spec.name,

@@ -202,6 +202,9 @@ class Candidate(PlanModel):
     tokens_per_s: float
     step_time_s: float
     verdict: str
+    lost_on: str = Field(
+        "", description="The step term that made it lose: rollout, teachers, train, sync, switch, memory, or tie."
+    )
 
 
 class Cluster(PlanModel):

@@ -257,3 +257,17 @@ def test_dense_8b_rollout_uses_narrow_engines() -> None:
         tied = round(a.step.tokens_per_s, 3) == round(b.step.tokens_per_s, 3) and a.step.train_s == b.step.train_s
         if tied and a.train.layout.devices == b.train.layout.devices:
             assert a.step.rollout_s <= b.step.rollout_s
+
+
+def test_runners_up_name_the_term_that_lost() -> None:
+    """Each runner-up carries the step term that cost it (or tie / memory), in the plan and in the JSON."""
+    import json
+
+    plan, _ = plan_for("model: {name: qwen3-8b, path: /m}\ncluster: {nodes: 2}\n")
+    assert plan is not None and plan.runners_up
+    terms = {"rollout", "teachers", "train", "sync", "switch", "memory", "tie"}
+    for c in plan.runners_up:
+        assert c.lost_on in terms
+        if c.lost_on not in ("tie", "memory"):
+            assert f"loses on {c.lost_on} +" in c.verdict
+    assert {r["lost_on"] for r in json.loads(explain_json(plan))["runners_up"]} <= terms
