@@ -211,9 +211,10 @@ def decode_step_s(
     t += tokens_step * arch.vocab_size * 4 * SAMPLER_PASSES / hbm
     if layout.tp > 1:
         volume = tokens_step * arch.hidden_size * b * 2 * (layout.tp - 1) / layout.tp
-        t += _collective_s(target, 2 * arch.num_layers * volume, target.intra_node_bandwidth_gbps, 2 * arch.num_layers)
+        link = _link_gbps(target, layout.tp, devices_per_node)  # a pinned TP across nodes uses the scale-out link
+        t += _collective_s(target, 2 * arch.num_layers * volume, link, 2 * arch.num_layers)
         logits = tokens_step * arch.vocab_size * b * (layout.tp - 1) / layout.tp
-        t += _collective_s(target, logits, target.intra_node_bandwidth_gbps)
+        t += _collective_s(target, logits, link)
     if arch.moe is not None and layout.ep > 1:
         moe_layers = arch.num_layers - arch.moe.first_dense_layers
         volume = tokens_step * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep

@@ -33,6 +33,13 @@ def groups_in_nodes(start: int, count: int, group: int, dpn: int) -> bool:
     return all(((start + k * group) % dpn) + group <= dpn for k in range(groups))
 
 
+def _tp_fits(start: int, n: int, tp: int, dpn: int) -> bool:
+    """TP groups inside nodes; a (pinned) TP wider than a node must take whole nodes from a node boundary."""
+    if tp > dpn:
+        return tp % dpn == 0 and start % dpn == 0
+    return groups_in_nodes(start, n, tp, dpn)
+
+
 def rollout_search(
     ctx: Context, n: int, start: int, outside_gib: float, *, sync: bool, fraction: float | None = None
 ) -> RoleSearch:
@@ -53,7 +60,7 @@ def _rollout_search(
     tps = [pin.tp] if pin.tp else [t for t in pow2_upto(min(dpn, n)) if arch.num_attention_heads % t == 0]
     chosen = fraction
     for tp in tps:
-        if n % tp or not groups_in_nodes(start, n, tp, dpn):
+        if n % tp or not _tp_fits(start, n, tp, dpn):
             continue
         fraction = chosen or pin.memory_fraction or auto_fraction(ctx, tp, outside_gib)
         if fraction <= 0.02:

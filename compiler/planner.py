@@ -231,9 +231,8 @@ def build_plan(
     diags = _warnings(problem, lines, file)
     if result.best is None:
         return None, diags + refusal.infeasible(problem, result, lines, file)
-    platform = PLATFORM_OF_KIND[problem.target.kind]
     diags += thin_headroom(problem, result.best, lines, file)
-    for gap in layout_lib.runtime_gaps(result.best.train.layout, platform):
+    for gap in plan_gaps(problem, result.best):
         diags.append(
             Diagnostic(
                 "RLC303",
@@ -247,6 +246,21 @@ def build_plan(
             )
         )
     return assemble(problem, ctx, result, diags), diags
+
+
+def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
+    """What `rlc run` cannot execute about this plan: the trainer layout's gaps (`layout.runtime_gaps`) and an
+    engine wider than a node (its Ray placement is one bundle, which cannot span nodes)."""
+    platform = PLATFORM_OF_KIND[problem.target.kind]
+    gaps = layout_lib.runtime_gaps(best.train.layout, platform)  # type: ignore[arg-type]
+    dpn = problem.devices_per_node
+    for name, lay in [("rollout", best.rollout.layout)] + [(f"teacher-{t.name}", t.layout) for t in best.teachers]:
+        if lay.engine_devices > dpn:
+            gaps.append(
+                f"{name} engines span {lay.engine_devices // dpn} nodes (TP {lay.tp}): the plan gives each engine one "
+                "Ray bundle, and a bundle cannot span nodes (one bundle per node is not wired yet)"
+            )
+    return gaps
 
 
 def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPlacement]:
@@ -505,7 +519,6 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
     assert best is not None
     dpn = problem.devices_per_node
     model = model_settings(problem, spec.model, arch)
-    tl = best.train.layout
     lora_mode = search.lora_rollout_mode(problem)
     placements = ray_placements(problem, best)
     teachers, teacher_settings = _teacher_roles(problem, best, placements)
@@ -593,7 +606,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
         profile=profile_record(target, problem.profile_source),
         runners_up=runners,
         warnings=[d.message for d in diags if d.severity == "warning"],
-        runtime_gaps=layout_lib.runtime_gaps(tl, PLATFORM_OF_KIND[target.kind]),  # type: ignore[arg-type]
+        runtime_gaps=plan_gaps(problem, best),
     )
 
 

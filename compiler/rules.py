@@ -238,12 +238,25 @@ def check_parallel_pins(ctx: RuleContext) -> Iterator[Diagnostic]:
             hint = f"use a divisor of {heads}" if heads % tp else f"use a divisor or multiple of {kv}"
             yield ctx.diag("RLC207", f"placement.{role}.tp", f"{role} {problem}", hint)
         problem = layout.tp_topology_problem(tp, p.devices_per_node)
-        if problem:
+        if problem and role == "rollout" and tp % p.devices_per_node == 0:
+            # vLLM runs TP across nodes over Ray (published large-model layouts do); pinned only, and priced with
+            # the scale-out link on every decode step's all-reduces.
+            yield ctx.diag(
+                "RLC207",
+                "placement.rollout.tp",
+                f"rollout {problem}: each engine spans {tp // p.devices_per_node} nodes and its all-reduces cross "
+                "the scale-out link on every decode step",
+                "the planner prices it with the inter-node bandwidth; a TP inside a node with more engines is "
+                "usually faster",
+                "warning",
+            )
+        elif problem:
             yield ctx.diag(
                 "RLC207",
                 f"placement.{role}.tp",
                 f"{role} {problem}; tensor parallelism must stay inside a node",
-                f"use TP <= {p.devices_per_node} and add PP or DP",
+                f"use TP <= {p.devices_per_node} and add PP or DP"
+                + (f", or a rollout TP that is a multiple of {p.devices_per_node}" if role == "rollout" else ""),
             )
     if train.pp is not None and layout.pp_problem(arch, train.pp):
         yield ctx.diag(

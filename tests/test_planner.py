@@ -271,3 +271,22 @@ def test_runners_up_name_the_term_that_lost() -> None:
         if c.lost_on not in ("tie", "memory"):
             assert f"loses on {c.lost_on} +" in c.verdict
     assert {r["lost_on"] for r in json.loads(explain_json(plan))["runners_up"]} <= terms
+
+
+def test_rollout_tp_across_nodes_when_pinned() -> None:
+    """A pinned rollout TP of whole nodes compiles (RLC207 warning), priced with the scale-out link, slower than
+    the free plan, and flagged as a runtime gap (a Ray bundle cannot span nodes); a partial-node TP is refused."""
+    base = "model: {name: qwen3-32b, path: /m}\ncluster: {nodes: 4}\nmode: disaggregated\n"
+    plan, diags = plan_for(base + "placement:\n  rollout: {tp: 16}\n")
+    assert plan is not None and plan.role("rollout").parallel.tp == 16
+    assert any(d.code == "RLC303" and "span 2 nodes" in d.message for d in diags)
+    assert any("span 2 nodes" in g for g in plan.runtime_gaps)
+    free, _ = plan_for(base)
+    assert free is not None and free.estimates.step_time_s < plan.estimates.step_time_s
+    from rlc.compiler.validate import check_text
+
+    head = "name: t\ndata: {train: arithmetic}\n" + base
+    pinned = check_text(head + "placement:\n  rollout: {tp: 16}\n", target="a2")
+    assert any(d.code == "RLC207" and d.severity == "warning" for d in pinned.report.diagnostics)
+    bad = check_text(head + "placement:\n  rollout: {tp: 12}\n", target="a2")
+    assert any(d.code == "RLC207" and d.severity == "error" for d in bad.report.diagnostics)
