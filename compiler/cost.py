@@ -34,6 +34,11 @@ DECODE_STEP_OVERHEAD_S = {"npu": 4e-3, "gpu": 2e-3, "cpu": 2e-3}
 #: Share of data-parallel gradient/parameter traffic hidden behind compute (FSDP2 prefetch, Megatron
 #: overlap_grad_reduce). Half is a conservative middle of what torchtitan and Megatron report.
 DP_OVERLAP = 0.5
+#: Parameters per second one host's CPU updates with AdamW when the optimizer step runs there (FSDP2
+#: CPUOffloadPolicy). [estimate] a vectorised CPU Adam streams ~16 bytes of state per parameter, so a host with
+#: ~50 GB/s of usable memory bandwidth updates a few billion per second (ZeRO-Offload, Ren et al. 2021, §4.2
+#: reports its CPU-Adam several times faster than PyTorch's); the plain torch AdamW FSDP2 uses is slower.
+HOST_ADAM_PARAMS_PER_S = 1e9
 #: Shared-filesystem bandwidth for disk weight sync, GB/s (one writer, readers in parallel).
 DISK_GBPS = 2.0
 #: Passes over the fp32 [tokens × vocab] logits per decode step in vLLM's sampler: write the upcast logits,
@@ -206,9 +211,10 @@ def decode_step_s(
     t += tokens_step * arch.vocab_size * 4 * SAMPLER_PASSES / hbm
     if layout.tp > 1:
         volume = tokens_step * arch.hidden_size * b * 2 * (layout.tp - 1) / layout.tp
-        t += _collective_s(target, 2 * arch.num_layers * volume, target.intra_node_bandwidth_gbps, 2 * arch.num_layers)
+        link = _link_gbps(target, layout.tp, devices_per_node)  # a pinned TP across nodes uses the scale-out link
+        t += _collective_s(target, 2 * arch.num_layers * volume, link, 2 * arch.num_layers)
         logits = tokens_step * arch.vocab_size * b * (layout.tp - 1) / layout.tp
-        t += _collective_s(target, logits, target.intra_node_bandwidth_gbps)
+        t += _collective_s(target, logits, link)
     if arch.moe is not None and layout.ep > 1:
         moe_layers = arch.num_layers - arch.moe.first_dense_layers
         volume = tokens_step * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep
@@ -303,10 +309,16 @@ class TrainTime:
     ep_s: float
     dp_s: float
     offload_s: float
+    overhead_s: float = 0.0
+    #: Expert GEMMs' time beyond their FLOPs at peak MFU, when too few tokens reach each expert to keep the
+    #: device compute-bound (`expert_gemm_efficiency`).
+    expert_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.compute_s / (1 - self.bubble) + self.tp_s + self.cp_s + self.ep_s + self.dp_s + self.offload_s
+        comm = self.tp_s + self.cp_s + self.ep_s + self.dp_s
+        busy = self.compute_s + self.expert_s
+        return busy / (1 - self.bubble) + comm + self.offload_s + self.overhead_s
 
 
 def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
@@ -329,6 +341,32 @@ def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
     return flops + extra * fwd
 
 
+def train_compute_s(sizes: ModelSizes, layout: TrainLayout, target: TargetProfile, work: Workload) -> float:
+    """Compute seconds of a training step: train_flops / (devices · peak · train MFU)."""
+    flops = train_flops(sizes, work, layout.recompute)
+    return flops / (layout.world_size * target.bf16_tflops * 1e12 * target.efficiency.train_mfu)
+
+
+def expert_gemm_efficiency(sizes: ModelSizes, layout: TrainLayout, target: TargetProfile) -> float:
+    """Share of peak an expert GEMM reaches: min(1, intensity / ridge) (roofline, Williams et al. 2009).
+
+    One local expert multiplies [m × h] by its [h × n] weight shard: 2·m·h·n FLOPs over 2·(m·h + h·n + m·n)
+    bf16 bytes, so its intensity is m·h·n / (m·h + h·n + m·n) FLOP/byte, against the device's ridge point
+    (peak FLOPs / HBM bandwidth). m, the rows an expert receives per micro-batch, is the local tokens × top-k
+    × the EP ranks that send to it, over the experts: (mbt / cp) · k · ep / E; n is the expert's width over
+    expert-TP, f_e / etp. Expert parallelism gathers ep ranks' tokens onto whole experts (large m and n), where
+    expert TP cuts every expert into thin slices: why published MoE recipes run EP 8-64 with ETP 1.
+    """
+    moe = sizes.arch.moe
+    if moe is None:
+        return 1.0
+    m = layout.micro_batch_tokens / layout.cp * moe.experts_per_token * layout.ep / moe.num_experts
+    h, n = sizes.arch.hidden_size, moe.expert_intermediate_size / layout.etp
+    intensity = m * h * n / (m * h + h * n + m * n)
+    ridge = target.bf16_tflops * 1e12 / (target.hbm_bandwidth_gbps * 1e9)
+    return min(1.0, intensity / ridge)
+
+
 def train_time(
     sizes: ModelSizes, layout: TrainLayout, target: TargetProfile, work: Workload, devices_per_node: int
 ) -> TrainTime:
@@ -343,13 +381,15 @@ def train_time(
     distributed optimizer reduce-scatters gradients and all-gathers parameters once per step; half of it hides
     behind compute. Offload: parameters cross the host link per micro-batch (forward, backward), also for a
     LoRA run's frozen base; offloaded optimizer moments are brought to the device for the update and back.
-    CP ring (Liu et al. 2023): K/V blocks passed cp − 1 times per layer and pass.
+    CP ring (Liu et al. 2023): K/V blocks passed cp − 1 times per layer and pass. Expert GEMMs that see too
+    few tokens run below peak (`expert_gemm_efficiency`).
     """
     arch = sizes.arch
     fsdp = layout.backend == "fsdp2"
     b = layout.precision.compute_bytes if fsdp else dtype_bytes(target)
-    flops = train_flops(sizes, work, layout.recompute)
-    compute = flops / (layout.world_size * target.bf16_tflops * 1e12 * target.efficiency.train_mfu)
+    compute = train_compute_s(sizes, layout, target, work)
+    expert_share = (sizes.active_expert / sizes.active) if sizes.active else 0.0
+    expert_s = compute * expert_share * (1 / expert_gemm_efficiency(sizes, layout, target) - 1)
     tokens_rank = work.trained_tokens / layout.dp
     micro = max(1, ceil(tokens_rank / layout.micro_batch_tokens))
     bubble = (layout.pp - 1) / (micro + layout.pp - 1)
@@ -400,11 +440,19 @@ def train_time(
         # Parameters cross the host link for forward and backward of every micro-batch; gradients come back
         # once (a LoRA run's frozen base has none, but its weights still travel).
         offload_s += (2 * micro * w_bytes + (0 if work.lora else layout.precision.reduce_bytes)) * shard / host
-    if layout.offload_optimizer and not layout.offload_params and not work.lora:
-        # The moments come to the device for the update and go back: 2 × their bytes.
-        moments = 2 * layout.precision.param_bytes * shard if fsdp else 12 * shard / max(1, group)
-        offload_s += 2 * moments / host
-    return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s)
+    if layout.offload_optimizer and not work.lora:
+        if fsdp and layout.offload_params:
+            # CPUOffloadPolicy runs AdamW on the host, whose cores update every local rank's shard.
+            offload_s += shard * min(devices_per_node, layout.world_size) / HOST_ADAM_PARAMS_PER_S
+        else:
+            # The moments come to the device for the update and go back: 2 × their bytes.
+            moments = 2 * layout.precision.param_bytes * shard if fsdp else 12 * shard / max(1, group)
+            offload_s += 2 * moments / host
+    # Fixed cost per pass over a micro-batch (launches, packing, Python): one forward+backward pass each, plus
+    # the forward-only passes of the decoupled loss' proximal log-probs and of a KL reference.
+    launches = micro * (1 + (1 if work.decoupled else 0) + (1 if work.reference else 0))
+    overhead = launches * target.efficiency.micro_batch_overhead_s
+    return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s, overhead, expert_s)
 
 
 # --------------------------------------------------------------------------------------------- sync and step
@@ -432,14 +480,17 @@ def weight_sync_s(
     """
     b = dtype_bytes(target)
     volume = (adapter_params or sizes.total) * b
+    # Every path ends with the engine taking the weights in (vLLM reload_weights: copies into its parameters
+    # and, on cpu and NPUs, repacking for its kernels), at the target's measured or estimated rate.
+    reload = volume / (target.efficiency.weight_reload_gbps * 1e9) + target.efficiency.weight_sync_overhead_s
     if method == "disk":
-        return 2 * volume / (DISK_GBPS * 1e9)
+        return 2 * volume / (DISK_GBPS * 1e9) + reload
     intra = _collective_s(target, volume, target.intra_node_bandwidth_gbps)
     link = target.inter_node_bandwidth_gbps if cross_node else target.intra_node_bandwidth_gbps
     if method == "inplace":
         gather = _collective_s(target, volume, link)
-        return gather + 2 * volume / (target.host_to_device_bandwidth_gbps * 1e9)
-    return intra + _collective_s(target, volume, link)
+        return gather + 2 * volume / (target.host_to_device_bandwidth_gbps * 1e9) + reload
+    return intra + _collective_s(target, volume, link) + reload
 
 
 def switch_s(target: TargetProfile, train_state_gib: float) -> float:
@@ -471,6 +522,7 @@ class StepTime:
     sync_s: float
     switch_s: float
     tokens_per_s: float
+    overhead_s: float = 0.0
 
 
 def step_time(
@@ -481,12 +533,14 @@ def step_time(
     teacher_s: float,
     sync_s: float,
     switch: float,
+    overhead_s: float = 0.0,
 ) -> StepTime:
     """Combine the phases.
 
     Disaggregated with staleness > 0 (AReaL-style asynchrony): rollout streams while the trainer works, so
     step ≈ max(rollout, teachers, train) + sync. Staleness 0 serialises them: rollout (waiting for its long
-    tail) + teachers + train + sync. Colocated: rollout + teachers + train + sync + switch.
+    tail) + teachers + train + sync. Colocated: rollout + teachers + train + sync + switch. Every step also pays
+    the target's fixed `step_overhead_s` (controller bookkeeping, rewards, Python).
     """
     if mode == "disaggregated" and work.staleness > 0:
         r = rollout.async_s
@@ -494,6 +548,7 @@ def step_time(
     else:
         r = rollout.sync_s
         step = r + teacher_s + train_s + sync_s + (switch if mode == "colocated" else 0.0)
+    step += overhead_s
     if mode != "colocated":
         switch = 0.0
-    return StepTime(step, r, train_s, teacher_s, sync_s, switch, work.trained_tokens / step)
+    return StepTime(step, r, train_s, teacher_s, sync_s, switch, work.trained_tokens / step, overhead_s)

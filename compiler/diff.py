@@ -212,11 +212,7 @@ def plan_from_path(
         if any(d.severity == "error" for d in found):
             return None, found
         return load_plan(path), found
-    from rlc.compiler.planner import build_plan  # the planner is only needed when a side is a spec
-    from rlc.compiler.validate import check_file
+    from rlc.compiler.pipeline import compile_file  # the planner is only needed when a side is a spec
 
-    checked = check_file(path, target=target, overrides=overrides)
-    if checked.problem is None:
-        return None, checked.report.sorted()
-    plan, found = build_plan(checked.problem, checked.lines, str(path))
-    return plan, [*checked.report.sorted(), *found]
+    compiled = compile_file(path, target=target, overrides=overrides)
+    return compiled.plan, compiled.report.sorted()

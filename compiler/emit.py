@@ -201,7 +201,11 @@ def render_summary(plan: Plan, *, plan_hash: str, version: str = __version__) ->
     parts = [("rollout", est.rollout_s), ("training", est.train_s), ("weight sync", est.weight_sync_s)]
     if est.switch_s:
         parts.append(("phase switch", est.switch_s))
+    if est.overhead_s:
+        parts.append(("fixed per step", est.overhead_s))
+    low, high = est.step_time_s / est.uncertainty, est.step_time_s * est.uncertainty
     context = {
+        "band": (low, high),
         "plan": plan,
         "plan_hash": plan_hash,
         "version": version,

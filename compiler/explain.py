@@ -63,47 +63,83 @@ def memory_table(plan: Plan) -> Table:
     return table
 
 
-def time_table(plan: Plan) -> Table:
+def band(plan: Plan) -> tuple[float, float]:
+    """The step-time range the target's stated uncertainty gives: estimate / u .. estimate × u."""
     e = plan.estimates
-    table = Table(title=f"step time {e.step_time_s:.1f} s, {e.tokens_per_s:,.0f} trained tokens/s")
-    for col in ("phase", "seconds"):
-        table.add_column(col)
-    for name, value in (
+    return e.step_time_s / e.uncertainty, e.step_time_s * e.uncertainty
+
+
+def phases(plan: Plan) -> list[tuple[str, float]]:
+    e = plan.estimates
+    return [
         ("rollout", e.rollout_s),
         ("train", e.train_s),
         ("weight sync", e.weight_sync_s),
         ("switch", e.switch_s),
-    ):
-        table.add_row(name, f"{value:.2f}")
+        ("fixed per step", e.overhead_s),
+    ]
+
+
+def time_table(plan: Plan, measured: dict[str, float] | None = None) -> Table:
+    e = plan.estimates
+    low, high = band(plan)
+    title = (
+        f"step time {e.step_time_s:.3g} s (likely {low:.3g}-{high:.3g} s, ×{e.uncertainty:g}), "
+        f"{e.tokens_per_s:,.0f} trained tokens/s"
+    )
+    table = Table(title=title)
+    for col in ("phase", "seconds", *(("measured",) if measured else ())):
+        table.add_column(col)
+    for name, value in [*phases(plan), ("step", e.step_time_s)]:
+        row = [name, f"{value:.3g}"]
+        if measured:
+            got = measured.get(name)
+            row.append(f"{got:.3g}" if got is not None else "-")
+        table.add_row(*row)
     return table
+
+
+def profile_lines(plan: Plan) -> list[str]:
+    """Which target profile the estimates used, and for a calibrated one what it was fitted on."""
+    p = plan.profile
+    if not p:
+        return []
+    head = f"target profile {plan.target}: {p.get('source', '?')} (sha256 {p.get('sha256', '?')[:12]})"
+    return [head] + [f"  {k.removeprefix('calibration.')}: {v}" for k, v in sorted(p.items()) if k.startswith("calib")]
 
 
 def runners_table(plan: Plan) -> Table:
     table = Table(title="runners-up")
-    for col in ("layout", "tok/s", "why it lost"):
+    for col in ("layout", "tok/s", "lost on", "why it lost"):
         table.add_column(col)
     for c in plan.runners_up:
         # escaped: a summary like "train 16 (...)" or an older "[fsdp2 d16 ...]" is text, not Rich markup
-        table.add_row(escape(c.summary), f"{c.tokens_per_s:,.0f}", escape(c.verdict))
+        table.add_row(escape(c.summary), f"{c.tokens_per_s:,.0f}", c.lost_on, escape(c.verdict))
     return table
 
 
-def explain_plan(plan: Plan, console: Console) -> None:
-    """Print the layout, memory, step-time and runners-up tables."""
+def explain_plan(plan: Plan, console: Console, measured: dict[str, float] | None = None) -> None:
+    """Print the layout, memory, step-time and runners-up tables (with measured phase times when given)."""
     console.print(layout_table(plan))
     for r in plan.roles:
         if r.layout is not None:
             console.print(f"{r.name} trainer layout: {escape(r.layout.summary())}")
-    for table in (memory_table(plan), time_table(plan), runners_table(plan)):
+    console.print(memory_table(plan))
+    for r in plan.roles:
+        for note in r.notes:
+            console.print(f"{r.name}: {escape(note)}")
+    for table in (time_table(plan, measured), runners_table(plan)):
         console.print(table)
+    for line in profile_lines(plan):
+        console.print(escape(line))
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
     for gap in plan.runtime_gaps:
         console.print(f"[red]rlc run refuses this plan:[/red] {escape(gap)}")
 
 
-def explain_json(plan: Plan) -> str:
-    """The same facts as a stable JSON document (sorted keys)."""
+def explain_json(plan: Plan, measured: dict[str, float] | None = None) -> str:
+    """The same facts as the text, as a stable JSON document (sorted keys)."""
     payload: dict[str, Any] = {
         "name": plan.name,
         "mode": plan.schedule.mode,
@@ -122,6 +158,10 @@ def explain_json(plan: Plan) -> str:
         ],
         "runtime_gaps": plan.runtime_gaps,
         "estimates": plan.estimates.model_dump(),
+        "step_time_band_s": list(band(plan)),
+        "profile": plan.profile,
+        **({"measured": measured} if measured else {}),
+        "headroom_gib": {r.name: round(r.memory.capacity_gib - r.memory.total_gib, 3) for r in plan.roles},
         "runners_up": [c.model_dump() for c in plan.runners_up],
         "warnings": plan.warnings,
     }

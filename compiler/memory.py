@@ -22,8 +22,9 @@ GIB = 1024**3
 HOST_MEMORY_FRACTION = 0.8
 
 #: Runtime/graph workspace of a vLLM engine outside the profiled activations (ACL graph / CUDA graph pools,
-#: sampler state), GiB. vllm-ascend and vLLM capture graphs after the profile run; ~0.5 GiB is what their
-#: logs report for decode-only graphs at the default capture sizes. 0 on cpu (no graphs).
+#: sampler state), GiB. vllm-ascend and vLLM capture graphs after the profile run has sized the KV cache, so
+#: the pool lands outside gpu_memory_utilization's budget (the OOM reports in deployments.yaml are of that
+#: kind); ~0.5 GiB is what their logs report for decode-only graphs at the default capture sizes. 0 on cpu.
 ENGINE_GRAPH_GIB = 0.5
 
 #: Logits copies kept per token while computing log-probs with a backward pass: fp32 logits, the softmax
@@ -409,6 +410,9 @@ def train_memory(
         # One FSDP unit's moments at a time come to the device for its update.
         unit = max(sizes.max_layer / layout.tp, sizes.embedding + sizes.head) / layout.shard_group
         items["optimizer"] = gib(unit * o_bytes) if fsdp else 0.0
+    allocated = sum(items.values())
+    if target.allocator_overhead:
+        items["margin"] = target.allocator_overhead * allocated
     if resident_gib:
         items["other_roles"] = resident_gib
     items["reserve"] = target.reserve_gib
@@ -538,13 +542,12 @@ def rollout_memory(
         punica = layout.max_num_batched_tokens * lora_rank * len(LORA_MODULES) * b
         items["lora"] = gib(slots + punica)
     seqs_for_sampler = layout.max_num_seqs or 256
-    graph = 0.0 if target.kind == "cpu" else ENGINE_GRAPH_GIB
-    items["workspace"] = (
-        gib(engine_workspace_bytes(arch, layout.tp, layout.max_num_batched_tokens, seqs_for_sampler, b)) + graph
-    )
+    workspace = engine_workspace_bytes(arch, layout.tp, layout.max_num_batched_tokens, seqs_for_sampler, b)
+    items["workspace"] = gib(workspace)
     owned = layout.memory_fraction * target.usable_hbm_gib
     kv = owned - sum(items.values())
     items["kv_cache"] = max(kv, 0.0)
+    items.update(engine_outside_items(sizes, layout.tp, target, max_model_len))
     if prompt_logprobs:
         items["logprob_logits"] = gib(layout.max_num_batched_tokens * arch.vocab_size * 4 * 2)
     if resident_gib:
@@ -568,6 +571,22 @@ def rollout_memory(
         )
     breakdown = MemoryBreakdown(role, "rollout", items, target.usable_hbm_gib, problems=problems)
     return breakdown, seqs
+
+
+def engine_outside_items(sizes: ModelSizes, tp: int, target: TargetProfile, max_model_len: int) -> dict[str, float]:
+    """What a vLLM engine device needs beside its gpu_memory_utilization share, GiB.
+
+    graph: the graph pool captured after the KV cache is sized (ENGINE_GRAPH_GIB). prefill: the longest
+    prefill's transient, one full `max_model_len` sequence's K/V on this device gathered for the attention of
+    its last chunk (kv bytes per token · max_model_len). [UNCERTAIN] a stated model, calibrated on vllm-ascend
+    issue 3357 (Qwen3-235B TP16, 98K max_model_len: OOM at 0.95 on a ~90K-token prompt, where this transient is
+    4.4 GiB and 0.95 leaves 0.05 GiB beside the reserve); 0 on cpu, where the budget is a convention.
+    """
+    if target.kind == "cpu":
+        return {}
+    b = dtype_bytes(target)
+    prefill = gib(kv_bytes_per_token_device(sizes.arch, tp, b) * max_model_len)
+    return {"graph": ENGINE_GRAPH_GIB, "prefill": prefill}
 
 
 def max_memory_fraction(target: TargetProfile, outside_gib: float = 0.0) -> float:

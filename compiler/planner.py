@@ -11,10 +11,12 @@ import hashlib
 import json
 
 import rlc
-from rlc.compiler import cost, memory, search
+from rlc.compiler import cost, memory, refusal, search
+from rlc.compiler.candidates import loser_term
 from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
 from rlc.compiler.memory import MemoryBreakdown, RolloutLayout
+from rlc.compiler.profiles import profile_record
 from rlc.compiler.resolve import Problem
 from rlc.schemas import layout as layout_lib
 from rlc.schemas.arch import ModelArch
@@ -153,103 +155,6 @@ def engine_args(
     return args
 
 
-def _fixes(problem: Problem, role: str, b: MemoryBreakdown, ctx: search.Context) -> list[str]:
-    """Concrete changes that would make `role` fit, most effective first."""
-    spec = problem.spec
-    fixes: list[str] = []
-    nodes = _nodes_that_fit(ctx, role)
-    if nodes:
-        fixes.append(f"cluster.nodes >= {nodes}")
-    if role == "train":
-        pin = spec.placement.train
-        acts = b.items.get("activations", 0.0) + b.items.get("logits", 0.0)
-        if spec.lora is None and problem.target.kind != "cpu":
-            fixes.append("lora")
-        if acts > 0.2 * b.total_gib and not pin.cp and spec.rollout.max_total_len >= 8192:
-            fixes.append("train.cp=2")
-        if not (spec.train.offload.params and spec.train.offload.optimizer) and not pin.offload:
-            fixes.append("train.offload")
-        if acts > 0.2 * b.total_gib and spec.train.recompute not in ("full", "auto"):
-            fixes.append("train.recompute: full")
-        if acts > 0.3 * b.total_gib:
-            fixes.append("a shorter rollout.max_response_len")
-    else:
-        fixes.append(
-            f"a larger placement.{role.split('-')[0]}.tp"
-            if not role.startswith("teacher")
-            else f"placement.teachers.{role.removeprefix('teacher-')}.tp"
-        )
-        if b.items.get("kv_cache", 1.0) <= 0.0 or "sequence" in b.verdict():
-            fixes.append("a shorter rollout.max_response_len")
-        if spec.mode != "disaggregated":
-            fixes.append("mode: disaggregated")
-        if role.startswith("teacher"):
-            fixes.append("more cluster.nodes (a larger teacher pool)")
-    return fixes
-
-
-def _nodes_that_fit(ctx: search.Context, role: str) -> int | None:
-    """Smallest node count (up to 64× the current) at which the role alone fits on every device."""
-    if role != "train" or ctx.spec.placement.train.devices:
-        return None
-    dpn = ctx.devices_per_node
-    for factor in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
-        nodes = ctx.nodes * factor
-        n = nodes * dpn
-        if search.train_search(ctx, n).options:
-            for lower in range(ctx.nodes + 1, nodes):
-                if search.train_search(ctx, lower * dpn).options:
-                    return lower
-            return nodes
-    return None
-
-
-def infeasible(
-    problem: Problem, result: search.SearchResult, ctx: search.Context, lines: LineMap, file: str
-) -> list[Diagnostic]:
-    """RLC301 per role that cannot fit: the closest breakdown, the capacity, and what to change."""
-    found: list[Diagnostic] = []
-    target = problem.target
-    for role, rs in sorted(result.failures.items()):
-        b = rs.closest
-        if b is None:
-            message = f"{role} cannot be placed: {rs.reason or 'no layout satisfies the pins and topology'}"
-            fixes = ["check placement pins", "cluster.nodes"]
-        else:
-            over_host = b.problems and b.total_gib <= b.capacity_gib
-            if over_host:
-                message = f"{role}: {b.problems[0]}"
-            else:
-                message = (
-                    f"{role} needs {b.total_gib:.1f} GiB per device ({b.describe()}) but {target.id} devices "
-                    f"have {target.usable_hbm_gib:.1f} GiB usable"
-                )
-                layout = rs.closest_layout
-                if layout is not None and hasattr(layout, "summary"):
-                    message += f" (closest layout: {layout.summary()})"
-            fixes = _fixes(problem, role.split("-")[0] if role.startswith("rollout") else role, b, ctx)
-        pinned = (role == "train" and problem.spec.placement.train.model_fields_set) or (
-            role == "rollout" and problem.spec.placement.rollout.model_fields_set
-        )
-        path = f"placement.{role}" if pinned else ("cluster.nodes" if role == "train" else role)
-        found.append(
-            Diagnostic("RLC301", message, path, "error", "try " + ", ".join(fixes), lines.line_for(path), file)
-        )
-    if not found:
-        found.append(
-            Diagnostic(
-                "RLC301",
-                "no layout fits this cluster",
-                "cluster.nodes",
-                "error",
-                "add nodes or relax placement pins",
-                lines.line_for("cluster.nodes"),
-                file,
-            )
-        )
-    return found
-
-
 def _warnings(problem: Problem, lines: LineMap, file: str) -> list[Diagnostic]:
     out: list[Diagnostic] = []
     pin = problem.spec.placement.rollout
@@ -274,13 +179,47 @@ def _warnings(problem: Problem, lines: LineMap, file: str) -> list[Diagnostic]:
     return out
 
 
-def _gaps(problem: Problem, layout: layout_lib.TrainLayout) -> list[str]:
-    return layout_lib.runtime_gaps(
-        layout,
-        PLATFORM_OF_KIND[problem.target.kind],  # type: ignore[arg-type]
-        lora=problem.spec.lora is not None,
-        kv_heads=problem.arch.num_kv_heads,
-    )
+#: Spare memory per device under which a plan is flagged (RLC304): allocator variation, a longer prompt than
+#: planned or a framework upgrade has taken more than this in the published OOM reports (deployments.yaml).
+THIN_HEADROOM_GIB = 1.0
+
+
+def thin_headroom(problem: Problem, best: search.Candidate, lines: LineMap, file: str) -> list[Diagnostic]:
+    """RLC304 for each role of the plan with less than THIN_HEADROOM_GIB to spare on a device.
+
+    Trainers always; engines only at a pinned memory share (vLLM fills the share it is given, and the share
+    the planner picks already leaves what the engine needs outside it). Not on cpu, whose budget is a
+    convention rather than a device.
+    """
+    if problem.target.kind == "cpu":
+        return []
+    pins = problem.spec.placement
+    roles = [("train", best.train.memory)]
+    if pins.rollout.memory_fraction:
+        roles.append(("rollout", best.rollout.memory))
+    roles += [
+        (f"teacher-{t.name}", t.memory)
+        for t in best.teachers
+        if (pin := pins.teachers.get(t.name)) is not None and pin.memory_fraction
+    ]
+    out = []
+    for role, m in roles:
+        spare = m.capacity_gib - m.total_gib
+        if spare < THIN_HEADROOM_GIB:
+            path = "placement.teachers." + role.removeprefix("teacher-") if role.startswith("teacher") else role
+            out.append(
+                Diagnostic(
+                    "RLC304",
+                    f"{role} has {spare:.2f} GiB of headroom per device ({m.total_gib:.1f} of {m.capacity_gib:.1f} "
+                    f"GiB planned, margin and reserve included): thin",
+                    path,
+                    "warning",
+                    "raise cluster.memory_margin or lower cluster.device_memory_gib to plan with more room",
+                    lines.line_for(path),
+                    file,
+                )
+            )
+    return out
 
 
 def build_plan(
@@ -292,8 +231,9 @@ def build_plan(
     result = search.search_context(ctx)
     diags = _warnings(problem, lines, file)
     if result.best is None:
-        return None, diags + infeasible(problem, result, ctx, lines, file)
-    for gap in _gaps(problem, result.best.train.layout):
+        return None, diags + refusal.infeasible(problem, result, lines, file)
+    diags += thin_headroom(problem, result.best, lines, file)
+    for gap in plan_gaps(problem, result.best):
         diags.append(
             Diagnostic(
                 "RLC303",
@@ -307,6 +247,26 @@ def build_plan(
             )
         )
     return assemble(problem, ctx, result, diags), diags
+
+
+def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
+    """What `rlc run` cannot execute about this plan: the trainer layout's gaps (`layout.runtime_gaps`) and an
+    engine wider than a node (its Ray placement is one bundle, which cannot span nodes)."""
+    platform = PLATFORM_OF_KIND[problem.target.kind]
+    gaps = layout_lib.runtime_gaps(
+        best.train.layout,
+        platform,  # type: ignore[arg-type]
+        lora=problem.spec.lora is not None,
+        kv_heads=problem.arch.num_kv_heads,
+    )
+    dpn = problem.devices_per_node
+    for name, lay in [("rollout", best.rollout.layout)] + [(f"teacher-{t.name}", t.layout) for t in best.teachers]:
+        if lay.engine_devices > dpn:
+            gaps.append(
+                f"{name} engines span {lay.engine_devices // dpn} nodes (TP {lay.tp}): the plan gives each engine one "
+                "Ray bundle, and a bundle cannot span nodes (one bundle per node is not wired yet)"
+            )
+    return gaps
 
 
 def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPlacement]:
@@ -384,96 +344,101 @@ def _offload_steps(problem: Problem, colocated: bool, best: search.Candidate) ->
     return steps
 
 
-def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult, diags: list[Diagnostic]) -> Plan:
-    """Turn the winning candidate into the explicit Plan."""
-    spec, target, arch = problem.spec, problem.target, problem.arch
-    best = result.best
-    assert best is not None
-    dpn = problem.devices_per_node
-    colocated = best.mode == "colocated"
-    model = model_settings(problem, spec.model, arch)
-    tl, rl = best.train.layout, best.rollout.layout
-    lora_mode = search.lora_rollout_mode(problem)
-    roles: list[Role] = []
-    placements = ray_placements(problem, best)
-    train_notes = [
+def _actor_role(problem: Problem, best: search.Candidate, placements: dict[str, RayPlacement]) -> Role:
+    """The trainer role: its layout exactly as the trainer builds it, memory, time split and notes."""
+    spec, tl, mem, t = problem.spec, best.train.layout, best.train.memory, best.train.time
+    notes = [
         f"{tl.summary()}: fastest fitting trainer layout on {tl.world_size} devices",
-        f"peak {best.train.memory.total_gib:.1f} of {best.train.memory.capacity_gib:.1f} GiB",
+        f"peak {mem.total_gib:.1f} of {mem.capacity_gib:.1f} GiB",
     ]
     if tl.offload_params or tl.offload_optimizer:
-        train_notes.append(f"host memory for offloaded state: {best.train.memory.host_gib_per_node:.0f} GiB per node")
-    roles.append(
-        Role(
-            name="actor",
-            kind="train",
-            devices=tl.world_size,
-            placement=placement_ids(best.train_start, tl.world_size, dpn),
-            parallel=Parallel(tp=tl.tp, pp=tl.pp, cp=tl.cp, ep=tl.ep, dp=tl.dp),
-            layout=layout_lib.TrainLayout.model_validate(tl.model_dump()),
-            ray=placements["actor"],
-            backend=tl.backend,
-            replicas=tl.dp,
-            memory=memory_model(best.train.memory, "train"),
-            engine={
-                "logprob_chunk_tokens": spec.train.logprob_chunk_tokens,
-                "packing": spec.train.packing,
-                "packed_attention": "varlen",
-                "etp": tl.etp,
-            },
-            estimates={
-                "train_s": r3(best.train.seconds),
-                "compute_s": r3(best.train.time.compute_s),
-                "pp_bubble": r3(best.train.time.bubble),
-                "comm_s": r3(best.train.time.tp_s + best.train.time.cp_s + best.train.time.ep_s + best.train.time.dp_s),
-                "offload_s": r3(best.train.time.offload_s),
-            },
-            notes=train_notes,
-        )
+        notes.append(f"host memory for offloaded state: {mem.host_gib_per_node:.0f} GiB per node")
+    return Role(
+        name="actor",
+        kind="train",
+        devices=tl.world_size,
+        placement=placement_ids(best.train_start, tl.world_size, problem.devices_per_node),
+        parallel=Parallel(tp=tl.tp, pp=tl.pp, cp=tl.cp, ep=tl.ep, dp=tl.dp),
+        layout=layout_lib.TrainLayout.model_validate(tl.model_dump()),
+        ray=placements["actor"],
+        backend=tl.backend,
+        replicas=tl.dp,
+        memory=memory_model(mem, "train"),
+        engine={
+            "logprob_chunk_tokens": spec.train.logprob_chunk_tokens,
+            "packing": spec.train.packing,
+            "packed_attention": "varlen",
+            "etp": tl.etp,
+        },
+        estimates={
+            "train_s": r3(best.train.seconds),
+            "compute_s": r3(t.compute_s),
+            "pp_bubble": r3(t.bubble),
+            "comm_s": r3(t.tp_s + t.cp_s + t.ep_s + t.dp_s),
+            "offload_s": r3(t.offload_s),
+        },
+        notes=notes,
     )
-    backend = "vllm-ascend" if target.kind == "npu" else "vllm"
-    roles.append(
-        Role(
-            name="rollout",
-            kind="rollout",
-            devices=rl.devices,
-            placement=placement_ids(best.rollout_start, rl.devices, dpn),
-            parallel=Parallel(tp=rl.tp, ep=rl.ep, dp=rl.replicas),
-            ray=placements["rollout"],
-            backend=backend,
-            replicas=rl.replicas,
-            memory=memory_model(best.rollout.memory, "rollout"),
-            engine=engine_args(
-                problem, model.path or "", rl, colocated=colocated, lora=lora_mode == "adapter", teacher=False
-            ),
-            estimates={
-                "rollout_s": r3(best.step.rollout_s),
-                "decode_step_s": r3(best.rollout.time.step_s),
-                "concurrent_seqs": float(best.rollout.time.concurrency),
-                "generated_tokens_per_s": r3(best.rollout.time.tokens_per_s),
-            },
-            notes=[
-                f"{rl.replicas} engine(s) of {rl.engine_devices} device(s), TP {rl.tp}"
-                + (f", EP {rl.ep}" if rl.ep > 1 else ""),
-                f"KV cache {best.rollout.memory.items.get('kv_cache', 0):.1f} GiB holds about {best.rollout.seqs} "
-                f"sequences of mean length per scheduler; max_num_seqs {rl.max_num_seqs}",
-            ],
-        )
+
+
+def _engine_backend(problem: Problem) -> str:
+    return "vllm-ascend" if problem.target.kind == "npu" else "vllm"
+
+
+def _rollout_role(
+    problem: Problem, best: search.Candidate, placements: dict[str, RayPlacement], model_path: str
+) -> Role:
+    """The rollout engines: TP/EP, vLLM arguments verbatim, KV budget and throughput."""
+    rl = best.rollout.layout
+    lora_mode = search.lora_rollout_mode(problem)
+    return Role(
+        name="rollout",
+        kind="rollout",
+        devices=rl.devices,
+        placement=placement_ids(best.rollout_start, rl.devices, problem.devices_per_node),
+        parallel=Parallel(tp=rl.tp, ep=rl.ep, dp=rl.replicas),
+        ray=placements["rollout"],
+        backend=_engine_backend(problem),
+        replicas=rl.replicas,
+        memory=memory_model(best.rollout.memory, "rollout"),
+        engine=engine_args(
+            problem, model_path, rl, colocated=best.mode == "colocated", lora=lora_mode == "adapter", teacher=False
+        ),
+        estimates={
+            "rollout_s": r3(best.step.rollout_s),
+            "decode_step_s": r3(best.rollout.time.step_s),
+            "concurrent_seqs": float(best.rollout.time.concurrency),
+            "generated_tokens_per_s": r3(best.rollout.time.tokens_per_s),
+        },
+        notes=[
+            f"{rl.replicas} engine(s) of {rl.engine_devices} device(s), TP {rl.tp}"
+            + (f", EP {rl.ep}" if rl.ep > 1 else ""),
+            f"KV cache {best.rollout.memory.items.get('kv_cache', 0):.1f} GiB holds about {best.rollout.seqs} "
+            f"sequences of mean length per scheduler; max_num_seqs {rl.max_num_seqs}",
+        ],
     )
-    teacher_settings: list[TeacherSettings] = []
+
+
+def _teacher_roles(
+    problem: Problem, best: search.Candidate, placements: dict[str, RayPlacement]
+) -> tuple[list[Role], list[TeacherSettings]]:
+    """One forward-only engine role per teacher, and the distillation settings that name them."""
+    spec = problem.spec
+    roles: list[Role] = []
+    settings: list[TeacherSettings] = []
     for option, start in zip(best.teachers, best.teacher_starts, strict=True):
         teacher = next(t for t in (spec.distill.teachers if spec.distill else []) if t.name == option.name)
-        t_arch = problem.teacher_archs[option.name]
-        t_model = model_settings(problem, teacher.model, t_arch)
+        t_model = model_settings(problem, teacher.model, problem.teacher_archs[option.name])
         layout = option.layout
         roles.append(
             Role(
                 name=f"teacher-{option.name}",
                 kind="teacher",
                 devices=layout.devices,
-                placement=placement_ids(start, layout.devices, dpn),
+                placement=placement_ids(start, layout.devices, problem.devices_per_node),
                 parallel=Parallel(tp=layout.tp, dp=layout.replicas),
                 ray=placements[f"teacher-{option.name}"],
-                backend=backend,
+                backend=_engine_backend(problem),
                 replicas=layout.replicas,
                 memory=memory_model(option.memory, "steady"),
                 engine=engine_args(problem, t_model.path or "", layout, colocated=False, lora=False, teacher=True)
@@ -482,7 +447,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
                 notes=[f"forward-only engines scoring student samples ({layout.replicas} x TP {layout.tp})"],
             )
         )
-        teacher_settings.append(
+        settings.append(
             TeacherSettings(
                 name=option.name,
                 role=f"teacher-{option.name}",
@@ -491,26 +456,36 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
                 weight=teacher.weight,
             )
         )
-    sync = search._sync_method(ctx, best.mode)
-    schedule = Schedule(
+    return roles, settings
+
+
+def _schedule(problem: Problem, ctx: search.Context, best: search.Candidate) -> Schedule:
+    """Batch, token budgets, staleness, how the controller feeds engines, weight sync and phase moves."""
+    spec = problem.spec
+    colocated = best.mode == "colocated"
+    return Schedule(
         mode=best.mode,
         steps=spec.algorithm.steps,
         batch_prompts=spec.algorithm.batch_prompts,
         group_size=spec.algorithm.group_size,
         batch_samples=spec.algorithm.batch_prompts * spec.algorithm.group_size,
-        micro_batch_tokens=tl.micro_batch_tokens,
+        micro_batch_tokens=best.train.layout.micro_batch_tokens,
         logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
         packing=spec.train.packing,
         max_staleness=0 if colocated else spec.algorithm.max_staleness,
-        rollout_chunk_prompts=cost.rollout_chunk_prompts(spec.algorithm.batch_prompts, rl.replicas),
+        rollout_chunk_prompts=cost.rollout_chunk_prompts(spec.algorithm.batch_prompts, best.rollout.layout.replicas),
         rollout_chunks_per_engine=cost.ENGINE_CHUNKS,
-        weight_sync=sync,  # type: ignore[arg-type]
+        weight_sync=search.sync_method(ctx, best.mode),  # type: ignore[arg-type]
         offload=_offload_steps(problem, colocated, best),
         checkpoint_every=spec.output.checkpoint_every,
         keep_checkpoints=spec.output.keep_checkpoints,
     )
-    algo = spec.algorithm
-    step = best.step
+
+
+def runners_up(result: search.SearchResult) -> list[Candidate]:
+    """The next layouts by rank, each with the step term that made it lose, then the closest misses."""
+    best = result.best
+    assert best is not None
     runners: list[Candidate] = []
     listed = {best.summary}
     for other in result.ranked[1:]:
@@ -525,6 +500,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
                 tokens_per_s=r3(other.step.tokens_per_s),
                 step_time_s=r3(other.step.step_s),
                 verdict=search.runner_up_verdict(best, other),
+                lost_on=loser_term(best, other),
             )
         )
     for role, rs in sorted(result.failures.items()):
@@ -536,8 +512,28 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
                 tokens_per_s=0.0,
                 step_time_s=0.0,
                 verdict=f"does not fit: {rs.closest.verdict()}",
+                lost_on="memory",
             )
         )
+    return runners
+
+
+def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult, diags: list[Diagnostic]) -> Plan:
+    """Turn the winning candidate into the explicit Plan."""
+    spec, target, arch = problem.spec, problem.target, problem.arch
+    best = result.best
+    assert best is not None
+    dpn = problem.devices_per_node
+    model = model_settings(problem, spec.model, arch)
+    lora_mode = search.lora_rollout_mode(problem)
+    placements = ray_placements(problem, best)
+    teachers, teacher_settings = _teacher_roles(problem, best, placements)
+    roles = [_actor_role(problem, best, placements), _rollout_role(problem, best, placements, model.path or "")]
+    roles += teachers
+    schedule = _schedule(problem, ctx, best)
+    algo = spec.algorithm
+    step = best.step
+    runners = runners_up(result)
     return Plan(
         rlc_version=rlc.__version__,
         name=spec.name,
@@ -611,10 +607,13 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
             weight_sync_s=r3(step.sync_s),
             switch_s=r3(step.switch_s),
             tokens_per_s=r3(step.tokens_per_s),
+            overhead_s=r3(step.overhead_s),
+            uncertainty=r3(target.estimate_uncertainty),
         ),
+        profile=profile_record(target, problem.profile_source),
         runners_up=runners,
         warnings=[d.message for d in diags if d.severity == "warning"],
-        runtime_gaps=_gaps(problem, tl),
+        runtime_gaps=plan_gaps(problem, best),
     )
 
 

@@ -6,7 +6,9 @@ did-you-mean, never exceptions.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
@@ -24,6 +26,8 @@ class Problem:
     target: TargetProfile
     arch: ModelArch
     teacher_archs: dict[str, ModelArch] = field(default_factory=dict)
+    #: Where the target profile came from: `shipped`, or the --targets / RLC_TARGETS directory.
+    profile_source: str = "shipped"
 
     @property
     def devices_per_node(self) -> int:
@@ -121,10 +125,14 @@ def with_device_memory(target: TargetProfile, budget_gib: float | None) -> Targe
     return target.model_copy(update={"usable_hbm_gib": usable, "hbm_gib": max(target.hbm_gib, usable)})
 
 
-def resolve(spec: Spec, lines: LineMap, file: str) -> tuple[Problem | None, list[Diagnostic]]:
-    """Look up the target and every model; report all unknown names at once."""
+def resolve(
+    spec: Spec, lines: LineMap, file: str, targets: Sequence[Path] | None = None
+) -> tuple[Problem | None, list[Diagnostic]]:
+    """Look up the target (in the `targets` profile directories first) and every model; report all unknown
+    names and unreadable profiles at once."""
     found: list[Diagnostic] = []
     target: TargetProfile | None = None
+    source = "shipped"
     if spec.target is None:
         found.append(
             Diagnostic(
@@ -137,7 +145,16 @@ def resolve(spec: Spec, lines: LineMap, file: str) -> tuple[Problem | None, list
             )
         )
     else:
-        target = with_device_memory(load_target(spec.target), spec.cluster.device_memory_gib)
+        from rlc.compiler.profiles import ProfileError, find_target, target_dirs
+
+        try:
+            loaded, source = find_target(spec.target, target_dirs(targets))
+        except ProfileError as exc:
+            found.append(Diagnostic("RLC108", str(exc), "target", line=lines.line_for("target"), file=file))
+            loaded = load_target(spec.target)
+        target = with_device_memory(loaded, spec.cluster.device_memory_gib)
+        if spec.cluster.memory_margin is not None:
+            target = target.model_copy(update={"allocator_overhead": spec.cluster.memory_margin})
     arch, problems = resolve_model(spec.model, "model", lines, file)
     found.extend(problems)
     teachers: dict[str, ModelArch] = {}
@@ -148,4 +165,4 @@ def resolve(spec: Spec, lines: LineMap, file: str) -> tuple[Problem | None, list
             teachers[teacher.name] = teacher_arch
     if target is None or arch is None or found:
         return None, found
-    return Problem(spec=spec, target=target, arch=arch, teacher_archs=teachers), found
+    return Problem(spec=spec, target=target, arch=arch, teacher_archs=teachers, profile_source=source), found

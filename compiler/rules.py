@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from rlc.compiler import codes
 from rlc.compiler.diagnostics import Diagnostic, Severity
 from rlc.compiler.load import LineMap
 from rlc.compiler.resolve import Problem
@@ -42,7 +43,10 @@ RULES: list[Rule] = []
 
 
 def rule(code: str, summary: str) -> Callable[[RuleFn], RuleFn]:
-    """Register a semantic check under a stable code."""
+    """Register a semantic check under a stable code, which must be in the registry (`codes.CODES`) with the
+    same summary."""
+    if codes.CODES.get(code) != summary:
+        raise ValueError(f"rule {code} ({summary!r}) is not registered as such in compiler/codes.py")
 
     def register(fn: RuleFn) -> RuleFn:
         RULES.append(Rule(code, summary, fn))
@@ -234,12 +238,25 @@ def check_parallel_pins(ctx: RuleContext) -> Iterator[Diagnostic]:
             hint = f"use a divisor of {heads}" if heads % tp else f"use a divisor or multiple of {kv}"
             yield ctx.diag("RLC207", f"placement.{role}.tp", f"{role} {problem}", hint)
         problem = layout.tp_topology_problem(tp, p.devices_per_node)
-        if problem:
+        if problem and role == "rollout" and tp % p.devices_per_node == 0:
+            # vLLM runs TP across nodes over Ray (published large-model layouts do); pinned only, and priced with
+            # the scale-out link on every decode step's all-reduces.
+            yield ctx.diag(
+                "RLC207",
+                "placement.rollout.tp",
+                f"rollout {problem}: each engine spans {tp // p.devices_per_node} nodes and its all-reduces cross "
+                "the scale-out link on every decode step",
+                "the planner prices it with the inter-node bandwidth; a TP inside a node with more engines is "
+                "usually faster",
+                "warning",
+            )
+        elif problem:
             yield ctx.diag(
                 "RLC207",
                 f"placement.{role}.tp",
                 f"{role} {problem}; tensor parallelism must stay inside a node",
-                f"use TP <= {p.devices_per_node} and add PP or DP",
+                f"use TP <= {p.devices_per_node} and add PP or DP"
+                + (f", or a rollout TP that is a multiple of {p.devices_per_node}" if role == "rollout" else ""),
             )
     if train.pp is not None and layout.pp_problem(arch, train.pp):
         yield ctx.diag(
@@ -540,3 +557,26 @@ def check_backend_choices(ctx: RuleContext) -> Iterator[Diagnostic]:
                 + " parallelism",
                 "use backend: megatron (planned, not executed yet), or drop the pin",
             )
+
+
+@rule("RLC216", "group_size 1 leaves GRPO nothing to learn from unless a teacher distils")
+def check_group_size(ctx: RuleContext) -> Iterator[Diagnostic]:
+    spec = ctx.problem.spec
+    if spec.algorithm.group_size != 1:
+        return
+    if spec.distill is None:
+        yield ctx.diag(
+            "RLC216",
+            "algorithm.group_size",
+            "group_size 1: each prompt's only sample is its own group baseline, so every GRPO advantage is 0 and "
+            "nothing would train",
+            "use group_size >= 2, or add distill (on-policy distillation trains on the teachers' log-probs)",
+        )
+    else:
+        yield ctx.diag(
+            "RLC216",
+            "algorithm.group_size",
+            "group_size 1: the GRPO term is 0 (no group baseline); the distillation term alone trains",
+            "this is on-policy distillation; use group_size >= 2 to add the RL term",
+            "info",
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ class Checked:
     lines: LineMap
 
 
-def check_loaded(loaded: LoadResult) -> Checked:
+def check_loaded(loaded: LoadResult, targets: Sequence[Path] | None = None) -> Checked:
     """Resolve names and run the semantic rules on a loaded spec.
 
     A structurally broken file still gets its semantic checks, on the spec with the broken values
@@ -30,7 +31,7 @@ def check_loaded(loaded: LoadResult) -> Checked:
     spec = loaded.spec or loaded.repaired
     if spec is None:
         return Checked(None, report, lines)
-    problem, found = resolve(spec, lines, report.file)
+    problem, found = resolve(spec, lines, report.file, targets)
     report.extend(found)
     if problem is not None:
         report.extend(run_rules(problem, lines, report.file))
@@ -38,9 +39,17 @@ def check_loaded(loaded: LoadResult) -> Checked:
     return Checked(problem if usable else None, report, lines)
 
 
-def check_file(path: str | Path, *, target: str | None = None, overrides: list[str] | None = None) -> Checked:
-    return check_loaded(load_spec_file(path, target=target, overrides=overrides))
+def check_file(
+    path: str | Path,
+    *,
+    target: str | None = None,
+    overrides: list[str] | None = None,
+    targets: Sequence[Path] | None = None,
+) -> Checked:
+    return check_loaded(load_spec_file(path, target=target, overrides=overrides), targets)
 
 
-def check_text(text: str | bytes, file: str = "<spec>", *, target: str | None = None) -> Checked:
-    return check_loaded(load_spec_text(text, file, target=target))
+def check_text(
+    text: str | bytes, file: str = "<spec>", *, target: str | None = None, targets: Sequence[Path] | None = None
+) -> Checked:
+    return check_loaded(load_spec_text(text, file, target=target), targets)

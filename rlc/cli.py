@@ -43,6 +43,14 @@ class ExplainFormat(StrEnum):
 TargetOption = Annotated[
     str | None, typer.Option("--target", "-t", help="Hardware target; overrides the spec's `target`.")
 ]
+TargetsOption = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--targets",
+        help="Directory of target profiles (e.g. from `rlc calibrate`) that shadow the shipped ones (repeatable; "
+        "also RLC_TARGETS).",
+    ),
+]
 SetOption = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", help="Override a spec value: --set algorithm.lr=2e-6 (repeatable)."),
@@ -90,13 +98,21 @@ def validate(
     output_format: Annotated[
         OutputFormat, typer.Option("--format", "-f", help="text, json (stable contract), github annotations.")
     ] = OutputFormat.text,
+    no_plan: Annotated[
+        bool, typer.Option("--no-plan", help="Skip the fit check (the planner): spec and rule checks only.")
+    ] = False,
+    targets: TargetsOption = None,
 ) -> None:
-    """Check specs and report every problem at once (exit 0 clean, 1 findings, 2 usage)."""
+    """Check specs and report every problem at once, including whether the run fits the cluster (exit 0 clean,
+    1 findings, 2 usage)."""
     from rlc.compiler.diagnostics import render_github, render_json, render_text
-    from rlc.compiler.validate import check_file
+    from rlc.compiler.pipeline import compile_file
 
     _check_target(target)
-    reports = [check_file(path, target=target, overrides=set_ or []).report for path in specs]
+    reports = [
+        compile_file(path, target=target, overrides=set_ or [], plan=not no_plan, targets=targets).report
+        for path in specs
+    ]
     render = {"text": render_text, "json": render_json, "github": render_github}[output_format.value]
     text = render(reports)
     if text:
@@ -104,19 +120,21 @@ def validate(
     raise typer.Exit(EXIT_OK if all(r.ok for r in reports) else EXIT_FINDINGS)
 
 
-def _plan_spec(spec: Path, target: str | None, overrides: list[str], output_format: OutputFormat | None = None):  # type: ignore[no-untyped-def]
+def _plan_spec(  # type: ignore[no-untyped-def]
+    spec: Path,
+    target: str | None,
+    overrides: list[str],
+    output_format: OutputFormat | None = None,
+    targets: list[Path] | None = None,
+):
     """Validate and plan a spec; on findings print them and exit 1."""
     from rlc.compiler.diagnostics import Report, render_json, render_text
-    from rlc.compiler.planner import build_plan
-    from rlc.compiler.validate import check_file
+    from rlc.compiler.pipeline import compile_file
 
     _check_target(target)
-    checked = check_file(spec, target=target, overrides=overrides)
+    checked = compile_file(spec, target=target, overrides=overrides, targets=targets)
     report: Report = checked.report
-    plan = None
-    if checked.problem is not None:
-        plan, found = build_plan(checked.problem, checked.lines, str(spec))
-        report.extend(found)
+    plan = checked.plan
     if plan is None or not report.ok:
         render = render_json if output_format == OutputFormat.json else render_text
         typer.echo(render([report]))
@@ -130,13 +148,14 @@ def compile_(
     output: Annotated[Path, typer.Option("--output", "-o", help="Plan directory to write.")],
     target: TargetOption = None,
     set_: SetOption = None,
+    targets: TargetsOption = None,
 ) -> None:
     """Plan a run and write the plan directory (plan.json, launch.sh, rayjob.yaml, roles/, SUMMARY.md)."""
     from rlc.compiler.diagnostics import render_text
     from rlc.compiler.emit import PlanDirError, emit_plan_dir
     from rlc.compiler.provenance import compute_provenance
 
-    checked, plan, report = _plan_spec(spec, target, set_ or [])
+    checked, plan, report = _plan_spec(spec, target, set_ or [], targets=targets)
     assert checked.problem is not None
     provenance = compute_provenance(checked.problem.spec, set_ or [], target_given=target is not None)
     try:
@@ -163,6 +182,11 @@ def explain(
     target: TargetOption = None,
     set_: SetOption = None,
     output_format: Annotated[ExplainFormat, typer.Option("--format", "-f", help="text or json.")] = ExplainFormat.text,
+    targets: TargetsOption = None,
+    measured: Annotated[
+        list[Path] | None,
+        typer.Option("--measured", help="Run directories whose measured step times to show next to the estimate."),
+    ] = None,
 ) -> None:
     """Show the chosen layout, memory per role, the step-time split and the runners-up."""
     from rlc.compiler.explain import explain_json, explain_plan
@@ -175,13 +199,22 @@ def explain(
         except (OSError, ValueError) as exc:
             raise _usage_error(f"cannot read plan {source}: {exc}") from None
     else:
-        _, plan, _ = _plan_spec(source, target, set_ or [])
+        _, plan, _ = _plan_spec(source, target, set_ or [], targets=targets)
+    shown = None
+    if measured:
+        from rlc.compiler.calibrate import CalibrationError, measured_phases
+
+        try:
+            runs = [measured_phases(d) for d in measured]
+        except CalibrationError as exc:
+            raise _usage_error(str(exc)) from None
+        shown = {k: sum(r[k] for r in runs if k in r) / len(runs) for k in runs[0]}
     if output_format == ExplainFormat.json:
-        typer.echo(explain_json(plan))
+        typer.echo(explain_json(plan, shown))
         return
     from rich.console import Console
 
-    explain_plan(plan, Console())
+    explain_plan(plan, Console(), shown)
 
 
 @app.command()
@@ -277,6 +310,38 @@ def run(
     except RunError as exc:
         typer.echo(f"rlc run: error: {exc}", err=True)
         raise typer.Exit(EXIT_FINDINGS) from None
+
+
+@app.command()
+def calibrate(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories (plan.json + metrics.jsonl).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write <target>.yaml into.")],
+    targets: TargetsOption = None,
+) -> None:
+    """Fit the target's efficiencies and overheads to measured runs and write a calibrated target profile
+    (use it with `rlc compile --targets DIR` or RLC_TARGETS=DIR)."""
+    from rlc.compiler.calibrate import CalibrationError, calibrate, load_run
+    from rlc.compiler.profiles import ProfileError, find_target, target_dirs, write_profile
+
+    try:
+        runs = [load_run(d) for d in run_dirs]
+        ids = sorted({r.plan.target for r in runs})
+        if len(ids) != 1:
+            raise CalibrationError(f"runs are on several targets ({', '.join(ids)}); calibrate one target at a time")
+        base, source = find_target(ids[0], target_dirs(targets))
+        profile = calibrate(base, runs)
+    except (CalibrationError, ProfileError) as exc:
+        raise _usage_error(str(exc)) from None
+    profile = profile.model_copy(update={"calibration": {**profile.calibration, "base": f"{base.id} from {source}"}})
+    try:
+        path = write_profile(profile, output)
+    except OSError as exc:
+        raise _usage_error(f"cannot write {output}: {exc.strerror or exc}") from None
+    for key, value in profile.calibration.items():
+        typer.echo(f"{key}: {value}")
+    typer.echo(
+        f"wrote {path} (uncertainty x{profile.estimate_uncertainty:g}); use: rlc compile SPEC --targets {output}"
+    )
 
 
 @app.command()

@@ -235,8 +235,12 @@ class ModelArch(_Frozen):
         return self.moe is not None and index >= self.moe.first_dense_layers
 
     def num_full_attention_layers(self) -> int:
-        """Layers that keep a per-token KV cache (all of them except hybrid's linear layers)."""
-        return sum(1 for i in range(self.num_layers) if self.layer_kind(i) != "linear")
+        """Layers that keep a per-token KV cache (all of them except hybrid's linear layers): for a hybrid, the
+        layers i with (i + 1) % interval == 0 (`layer_kind`), i.e. num_layers // interval. Closed form because
+        the planner asks for it per candidate engine."""
+        if self.attention.kind != "linear-hybrid":
+            return self.num_layers
+        return self.num_layers // (self.attention.full_attention_interval or 1)
 
     def num_linear_attention_layers(self) -> int:
         """Hybrid layers with a fixed-size per-sequence state instead of a KV cache."""

@@ -193,6 +193,10 @@ class Estimates(PlanModel):
     weight_sync_s: float
     switch_s: float = Field(0.0, description="Colocated phase-switch cost (offload/onload, sleep/wake).")
     tokens_per_s: float = Field(description="Trained tokens per second (the ranking score).")
+    overhead_s: float = Field(0.0, description="Fixed per-step cost beside the phases (the target's step_overhead_s).")
+    uncertainty: float = Field(
+        1.5, description="Measured step times land within step_time_s / uncertainty .. step_time_s × uncertainty."
+    )
 
 
 class Candidate(PlanModel):
@@ -202,6 +206,9 @@ class Candidate(PlanModel):
     tokens_per_s: float
     step_time_s: float
     verdict: str
+    lost_on: str = Field(
+        "", description="The step term that made it lose: rollout, teachers, train, sync, switch, memory, or tie."
+    )
 
 
 class Cluster(PlanModel):
@@ -237,6 +244,11 @@ class Plan(PlanModel):
     runtime_gaps: list[str] = Field(
         default_factory=list,
         description="What `rlc run` cannot execute about this plan on its platform; a plan with gaps is refused.",
+    )
+    profile: dict[str, str] = Field(
+        default_factory=dict,
+        description="The target profile the estimates used: its source (shipped or a --targets directory), its "
+        "sha256 and, for a calibrated profile, where the calibration came from.",
     )
 
     def role(self, name: str) -> Role:

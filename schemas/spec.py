@@ -41,6 +41,13 @@ class Cluster(StrictModel):
         description="Memory the planner may use per device, GiB. On cpu: the host-RAM slice of each worker "
         "process (default 3.5); on accelerators: a cap below the target's usable HBM, to leave headroom.",
     )
+    memory_margin: float | None = Field(
+        None,
+        ge=0.0,
+        lt=1.0,
+        description="Share of each trainer device's allocated memory kept free for allocator fragmentation "
+        "(default: the target's allocator_overhead, 0.14 on Ascend, from a measured reserved/allocated peak).",
+    )
 
 
 class MoeArch(StrictModel):
@@ -89,7 +96,11 @@ class ModelRef(StrictModel):
 
 class Algorithm(StrictModel):
     name: Literal["grpo"] = Field("grpo", description="RL algorithm. GRPO: group-normalised advantages, no critic.")
-    group_size: Annotated[int, Field(ge=2)] = Field(8, description="Samples per prompt (the GRPO group).")
+    group_size: PositiveInt = Field(
+        8,
+        description="Samples per prompt (the GRPO group). 1 only with distill: a single sample has no group "
+        "baseline, so the RL term is zero and the distillation term alone trains (on-policy distillation).",
+    )
     batch_prompts: PositiveInt = Field(64, description="Prompts per training step.")
     max_staleness: int = Field(
         2,

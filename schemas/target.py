@@ -46,6 +46,18 @@ class Efficiency(BaseModel):
     collective_efficiency: Fraction = Field(
         description="Fraction of link bandwidth achieved as collective bus bandwidth (all-reduce, broadcast)."
     )
+    step_overhead_s: float = Field(
+        0.0, ge=0.0, description="Fixed seconds per RL step beside the modelled phases (controller, rewards, Python)."
+    )
+    micro_batch_overhead_s: float = Field(
+        0.0, ge=0.0, description="Fixed seconds per trainer pass over one micro-batch (launches, packing, Python)."
+    )
+    weight_sync_overhead_s: float = Field(
+        0.0, ge=0.0, description="Fixed seconds per weight sync (RPCs to every engine, group set-up, barriers)."
+    )
+    weight_reload_gbps: PositiveFloat = Field(
+        1000.0, description="Rate at which an engine takes in new weights (reload_weights: copies, repacking), GB/s."
+    )
 
 
 class TargetProfile(BaseModel):
@@ -73,6 +85,15 @@ class TargetProfile(BaseModel):
         description=(
             "Per-device memory to keep free for communication buffers, allocator fragmentation and runtime "
             "workspaces, GiB; the planner budgets usable_hbm_gib − reserve_gib."
+        ),
+    )
+    allocator_overhead: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "Share the device's caching allocator reserves beyond what is allocated (fragmentation), as a fraction "
+            "of the allocated bytes; the planner keeps it free on every trainer device (the `margin` item)."
         ),
     )
     bf16_tflops: PositiveFloat = Field(description="Dense peak bf16 TFLOPS per device (no sparsity).")
@@ -105,6 +126,15 @@ class TargetProfile(BaseModel):
     )
     torch_device: Literal["npu", "cuda", "cpu"] = Field(description="torch device type string.")
     efficiency: Efficiency = Field(description="Achieved fractions of the peaks above, for the cost model.")
+    estimate_uncertainty: float = Field(
+        1.5,
+        ge=1.0,
+        description="Factor within which measured step times land around the estimate (the band explain shows).",
+    )
+    calibration: dict[str, str] = Field(
+        default_factory=dict,
+        description="Where a calibrated profile came from (`rlc calibrate`): base profile, runs, fitted fields.",
+    )
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Default runtime environment for every process on this target; plans may override entries.",

@@ -119,16 +119,18 @@ def test_235b_on_one_node_is_refused() -> None:
     assert "GiB per device" in d.message and "weights" in d.message and "cluster.nodes >=" in d.hint
 
 
-def test_72b_without_offload_on_8_devices_is_refused() -> None:
+def test_72b_without_offload_on_16_devices_is_refused() -> None:
+    """Refused because of the offload pin, and the hint says so (unpinned, the planner offloads)."""
     plan, diags = plan_for("""
         model: {name: qwen2.5-72b, path: /m}
+        cluster: {nodes: 2}
         placement:
           train: {offload: {params: false, optimizer: false}}
     """)
     assert plan is None
     d = _errors(diags)[0]
-    assert "optimizer" in d.message and d.path == "placement.train"
-    assert "lora" in d.hint
+    assert "optimizer" in d.message and d.path == "placement.train.offload"
+    assert "lora" in d.hint and "the pinned train offload" in d.hint and "unpinned, the planner uses offload" in d.hint
 
 
 def test_64k_context_on_32g_without_cp_is_refused() -> None:
@@ -255,3 +257,36 @@ def test_dense_8b_rollout_uses_narrow_engines() -> None:
         tied = round(a.step.tokens_per_s, 3) == round(b.step.tokens_per_s, 3) and a.step.train_s == b.step.train_s
         if tied and a.train.layout.devices == b.train.layout.devices:
             assert a.step.rollout_s <= b.step.rollout_s
+
+
+def test_runners_up_name_the_term_that_lost() -> None:
+    """Each runner-up carries the step term that cost it (or tie / memory), in the plan and in the JSON."""
+    import json
+
+    plan, _ = plan_for("model: {name: qwen3-8b, path: /m}\ncluster: {nodes: 2}\n")
+    assert plan is not None and plan.runners_up
+    terms = {"rollout", "teachers", "train", "sync", "switch", "memory", "tie"}
+    for c in plan.runners_up:
+        assert c.lost_on in terms
+        if c.lost_on not in ("tie", "memory"):
+            assert f"loses on {c.lost_on} +" in c.verdict
+    assert {r["lost_on"] for r in json.loads(explain_json(plan))["runners_up"]} <= terms
+
+
+def test_rollout_tp_across_nodes_when_pinned() -> None:
+    """A pinned rollout TP of whole nodes compiles (RLC207 warning), priced with the scale-out link, slower than
+    the free plan, and flagged as a runtime gap (a Ray bundle cannot span nodes); a partial-node TP is refused."""
+    base = "model: {name: qwen3-32b, path: /m}\ncluster: {nodes: 4}\nmode: disaggregated\n"
+    plan, diags = plan_for(base + "placement:\n  rollout: {tp: 16}\n")
+    assert plan is not None and plan.role("rollout").parallel.tp == 16
+    assert any(d.code == "RLC303" and "span 2 nodes" in d.message for d in diags)
+    assert any("span 2 nodes" in g for g in plan.runtime_gaps)
+    free, _ = plan_for(base)
+    assert free is not None and free.estimates.step_time_s < plan.estimates.step_time_s
+    from rlc.compiler.validate import check_text
+
+    head = "name: t\ndata: {train: arithmetic}\n" + base
+    pinned = check_text(head + "placement:\n  rollout: {tp: 16}\n", target="a2")
+    assert any(d.code == "RLC207" and d.severity == "warning" for d in pinned.report.diagnostics)
+    bad = check_text(head + "placement:\n  rollout: {tp: 12}\n", target="a2")
+    assert any(d.code == "RLC207" and d.severity == "error" for d in bad.report.diagnostics)

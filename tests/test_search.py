@@ -72,8 +72,8 @@ def test_topology_tp_inside_node_and_a3_pairs() -> None:
     for c in result.ranked:
         assert c.train.layout.world_size % 2 == 0 and c.rollout.layout.devices % 2 == 0
         assert c.rollout.layout.tp <= 16
-    assert not search._groups_in_nodes(6, 4, 4, 8)
-    assert search._groups_in_nodes(8, 8, 4, 8)
+    assert not search.groups_in_nodes(6, 4, 4, 8)
+    assert search.groups_in_nodes(8, 8, 4, 8)
 
 
 def test_moe_uses_megatron_and_ep_divides_experts() -> None:
@@ -118,7 +118,7 @@ def test_more_pools_than_nodes_split_nodes_in_device_groups() -> None:
         "a3",
     )
     ctx = search.make_context(p)
-    assert search._pool_granularity(ctx, 4) == 2 and search._pool_granularity(ctx, 2) == 16
+    assert search.pool_sizes(ctx, 32) == [2, 4, 6, 8, 10, 12, 14, 16, 32]
     result = search.search_context(ctx)
     assert result.best is not None and len(result.best.teachers) == 2
     best = result.best
@@ -129,8 +129,8 @@ def test_more_pools_than_nodes_split_nodes_in_device_groups() -> None:
         assert s1 + n1 <= s2
     assert pools[-1][0] + pools[-1][1] <= 32
     for s, t in zip(best.teacher_starts, best.teachers, strict=True):
-        assert search._groups_in_nodes(s, t.layout.devices, t.layout.tp, 16)
-    assert search._groups_in_nodes(best.rollout_start, best.rollout.layout.devices, best.rollout.layout.tp, 16)
+        assert search.groups_in_nodes(s, t.layout.devices, t.layout.tp, 16)
+    assert search.groups_in_nodes(best.rollout_start, best.rollout.layout.devices, best.rollout.layout.tp, 16)
 
 
 def test_teachers_that_cannot_fit_are_reported() -> None:

@@ -289,8 +289,11 @@ def test_rule_fsdp2_has_no_selective_recompute_or_pipeline() -> None:
 
 
 def test_rule_tp_inside_node() -> None:
+    d = only(check(GOOD + "placement: {train: {tp: 16}}\n"), "RLC207")
+    assert "inside a node" in d.message and d.severity == "error"
+    # rollout engines may span whole nodes when pinned (vLLM over Ray); a warning says what it costs
     d = only(check(GOOD + "placement: {rollout: {tp: 16}}\n"), "RLC207")
-    assert "inside a node" in d.message
+    assert d.severity == "warning" and "scale-out link" in d.message
 
 
 def test_rule_pinned_devices_fit_cluster() -> None:
@@ -359,3 +362,15 @@ def test_structural_and_semantic_errors_reported_together() -> None:
     assert ("RLC101", "algoritm") in found
     assert ("RLC104", "mode") in found
     assert ("RLC207", "placement.train.tp") in found
+
+
+def test_group_size_one_needs_a_teacher() -> None:
+    """RLC216: one sample per prompt gives zero GRPO advantages; allowed (as on-policy distillation) with teachers."""
+    base = "name: t\ntarget: a2\nmodel: {name: qwen3-8b, path: /m}\ndata: {train: arithmetic}\n"
+    base += "algorithm: {group_size: 1}\n"
+    alone = check(base)
+    (d,) = [d for d in alone.diagnostics if d.code == "RLC216"]
+    assert d.severity == "error" and d.path == "algorithm.group_size" and d.line == 5
+    teacher = "distill:\n  teachers:\n    - {name: t, model: {name: qwen3-32b, path: /t}}\n"
+    with_teacher = check(base + teacher)
+    assert [d.severity for d in with_teacher.diagnostics if d.code == "RLC216"] == ["info"] and with_teacher.ok

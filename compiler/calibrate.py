@@ -1,0 +1,278 @@
+"""`rlc calibrate`: fit a target's efficiencies and fixed overheads to measured runs, as a target profile.
+
+A run directory holds the plan it ran (`plan.json`) and one metrics line per step (`metrics.jsonl`:
+`time/rollout_s`, `time/train_s`, `time/weight_sync_s`, `time/step_s`, `train/tokens`, `response_len/mean`).
+Per run, the medians over the steps after a warm-up are the measurements, and the run's own workload (its
+measured mean prompt and response lengths) is what the cost model is asked about, so the fit is of the
+hardware terms, not of the length assumptions. Each phase is fitted with the parameters only it reads:
+
+  train    train_mfu, micro_batch_overhead_s       (cost.train_time)
+  rollout  decode_bandwidth_efficiency, prefill_mfu (cost.rollout_time; synchronous runs only, where
+           time/rollout_s is the generation itself rather than a wait for the streaming pool)
+  sync     weight_sync_overhead_s, weight_reload_gbps (cost.weight_sync_s)
+  step     step_overhead_s                          (the rest of time/step_s, cost.step_time)
+
+by least squares on log(predicted / measured) with a weak pull towards the base profile's values (ridge in
+log space, RIDGE), so that one run, which cannot tell a throughput from a fixed cost apart, changes both in
+proportion instead of driving one to a bound. The fitted profile keeps the base's schema and sources, records
+what it was fitted on in `calibration`, and states its uncertainty from the fit's residuals.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from math import exp, log
+from pathlib import Path
+
+from rlc.compiler import cost, memory
+from rlc.compiler.memory import ModelSizes, RolloutLayout
+from rlc.schemas.plan import Plan
+from rlc.schemas.registry import load_arch
+from rlc.schemas.target import TargetProfile
+
+#: Steps skipped at the start of a run (engine warm-up, first compilations, allocator growth).
+WARMUP_STEPS = 5
+#: Weight of the pull towards the base profile, per parameter, in squared log units.
+RIDGE = 1e-3
+#: How far a parameter may move from the base value, as a factor either way.
+SPAN = 100.0
+#: Smallest uncertainty factor a calibrated profile states (run-to-run noise on a shared machine).
+MIN_UNCERTAINTY = 1.15
+PHASE_PARAMS: dict[str, tuple[str, ...]] = {
+    "train": ("train_mfu", "micro_batch_overhead_s"),
+    "rollout": ("decode_bandwidth_efficiency", "prefill_mfu"),
+    "sync": ("weight_sync_overhead_s", "weight_reload_gbps"),
+    "step": ("step_overhead_s",),
+}
+FRACTIONS = {"train_mfu", "prefill_mfu", "decode_bandwidth_efficiency", "collective_efficiency"}
+
+
+class CalibrationError(ValueError):
+    """A run directory that cannot be calibrated on; the message says why."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured run: its plan, its medians per phase and the workload it really had."""
+
+    name: str
+    plan: Plan
+    measured: dict[str, float]
+    work: cost.Workload
+    steps: int
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise CalibrationError(f"{path}: not one JSON object per line ({exc})") from exc
+    return [r for r in rows if "time/step_s" in r]
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    values = [float(r[key]) for r in rows if key in r]
+    return statistics.median(values) if values else None
+
+
+def load_run(run_dir: Path) -> Run:
+    """Read a run directory; the measurements are medians over the steps after WARMUP_STEPS."""
+    plan_file, metrics_file = run_dir / "plan.json", run_dir / "metrics.jsonl"
+    if not plan_file.is_file() or not metrics_file.is_file():
+        raise CalibrationError(f"{run_dir}: a run directory holds plan.json and metrics.jsonl (run `rlc run` first)")
+    try:
+        plan = Plan.model_validate_json(plan_file.read_text())
+    except ValueError as exc:
+        raise CalibrationError(f"{plan_file}: not a plan ({exc})") from exc
+    rows = _read_metrics(metrics_file)
+    if len(rows) <= WARMUP_STEPS:
+        raise CalibrationError(f"{metrics_file}: {len(rows)} step(s); calibration needs more than {WARMUP_STEPS}")
+    rows = rows[WARMUP_STEPS:]
+    measured = {
+        name: value
+        for name, key in (
+            ("rollout", "time/rollout_s"),
+            ("train", "time/train_s"),
+            ("sync", "time/weight_sync_s"),
+            ("step", "time/step_s"),
+        )
+        if (value := _median(rows, key)) is not None and value > 0
+    }
+    samples = plan.schedule.batch_samples
+    tokens = _median(rows, "train/tokens") or 0.0
+    response = _median(rows, "response_len/mean") or 0.0
+    prompt = max(1.0, tokens / samples - response) if tokens else plan.sampling.max_prompt_len * cost.PROMPT_FRACTION
+    work = run_workload(plan, prompt, response or plan.sampling.max_response_len * cost.RESPONSE_FRACTION)
+    return Run(run_dir.name, plan, measured, work, len(rows))
+
+
+def run_workload(plan: Plan, prompt_tokens: float, response_tokens: float) -> cost.Workload:
+    """The plan's workload with the run's measured mean lengths in place of the planner's assumptions."""
+    algo, sampling = plan.algorithm, plan.sampling
+    spec = sampling.speculative or {}
+    base = cost.workload(
+        batch_prompts=plan.schedule.batch_prompts,
+        group_size=plan.schedule.group_size,
+        max_prompt_len=sampling.max_prompt_len,
+        max_response_len=sampling.max_response_len,
+        staleness=plan.schedule.max_staleness,
+        decoupled=algo.decoupled_loss,
+        reference=algo.kl_coef > 0 and plan.lora is None,
+        lora=plan.lora is not None,
+        mtp_tokens=int(spec.get("num_speculative_tokens", 0)),
+    )
+    return replace(base, prompt_tokens=prompt_tokens, response_tokens=response_tokens)
+
+
+def _sizes(plan: Plan) -> ModelSizes:
+    try:
+        return memory.model_sizes(load_arch(plan.model.id))
+    except LookupError as exc:
+        raise CalibrationError(f"model {plan.model.id!r} is not in the catalog, so its sizes are unknown") from exc
+
+
+def _rollout_layout(plan: Plan) -> RolloutLayout:
+    role = plan.role("rollout")
+    args = role.engine
+    return RolloutLayout(
+        role.devices,
+        role.parallel.tp,
+        role.parallel.ep,
+        float(args.get("gpu_memory_utilization", 0.9)),
+        int(args.get("max_num_seqs", 1)),
+        int(args.get("max_num_batched_tokens", 2048)),
+    )
+
+
+def predict(plan: Plan, target: TargetProfile, work: cost.Workload) -> dict[str, float]:
+    """The cost model's seconds per phase for `plan`'s layout under `target` and `work`."""
+    sizes = _sizes(plan)
+    dpn = plan.cluster.devices_per_node
+    actor = plan.role("actor")
+    assert actor.layout is not None
+    train = cost.train_time(sizes, actor.layout, target, work, dpn).total_s
+    rl = _rollout_layout(plan)
+    rollout_t = cost.rollout_time(sizes, rl, target, work, dpn, max(1, rl.max_num_seqs))
+    mode = plan.schedule.mode
+    nodes = {nd.node for r in plan.roles for nd in r.placement}
+    adapter = 0
+    if plan.lora is not None and plan.lora.rollout == "adapter":
+        adapter = memory.lora_params(sizes.arch, plan.lora.rank, plan.lora.target_modules)
+    sync = cost.weight_sync_s(
+        sizes, target, plan.schedule.weight_sync, cross_node=len(nodes) > 1, adapter_params=adapter
+    )
+    step = cost.step_time(
+        mode, work, rollout_t, train, 0.0, sync, plan.estimates.switch_s, target.efficiency.step_overhead_s
+    )
+    return {"train": train, "rollout": step.rollout_s, "sync": sync, "step": step.step_s}
+
+
+def _with(target: TargetProfile, values: dict[str, float]) -> TargetProfile:
+    eff = target.efficiency.model_copy(update=values)
+    return target.model_copy(update={"efficiency": eff})
+
+
+def _usable(run: Run, phase: str) -> bool:
+    if phase not in run.measured:
+        return False
+    if phase == "rollout":  # streaming runs measure a wait, not the generation
+        return run.plan.schedule.mode == "colocated" or run.plan.schedule.max_staleness == 0
+    return True
+
+
+def _loss(target: TargetProfile, base: TargetProfile, runs: list[Run], phase: str) -> float:
+    total = 0.0
+    for run in runs:
+        if _usable(run, phase):
+            predicted = predict(run.plan, target, run.work)[phase]
+            total += log(max(predicted, 1e-9) / run.measured[phase]) ** 2
+    for name in PHASE_PARAMS[phase]:
+        now, was = getattr(target.efficiency, name), getattr(base.efficiency, name)
+        total += RIDGE * log(max(now, 1e-9) / max(was, 1e-9)) ** 2
+    return total
+
+
+def _bounds(name: str, value: float) -> tuple[float, float]:
+    value = max(value, 1e-4)
+    high = min(value * SPAN, 1.0) if name in FRACTIONS else value * SPAN
+    return log(value / SPAN), log(high)
+
+
+def _golden(f, lo: float, hi: float, rounds: int = 40) -> float:  # type: ignore[no-untyped-def]
+    """Minimise a one-dimensional function on [lo, hi] (golden-section search)."""
+    ratio = (5**0.5 - 1) / 2
+    a, b = lo, hi
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(rounds):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
+def fit(base: TargetProfile, runs: list[Run]) -> tuple[TargetProfile, dict[str, float]]:
+    """Fit each phase's parameters (coordinate descent, golden-section steps in log space); the phases in order
+    train, rollout, sync, step (the step's overhead is what the other phases leave unexplained)."""
+    target = base
+    fitted: dict[str, float] = {}
+    for phase, names in PHASE_PARAMS.items():
+        if not any(_usable(r, phase) for r in runs):
+            continue
+        for _ in range(3):
+            for name in names:
+                lo, hi = _bounds(name, getattr(base.efficiency, name))
+
+                def f(x: float, name: str = name, now: TargetProfile = target, phase: str = phase) -> float:
+                    return _loss(_with(now, {name: exp(x)}), base, runs, phase)
+
+                target = _with(target, {name: exp(_golden(f, lo, hi))})
+        fitted.update({n: getattr(target.efficiency, n) for n in names})
+    return target, fitted
+
+
+def calibrate(base: TargetProfile, runs: list[Run]) -> TargetProfile:
+    """The calibrated profile: fitted efficiencies, the uncertainty the residuals show, and a record."""
+    kinds = {r.plan.target for r in runs}
+    if kinds != {base.id}:
+        raise CalibrationError(f"runs are on target(s) {', '.join(sorted(kinds))}, not {base.id}")
+    target, fitted = fit(base, runs)
+    ratios = []
+    record = {
+        "base": f"{base.id} (sha256 of the base profile below)",
+        "runs": ", ".join(f"{r.name} ({r.steps} steps)" for r in runs),
+        "fitted": ", ".join(f"{k}={v:.4g}" for k, v in sorted(fitted.items())),
+    }
+    for run in runs:
+        before, after = predict(run.plan, base, run.work), predict(run.plan, target, run.work)
+        ratios.append(after["step"] / run.measured["step"])
+        record[f"run.{run.name}"] = ", ".join(
+            f"{phase} measured {run.measured[phase]:.3g} s, predicted {after[phase]:.3g} s (was {before[phase]:.3g})"
+            for phase in ("step", "rollout", "train", "sync")
+            if phase in run.measured
+        )
+    spread = max(abs(log(r)) for r in ratios)
+    uncertainty = round(max(MIN_UNCERTAINTY, exp(2 * spread)), 3)
+    sources = dict(target.sources)
+    for name in fitted:
+        sources[f"efficiency.{name}"] = f"rlc calibrate: fitted to {record['runs']}"
+    sources["estimate_uncertainty"] = "rlc calibrate: twice the largest step-time residual of the fit, at least 1.15"
+    return target.model_copy(update={"estimate_uncertainty": uncertainty, "sources": sources, "calibration": record})
+
+
+def measured_phases(run_dir: Path) -> dict[str, float]:
+    """A run's medians per phase, named as `rlc explain` names them."""
+    run = load_run(run_dir)
+    names = {"rollout": "rollout", "train": "train", "sync": "weight sync", "step": "step"}
+    return {names[k]: v for k, v in run.measured.items()}

@@ -1,0 +1,193 @@
+"""vLLM engine layouts for one pool: rollout engines (TP, EP, memory share) and forward-only teacher engines.
+
+Engines are independent given their pool's size and where it starts (TP groups stay inside a node), so the
+results are memoised per size and start within the node.
+"""
+
+from __future__ import annotations
+
+from math import floor, gcd
+
+from rlc.compiler import cost, memory
+from rlc.compiler.memory import RolloutLayout
+from rlc.compiler.options import RoleSearch, RolloutOption, TeacherOption
+from rlc.compiler.search_context import Context
+from rlc.compiler.trainer_search import pow2_upto
+
+#: Highest vLLM memory share the planner chooses on its own; above it long prefills have OOMed even though
+#: the static budget fit (vllm-ascend issue 3357: Qwen3-235B TP16 at 0.95 with a 90K prompt).
+MAX_AUTO_FRACTION = 0.9
+#: Concurrent sequences the planner allows per vLLM scheduler when nothing is pinned.
+MAX_AUTO_SEQS = 1024
+TEACHER_BATCHED_TOKENS = 4096
+
+
+def groups_in_nodes(start: int, count: int, group: int, dpn: int) -> bool:
+    """Every consecutive `group` of devices from `start` lies inside one node (TP never spans nodes).
+
+    Group starts repeat their place in the node every dpn / gcd(group, dpn) groups, so only that many are
+    checked however large the pool.
+    """
+    period = dpn // gcd(group, dpn)
+    groups = min(-(-count // group), period)
+    return all(((start + k * group) % dpn) + group <= dpn for k in range(groups))
+
+
+def _tp_fits(start: int, n: int, tp: int, dpn: int) -> bool:
+    """TP groups inside nodes; a (pinned) TP wider than a node must take whole nodes from a node boundary."""
+    if tp > dpn:
+        return tp % dpn == 0 and start % dpn == 0
+    return groups_in_nodes(start, n, tp, dpn)
+
+
+def rollout_search(
+    ctx: Context, n: int, start: int, outside_gib: float, *, sync: bool, fraction: float | None = None
+) -> RoleSearch:
+    """Best vLLM layouts on `n` devices starting at global device index `start`; memoised per context."""
+    key = ("rollout", n, start % ctx.devices_per_node, outside_gib, sync, fraction)
+    if key not in ctx.memo:
+        ctx.memo[key] = _rollout_search(ctx, n, start, outside_gib, sync=sync, fraction=fraction)
+    return ctx.memo[key]
+
+
+def _rollout_search(
+    ctx: Context, n: int, start: int, outside_gib: float, *, sync: bool, fraction: float | None
+) -> RoleSearch:
+    arch = ctx.sizes.arch
+    pin = ctx.spec.placement.rollout
+    found = RoleSearch()
+    dpn = ctx.devices_per_node
+    tps = [pin.tp] if pin.tp else [t for t in pow2_upto(min(dpn, n)) if arch.num_attention_heads % t == 0]
+    chosen = fraction
+    for tp in tps:
+        if n % tp or not _tp_fits(start, n, tp, dpn):
+            continue
+        fraction = chosen or pin.memory_fraction or auto_fraction(ctx, tp, outside_gib)
+        if fraction <= 0.02:
+            found.reason = f"no memory left for rollout engines beside {outside_gib:.1f} GiB of other roles"
+            continue
+        if arch.moe is None:
+            eps = [1]
+        elif pin.ep:
+            eps = [pin.ep]
+        else:
+            eps = [1] + [
+                e
+                for e in pow2_upto(min(n, arch.moe.num_experts))
+                if e > tp and e % tp == 0 and arch.moe.num_experts % e == 0
+            ]
+        for ep in eps:
+            engine = max(tp, ep)
+            if n % engine or engine % tp:
+                continue
+            layout = RolloutLayout(n, tp, ep, fraction, pin.max_num_seqs or 0, _batched_tokens(ctx))
+            mem, seqs = memory.rollout_memory(
+                ctx.sizes,
+                layout,
+                ctx.target,
+                max_model_len=ctx.max_model_len,
+                mtp=ctx.mtp,
+                lora_rank=ctx.lora_rank if ctx.lora_adapter else None,
+                lora_targets=ctx.lora_targets,
+                resident_gib=outside_gib,
+                planned_context=ctx.work.inflight_context,
+            )
+            if not mem.fits:
+                found.miss(mem, layout)
+                continue
+            max_seqs = pin.max_num_seqs or max(1, min(seqs, MAX_AUTO_SEQS))
+            layout = RolloutLayout(n, tp, ep, fraction, max_seqs, max(_batched_tokens(ctx), max_seqs))
+            t = cost.rollout_time(ctx.sizes, layout, ctx.target, ctx.work, dpn, max_seqs)
+            found.options.append(RolloutOption(layout, mem, seqs, t))
+    found.options.sort(key=lambda o: rollout_rank(o, sync))
+    del found.options[2 if not ctx.exhaustive else len(found.options) :]
+    return found
+
+
+def auto_fraction(
+    ctx: Context, tp: int, outside_gib: float, extra_gib: float = 0.0, sizes: memory.ModelSizes | None = None
+) -> float:
+    """vLLM's memory share when none is pinned: what the device has beside the reserve, the other roles and
+    what the engine needs outside its share (`memory.engine_outside_items`: graph pool, long-prefill
+    transient), at most MAX_AUTO_FRACTION, rounded down to hundredths."""
+    beside = sum(memory.engine_outside_items(sizes or ctx.sizes, tp, ctx.target, ctx.max_model_len).values())
+    share = memory.max_memory_fraction(ctx.target, outside_gib + beside + extra_gib)
+    return floor(min(MAX_AUTO_FRACTION, share) * 100) / 100
+
+
+def rollout_rank(option: RolloutOption, sync: bool) -> tuple:
+    """Order of rollout options, as `Candidate.key` orders plans that differ only in their rollout: quicker
+    (for the step's kind: synchronous or streaming), then fewer devices, then smaller engines."""
+    seconds = option.time.sync_s if sync else option.time.async_s
+    lay = option.layout
+    return (round(seconds, 6), lay.devices, lay.engine_devices, lay.tp, lay.summary())
+
+
+def _batched_tokens(ctx: Context) -> int:
+    """vLLM max_num_batched_tokens: 8192 (chunked prefill) on accelerators, 2048 on the cpu target."""
+    return 2048 if ctx.target.kind == "cpu" else 8192
+
+
+def teacher_search(
+    ctx: Context, name: str, n: int, start: int, outside_gib: float, fraction: float | None = None
+) -> RoleSearch:
+    """Forward-only vLLM engines for one teacher on `n` devices (prompt log-probs of student samples)."""
+    key = ("teacher", name, n, start % ctx.devices_per_node, outside_gib, fraction)
+    if key not in ctx.memo:
+        ctx.memo[key] = _teacher_search(ctx, name, n, start, outside_gib, fraction)
+    return ctx.memo[key]
+
+
+def _teacher_search(
+    ctx: Context, name: str, n: int, start: int, outside_gib: float, fraction: float | None
+) -> RoleSearch:
+    sizes = ctx.teacher_sizes[name]
+    arch = sizes.arch
+    pin = ctx.spec.placement.teachers.get(name)
+    found = RoleSearch()
+    dpn = ctx.devices_per_node
+    tps = [pin.tp] if pin and pin.tp else [t for t in pow2_upto(min(dpn, n)) if arch.num_attention_heads % t == 0]
+    tokens = TEACHER_BATCHED_TOKENS
+    logits = memory.gib(tokens * arch.vocab_size * 4 * 2)
+    pinned = (pin.memory_fraction if pin else None) or fraction
+    share = _teacher_share(ctx, name)
+    for tp in tps:
+        if n % tp or not groups_in_nodes(start, n, tp, dpn):
+            continue
+        frac = pinned or auto_fraction(ctx, tp, outside_gib, logits, sizes)
+        layout = RolloutLayout(n, tp, 1, frac, 0, tokens)
+        mem, seqs = memory.rollout_memory(
+            sizes,
+            layout,
+            ctx.target,
+            max_model_len=ctx.max_model_len,
+            resident_gib=outside_gib,
+            role=f"teacher-{name}",
+            prompt_logprobs=True,
+            planned_context=ctx.work.context_tokens,
+        )
+        if not mem.fits:
+            found.miss(mem, layout)
+            continue
+        layout = RolloutLayout(n, tp, 1, frac, max(1, min(seqs, MAX_AUTO_SEQS)), tokens)
+        seconds = cost.teacher_time_s(sizes, n, ctx.target, ctx.work, share)
+        seconds += ctx.work.samples * share / layout.replicas * 0.0  # engines run in parallel
+        found.options.append(TeacherOption(name, layout, mem, seqs, seconds + 0.01 * tp))
+    found.options.sort(key=lambda o: (round(o.seconds, 6), o.layout.tp))
+    return found
+
+
+def _teacher_share(ctx: Context, name: str) -> float:
+    """Share of samples a teacher scores: 1/teachers under domain routing, all of them under mixture."""
+    distill = ctx.spec.distill
+    if distill is None:
+        return 0.0
+    return 1.0 if distill.routing == "mixture" else 1.0 / len(distill.teachers)
+
+
+def _teacher_share(ctx: Context, name: str) -> float:
+    """Share of samples a teacher scores: 1/teachers under domain routing, all of them under mixture."""
+    distill = ctx.spec.distill
+    if distill is None:
+        return 0.0
+    return 1.0 if distill.routing == "mixture" else 1.0 / len(distill.teachers)

@@ -1,0 +1,343 @@
+"""Trainer layouts for one device count: backends, parallel degrees, recompute, offload and token budgets.
+
+Per degree tuple, memory (which only falls with more offload and smaller token budgets) is probed at its
+lightest first, and an overflow there rules out the rest; choices dominated by one that already fits (more
+offload or recompute at the same budget) are skipped, and so are tuples whose time lower bound cannot beat
+the layouts already kept. `Context.exhaustive` turns the pruning off for tests. Results are memoised per
+device count, resident memory and objective in the context.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from math import ceil, inf
+
+from rlc.compiler import cost, memory
+from rlc.compiler.memory import MemoryBreakdown
+from rlc.compiler.options import RoleSearch, TrainOption
+from rlc.compiler.search_context import Context
+from rlc.schemas.layout import (
+    CpKind,
+    TrainLayout,
+    backend_recomputes,
+    cp_problem,
+    default_cp_kind,
+    fsdp2_runs_tp,
+    tp_problem,
+)
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+OFFLOAD_ORDER = ((False, False), (False, True), (True, True))
+#: Micro-batch token budgets tried, as multiples of the longest sequence, largest first: bigger micro-batches
+#: keep the device busier, so the largest that fits is taken.
+MBT_MULTIPLES = (4, 2, 1)
+#: Trainer layouts kept per device count (the fastest), to combine with rollout layouts.
+KEEP_TRAIN = 3
+_PROTOTYPE = TrainLayout(world_size=1)
+
+
+def pow2_upto(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def train_search(ctx: Context, n: int, resident_gib: float = 0.0, *, colocated: bool = False) -> RoleSearch:
+    """Best trainer layouts on `n` devices (fitting ones sorted by score, then summary); memoised per context.
+
+    `colocated`: the trainer shares its devices with the engines, so each option also pays the phase switch
+    (its device state to host and back, `cost.switch_s`) and must find room for that state in host memory.
+    """
+    key = ("train", n, resident_gib, colocated)
+    if key not in ctx.memo:
+        ctx.memo[key] = _train_search(ctx, n, resident_gib, colocated)
+    return ctx.memo[key]
+
+
+def train_lower_bound_s(ctx: Context, n: int) -> float:
+    """Seconds no trainer on `n` devices can beat: its FLOPs without recompute at the target's MFU.
+
+    Every term `cost.train_time` adds (bubble, communication, offload, recompute FLOPs) is non-negative, so the
+    device allocation can skip a device count whose bound already loses to a plan in hand.
+    """
+    layout = TrainLayout.model_construct(world_size=n, recompute="none", precision=ctx.precision)
+    return cost.train_compute_s(ctx.sizes, layout, ctx.target, ctx.work)
+
+
+def _cp_kinds(ctx: Context, backend: str, tp: int, cp: int) -> list[CpKind]:
+    """CP kinds to try for (tp, cp): the pinned one; else Ulysses where the heads allow it, otherwise ring,
+    which the fsdp2 runtime executes on cpu only (`layout.runtime_gaps`), so there it is offered on cpu or
+    when nothing else is possible for a pinned CP."""
+    pin = ctx.spec.placement.train
+    arch = ctx.sizes.arch
+    if cp == 1:
+        return ["ulysses"]
+    if pin.cp_kind:
+        return [pin.cp_kind] if cp_problem(arch, tp, cp, pin.cp_kind) is None else []
+    kind = default_cp_kind(arch, tp, cp)
+    if kind == "ring" and backend == "fsdp2" and ctx.target.kind != "cpu" and not pin.cp:
+        return []
+    return [kind]
+
+
+def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool) -> RoleSearch:
+    spec, arch = ctx.spec, ctx.sizes.arch
+    pin = spec.placement.train
+    found = RoleSearch()
+    backend_pin = pin.backend or (spec.train.backend if spec.train.backend != "auto" else None)
+    if backend_pin:
+        backends = [backend_pin]
+    elif arch.is_moe or any(v and v > 1 for v in (pin.pp, pin.ep)):
+        backends = ["megatron"]
+    else:
+        backends = ["fsdp2", "megatron"]
+    rc_pin = pin.recompute or (spec.train.recompute if spec.train.recompute != "auto" else None)
+    off_pin = pin.offload or (
+        spec.train.offload if (spec.train.offload.params or spec.train.offload.optimizer) else None
+    )
+    mbt_pin = pin.micro_batch_tokens or spec.train.micro_batch_tokens
+    mbts = [mbt_pin] if mbt_pin else [_round_up(ctx.longest * m, 128) for m in MBT_MULTIPLES]
+    dpn = ctx.devices_per_node
+    fastest: list[float] = []  # scores of the KEEP_TRAIN best options so far: the bar for pruning
+    for backend in backends:
+        recomputes = [rc_pin] if rc_pin else [r for r in RECOMPUTE_ORDER if r in backend_recomputes(backend)]
+        if rc_pin and rc_pin not in backend_recomputes(backend):
+            continue  # e.g. selective on fsdp2, which checkpoints whole layers only
+        if off_pin:
+            # FSDP2's parameter offload runs the optimizer step on the host, so its state lives there too.
+            offloads = [(off_pin.params, off_pin.optimizer or (off_pin.params and backend == "fsdp2"))]
+        else:
+            offloads = list(OFFLOAD_ORDER)
+        tps = [pin.tp] if pin.tp else [t for t in pow2_upto(min(dpn, n)) if tp_problem(arch, t) is None]
+        if backend == "fsdp2" and not pin.tp:  # only what the fsdp2 runtime executes (`layout.runtime_gaps`)
+            tps = [t for t in tps if fsdp2_runs_tp(t, arch.num_kv_heads, ctx.lora_rank is not None)]
+        if backend == "fsdp2":
+            pps, eps = [1], [1]
+        else:
+            pps = [pin.pp] if pin.pp else [p for p in pow2_upto(min(arch.num_layers, n))]
+            if arch.moe is None:
+                eps = [1]
+            else:
+                eps = (
+                    [pin.ep]
+                    if pin.ep
+                    else [e for e in pow2_upto(min(arch.moe.num_experts, n)) if arch.moe.num_experts % e == 0]
+                )
+        # Context parallelism splits packed micro-batches: without packing there is nothing to split.
+        cps_all = [pin.cp] if pin.cp else (pow2_upto(min(16, n)) if spec.train.packing else [1])
+        shapes = [
+            Shape(backend, tp, pp, cp, kind, ep)
+            for tp in tps
+            for cp in cps_all
+            for kind in _cp_kinds(ctx, backend, tp, cp)
+            for ep in eps
+            for pp in pps
+            if not n % (tp * pp * cp) and not (ep > 1 and (tp * cp * (n // (tp * pp * cp))) % ep)
+        ]
+        # Best first by the degrees' time lower bound, so the bar rises fast and the rest stop at once.
+        bounds = {s: _train_lower_bound_s(ctx, n, s, recomputes[0], mbts) for s in shapes}
+        for shape in sorted(shapes, key=lambda s: (bounds[s], s.key())):
+            bar = fastest[-1] if len(fastest) >= KEEP_TRAIN and not ctx.exhaustive else inf
+            if bounds[shape] > bar * (1 + 1e-9):
+                break
+            had = len(found.options)
+            _train_degree(ctx, found, n, shape, recomputes, offloads, mbts, resident_gib, colocated, bar)
+            if len(found.options) > had:
+                fastest = heapq.nsmallest(KEEP_TRAIN, fastest + [o.score for o in found.options[had:]])
+        if backend == "fsdp2" and found.options and not backend_pin:
+            break  # fsdp2 for dense models that fit; megatron only when it does not
+    found.options.sort(key=lambda o: (round(o.score, 6), o.layout.summary()))
+    del found.options[KEEP_TRAIN if not ctx.exhaustive else len(found.options) :]
+    return found
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The degrees of a trainer layout, before recompute, offload and the token budget are chosen."""
+
+    backend: str
+    tp: int
+    pp: int
+    cp: int
+    cp_kind: CpKind
+    ep: int
+
+    def key(self) -> tuple:
+        return (self.backend, self.tp, self.pp, self.cp, self.cp_kind, self.ep)
+
+    def layout(
+        self, ctx: Context, n: int, recompute: str, off_params: bool, off_optimizer: bool, mbt: int
+    ) -> TrainLayout:
+        # A copy of a validated prototype: a third of model_construct's cost, and the search builds thousands.
+        return _PROTOTYPE.model_copy(
+            update=dict(
+                world_size=n,
+                backend=self.backend,
+                tp=self.tp,
+                pp=self.pp,
+                cp=self.cp,
+                cp_kind=self.cp_kind,
+                ep=self.ep,
+                recompute=recompute,
+                offload_params=off_params,
+                offload_optimizer=off_optimizer,
+                micro_batch_tokens=mbt,
+                precision=ctx.precision,
+            )
+        )
+
+
+def _train_lower_bound_s(ctx: Context, n: int, shape: Shape, rc: str, mbts: list[int]) -> float:
+    """Seconds no layout with these degrees and this recompute can beat (`cost.train_time`): compute at the
+    smallest pipeline bubble (smallest budget, most micro-batches) plus communication at the fewest
+    micro-batches (largest budget; per-micro-batch latencies and FSDP2 gathers only grow with their number),
+    without offload traffic."""
+    pp = shape.pp
+    layout = shape.layout(ctx, n, rc, False, False, mbts[0])
+    t = cost.train_time(ctx.sizes, layout, ctx.target, ctx.work, ctx.devices_per_node)
+    micro = max(1, ceil(ctx.work.trained_tokens / layout.dp / mbts[-1]))
+    bubble = (pp - 1) / (micro + pp - 1)
+    return t.compute_s / (1 - bubble) + t.tp_s + t.cp_s + t.ep_s + t.dp_s
+
+
+def _option(ctx: Context, layout: TrainLayout, mem: MemoryBreakdown, colocated: bool) -> TrainOption | None:
+    """The priced option, or None when a colocated trainer's state does not fit its node's host memory."""
+    t = cost.train_time(ctx.sizes, layout, ctx.target, ctx.work, ctx.devices_per_node)
+    if not colocated:
+        return TrainOption(layout, mem, t)
+    state = memory.train_state_gib(mem)
+    host = state * min(ctx.devices_per_node, layout.world_size)
+    if ctx.target.kind != "cpu" and host > ctx.target.host_memory_gib * memory.HOST_MEMORY_FRACTION:
+        return None
+    return TrainOption(layout, mem, t, cost.switch_s(ctx.target, state))
+
+
+def _train_degree(
+    ctx: Context,
+    found: RoleSearch,
+    n: int,
+    shape: Shape,
+    recomputes: list[str],
+    offloads: list[tuple[bool, bool]],
+    mbts: list[int],
+    resident: float,
+    colocated: bool,
+    bound: float = inf,
+) -> bool:
+    """Evaluate one degree tuple over recompute × offload (largest fitting token budget each).
+
+    Keeps the best fitting choice (all of them when exhaustive). Returns True when the tuple fits with no
+    recompute and no offload: a deeper pipeline with the same TP/CP/EP then only adds bubble, so the caller
+    skips it (pruning). When not exhaustive, choices the one just found dominates (more recompute at the same
+    budget; more offload too, unless the trainer shares devices, where offloaded state is state the switch
+    does not move) are skipped, and so is a recompute whose time lower bound exceeds `bound` (the slowest
+    layout the caller keeps) or the tuple's best so far: it could enter neither.
+    """
+    best: TrainOption | None = None
+    cheapest = dominant = False
+    seen: dict[tuple, tuple[TrainLayout, MemoryBreakdown]] = {}
+
+    def evaluate(rc: str, off_p: bool, off_o: bool, mbt: int) -> tuple[TrainLayout, MemoryBreakdown]:
+        key = (rc, off_p, off_o, mbt)
+        if key not in seen:
+            layout = shape.layout(ctx, n, rc, off_p, off_o, mbt)
+            mem = memory.train_memory(
+                ctx.sizes,
+                layout,
+                ctx.target,
+                logprob_chunk_tokens=ctx.spec.train.logprob_chunk_tokens,
+                lora_rank=ctx.lora_rank,
+                lora_targets=ctx.lora_targets,
+                reference=ctx.reference,
+                devices_per_node=ctx.devices_per_node,
+                resident_gib=resident,
+            )
+            seen[key] = (layout, mem)
+        return seen[key]
+
+    smallest = mbts[-1]  # budgets run largest first; memory grows with the budget
+    host_short: set[tuple[bool, bool]] = set()  # offloads whose host memory is short: the same for every rc
+    lower: dict[str, float] = {}
+
+    def beaten(rc: str, limit: float) -> bool:
+        if limit == inf:
+            return False
+        if rc not in lower:
+            lower[rc] = _train_lower_bound_s(ctx, n, shape, rc, mbts)
+        return lower[rc] > limit * (1 + 1e-9)
+
+    if beaten(recomputes[0], bound) and all(beaten(rc, bound) for rc in recomputes):
+        return False
+    # What no recompute changes (everything but activations) may overflow the device on its own: then no
+    # choice fits, and the lightest recompute's most offloaded layout is the tuple's closest miss.
+    for off_p, off_o in reversed(offloads):
+        layout, mem = evaluate(recomputes[-1], off_p, off_o, smallest)
+        if mem.problems:
+            continue
+        if mem.total_gib - mem.items.get("activations", 0.0) > mem.capacity_gib + 1e-9:
+            found.miss(mem, layout)
+            return False
+        break
+    for rc in recomputes:
+        if beaten(rc, min(bound, best.score if best else inf)):
+            continue
+        # Device memory only falls as more is offloaded and as the token budget shrinks. So the most offloaded
+        # layout whose host memory suffices, at the smallest budget, is this recompute's closest miss: when it
+        # overflows the device, nothing else with this recompute fits (host-short layouts rank last anyway).
+        skip = False
+        for off_p, off_o in reversed(offloads):
+            if (off_p, off_o) in host_short:
+                continue
+            layout, mem = evaluate(rc, off_p, off_o, smallest)
+            if mem.problems:
+                host_short.add((off_p, off_o))
+                found.miss(mem, layout)
+                continue
+            if not mem.fits:
+                found.miss(mem, layout)
+                skip = True
+            break
+        if skip:
+            continue
+        for off_p, off_o in offloads:
+            if (off_p, off_o) in host_short:
+                continue
+            layout, mem = evaluate(rc, off_p, off_o, smallest)
+            if not mem.fits:
+                found.miss(mem, layout)
+                continue
+            for mbt in mbts:
+                layout, mem = evaluate(rc, off_p, off_o, mbt)
+                if not mem.fits:
+                    found.miss(mem, layout)
+                    continue
+                option = _option(ctx, layout, mem, colocated)
+                if option is None:
+                    break
+                if ctx.exhaustive:
+                    found.options.append(option)
+                elif best is None or (round(option.score, 6), layout.summary()) < (
+                    round(best.score, 6),
+                    best.layout.summary(),
+                ):
+                    best = option
+                plain = rc == "none" and not off_p and not off_o
+                cheapest = cheapest or plain
+                dominant = dominant or (plain and mbt == mbts[0])
+                break
+            if not ctx.exhaustive and not colocated and mem.fits and layout.micro_batch_tokens == mbts[0]:
+                # The largest budget fits: more offload keeps that budget and only adds host traffic.
+                break
+        if not ctx.exhaustive and dominant:
+            # No recompute, no offload, largest budget: every other recompute only adds FLOPs.
+            break
+    if best is not None:
+        found.options.append(best)
+    return cheapest
