@@ -49,6 +49,7 @@ CODES: dict[str, str] = {
     "RLC704": "A plan file is missing",
     "RLC705": "A plan file changed after compile",
     "RLC706": "A file that is not part of the plan",
+    "RLC707": "The runtime cannot execute this plan's layout (rlc run refuses it before anything starts)",
 }
 
 

@@ -325,6 +325,7 @@ def train_memory(
     reference: bool = False,
     devices_per_node: int | None = None,
     resident_gib: float = 0.0,
+    sync_group: bool = False,
 ) -> MemoryBreakdown:
     """The trainer's per-device peak during the training phase.
 
@@ -351,6 +352,7 @@ def train_memory(
     the host; optimizer offload keeps AdamW's moments on the host and streams one FSDP unit's moments to the
     device for its update; host need is checked per node.
     `resident_gib`: memory another role keeps on the same device during this phase (colocated).
+    `sync_group`: rank 0 also holds the weight-sync broadcast group's buffers (the target's sync_group_gib).
     """
     fsdp = layout.backend == "fsdp2"
     dense, expert = train_param_shard(sizes, layout)
@@ -415,6 +417,8 @@ def train_memory(
         items["margin"] = target.allocator_overhead * allocated
     if resident_gib:
         items["other_roles"] = resident_gib
+    if sync_group and target.sync_group_gib:
+        items["sync_group"] = target.sync_group_gib
     items["reserve"] = target.reserve_gib
     per_node = min(devices_per_node or target.devices_per_node, layout.world_size)
     host_cap = target.host_memory_gib * HOST_MEMORY_FRACTION

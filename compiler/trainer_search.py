@@ -258,6 +258,7 @@ def _train_degree(
                 reference=ctx.reference,
                 devices_per_node=ctx.devices_per_node,
                 resident_gib=resident,
+                sync_group=not colocated and ctx.spec.rollout.weight_sync != "disk",
             )
             seen[key] = (layout, mem)
         return seen[key]

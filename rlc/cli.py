@@ -300,8 +300,9 @@ def run(
         run_plan(plan, run_dir, resume=resume)
     except RuntimeGapError as exc:
         lines = "\n".join(f"    - {gap}" for gap in exc.gaps)
+        code = "RLC707"
         typer.echo(
-            f"rlc run: error[RLC707]: this runtime cannot execute plan {plan.name}:\n{lines}\n"
+            f"rlc run: error[{code}]: this runtime cannot execute plan {plan.name}:\n{lines}\n"
             "    hint: recompile with a layout it runs (e.g. pin train.backend: fsdp2 for a dense model); "
             "`rlc run --dry-run` shows what would start",
             err=True,

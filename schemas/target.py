@@ -87,6 +87,15 @@ class TargetProfile(BaseModel):
             "workspaces, GiB; the planner budgets usable_hbm_gib − reserve_gib."
         ),
     )
+    sync_group_gib: float = Field(
+        0.0,
+        ge=0.0,
+        description=(
+            "Device memory one more collective group holds on a rank that joins it, GiB: what the trainer rank "
+            "that broadcasts new weights (and each engine worker that receives them) keeps for the weight-sync "
+            "group beside its other groups."
+        ),
+    )
     allocator_overhead: float = Field(
         0.0,
         ge=0.0,
