@@ -221,6 +221,10 @@ def run(
     plan_dir: Annotated[Path, typer.Argument(help="Plan directory from `rlc compile`.", show_default=False)],
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Where metrics and checkpoints go.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest complete checkpoint.")] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Start over an earlier run, moving it aside to RUN.old-N (never deleted)."),
+    ] = False,
     allow_modified: Annotated[
         bool, typer.Option("--allow-modified", help="Run a plan whose files no longer match its manifest.")
     ] = False,
@@ -231,6 +235,8 @@ def run(
 
     if not plan_dir.is_dir():
         raise _usage_error(f"{plan_dir} is not a plan directory; create one with `rlc compile SPEC -o {plan_dir}`")
+    if resume and overwrite:
+        raise _usage_error("--resume continues the earlier run and --overwrite moves it aside: pass one of them")
     report = Report(str(plan_dir))
     report.extend(verify_plan_dir(plan_dir, allow_modified=allow_modified))
     if report.diagnostics:
@@ -241,13 +247,35 @@ def run(
         plan = load_plan(plan_dir)
     except (OSError, ValueError) as exc:
         raise _usage_error(f"cannot read plan {plan_dir}: {exc}") from None
-    from rlc.runtime.launch import RunError, run_plan
+    _require_runtime()
+    from rlc.runtime.launch import RunError, RunUsageError, run_plan
 
     try:
-        run_plan(plan, run_dir, resume=resume)
+        run_plan(plan, run_dir, resume=resume, overwrite=overwrite)
+    except RunUsageError as exc:
+        typer.echo(f"rlc run: error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
     except RunError as exc:
         typer.echo(f"rlc run: error: {exc}", err=True)
         raise typer.Exit(EXIT_FINDINGS) from None
+
+
+#: What `rlc run` imports; the light install (`pip install rlc`) has none of them.
+RUNTIME_MODULES = ("torch", "ray", "vllm", "transformers", "safetensors")
+
+
+def _require_runtime() -> None:
+    """Refuse `rlc run` on the light install with the extra to install, not a ModuleNotFoundError."""
+    from importlib.util import find_spec
+
+    missing = [name for name in RUNTIME_MODULES if find_spec(name) is None]
+    if missing:
+        typer.echo(
+            f"rlc run: error: the runtime is not installed (missing: {', '.join(missing)}): "
+            "install `rlc[cpu]` here, or `rlc[npu]` on Ascend hosts",
+            err=True,
+        )
+        raise typer.Exit(EXIT_USAGE)
 
 
 @app.command()
