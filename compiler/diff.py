@@ -211,7 +211,15 @@ def plan_from_path(
         found = verify_plan_dir(path, allow_modified=True)
         if any(d.severity == "error" for d in found):
             return None, found
-        return load_plan(path), found
+        try:
+            return load_plan(path), found
+        except (OSError, ValueError) as exc:  # a hand-edited plan.json (modified files are only warned about)
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            where = str(path / "plan.json")
+            unreadable = Diagnostic(
+                "RLC707", f"plan.json cannot be read: {reason}", where, hint="recompile the plan", file=where
+            )
+            return None, [*found, unreadable]
     from rlc.compiler.planner import build_plan  # the planner is only needed when a side is a spec
     from rlc.compiler.validate import check_file
 

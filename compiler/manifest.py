@@ -45,8 +45,11 @@ def sha256_file(path: Path) -> str:
 
 
 def dumps_json(data: Any) -> str:
-    """Canonical JSON text: sorted keys, two-space indent, UTF-8 kept readable, trailing newline."""
-    return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+    """Canonical JSON text: sorted keys, two-space indent, UTF-8 kept readable, trailing newline.
+
+    Strict JSON: a NaN or infinity raises ValueError instead of writing `NaN`, which other parsers refuse.
+    """
+    return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
 def major_minor(version: str) -> tuple[str, str]:

@@ -24,6 +24,9 @@ class RuleContext:
     file: str
 
     def diag(self, code: str, path: str, message: str, hint: str = "", severity: Severity = "error") -> Diagnostic:
+        via = self.lines.override_for(path)
+        if via is not None:  # the value came from the command line, not from the line the path is on
+            message += f" (from `--set {via}`)"
         return Diagnostic(code, message, path, severity, hint, self.lines.line_for(path), self.file)
 
 
@@ -498,4 +501,19 @@ def check_mode_settings(ctx: RuleContext) -> Iterator[Diagnostic]:
             f"micro-batch budget {budget} tokens is shorter than the longest sequence "
             f"({spec.rollout.max_prompt_len} + {spec.rollout.max_response_len} = {spec.rollout.max_total_len})",
             f"use at least {spec.rollout.max_total_len} tokens, or shorten rollout lengths",
+        )
+
+
+@rule("RLC214", "The cluster must be within what the planner searches")
+def check_cluster_size(ctx: RuleContext) -> Iterator[Diagnostic]:
+    from rlc.schemas.spec import MAX_DEVICES
+
+    problem = ctx.problem
+    if problem.total_devices > MAX_DEVICES:
+        yield ctx.diag(
+            "RLC214",
+            "cluster.nodes",
+            f"{problem.spec.cluster.nodes} node(s) × {problem.devices_per_node} devices = {problem.total_devices:,} "
+            f"devices; the planner searches layouts for up to {MAX_DEVICES:,}",
+            f"plan one job of at most {MAX_DEVICES // problem.devices_per_node} nodes per run",
         )

@@ -174,7 +174,8 @@ def explain(
         except (OSError, ValueError) as exc:
             raise _usage_error(f"cannot read plan {source}: {exc}") from None
     else:
-        _, plan, _ = _plan_spec(source, target, set_ or [])
+        as_json = OutputFormat.json if output_format == ExplainFormat.json else None
+        _, plan, _ = _plan_spec(source, target, set_ or [], as_json)
     if output_format == ExplainFormat.json:
         typer.echo(explain_json(plan))
         return
@@ -349,52 +350,68 @@ def init(
     typer.echo(f"wrote {path} (schema: {schema_path}); next: rlc validate {path}")
 
 
-@app.command()
-def models() -> None:
-    """List the model catalog."""
+def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A rich table on a terminal; tab-separated lines when piped, so nothing is truncated for grep or cut."""
+    if not sys.stdout.isatty():
+        for row in (header, *rows):
+            typer.echo("\t".join(row))
+        return
     from rich.console import Console
     from rich.table import Table
 
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+@app.command()
+def models() -> None:
+    """List the model catalog (head counts are what TP, CP and EP degrees must divide)."""
     from rlc.schemas.registry import load_arch, model_ids
 
-    table = Table("id", "params (B)", "active (B)", "layers", "hidden", "attention", "MoE", "MTP")
+    rows = []
     for model_id in model_ids():
         arch = load_arch(model_id)
         moe = f"{arch.moe.num_experts}x top-{arch.moe.experts_per_token}" if arch.moe else "-"
-        table.add_row(
-            arch.id,
-            f"{arch.params_b:g}",
-            f"{arch.active_params_b:g}",
-            str(arch.num_layers),
-            str(arch.hidden_size),
-            arch.attention.kind,
-            moe,
-            str(arch.mtp_layers),
+        rows.append(
+            (
+                arch.id,
+                f"{arch.params_b:g}",
+                f"{arch.active_params_b:g}",
+                str(arch.num_layers),
+                str(arch.hidden_size),
+                str(arch.num_attention_heads),
+                str(arch.num_kv_heads),
+                arch.attention.kind,
+                moe,
+                str(arch.mtp_layers),
+            )
         )
-    Console().print(table)
+    header = ("id", "params (B)", "active (B)", "layers", "hidden", "heads", "kv heads", "attention", "MoE", "MTP")
+    _print_table(header, rows)
 
 
 @app.command()
 def targets() -> None:
     """List the hardware targets."""
-    from rich.console import Console
-    from rich.table import Table
-
     from rlc.schemas.registry import load_target, target_ids
 
-    table = Table("id", "chip", "devices/node", "HBM GiB", "usable GiB", "bf16 TFLOPS", "HBM GB/s")
+    rows = []
     for target_id in target_ids():
         t = load_target(target_id)
-        table.add_row(
-            t.id,
-            t.chip,
-            str(t.devices_per_node),
-            f"{t.hbm_gib:g}",
-            f"{t.usable_hbm_gib:g}",
-            f"{t.bf16_tflops:g}",
-            f"{t.hbm_bandwidth_gbps:g}",
+        rows.append(
+            (
+                t.id,
+                t.chip,
+                str(t.devices_per_node),
+                f"{t.hbm_gib:g}",
+                f"{t.usable_hbm_gib:g}",
+                f"{t.bf16_tflops:g}",
+                f"{t.hbm_bandwidth_gbps:g}",
+            )
         )
-    Console().print(table)
+    _print_table(("id", "chip", "devices/node", "HBM GiB", "usable GiB", "bf16 TFLOPS", "HBM GB/s"), rows)
 
 
 def main() -> None:

@@ -162,6 +162,28 @@ def test_missing_file(tmp_path: Path) -> None:
 # ----------------------------------------------------------------- semantic rules, one test each
 
 
+def test_rule_cluster_within_the_search() -> None:
+    d = only(check(GOOD.replace("nodes: 2", "nodes: 1024, devices_per_node: 64")), "RLC214")
+    assert d.path == "cluster.nodes"
+    assert "65,536 devices" in d.message and "8,192" in d.message
+    assert "128 nodes" in d.hint
+
+
+def test_errors_on_overridden_values_point_at_the_set() -> None:
+    loaded = check_text(GOOD, "spec.yaml")  # baseline: the rule's line is the file's
+    assert loaded.report.ok
+    from rlc.compiler.load import load_spec_text
+    from rlc.compiler.validate import check_loaded
+
+    report = check_loaded(load_spec_text(GOOD, "spec.yaml", overrides=["placement.train.tp=3"])).report
+    d = only(report, "RLC207")
+    assert d.line is None and "(from `--set placement.train.tp=3`)" in d.message
+    report = check_loaded(load_spec_text(GOOD, "spec.yaml", overrides=["cluster.nodes=0"])).report
+    d = only(report, "RLC104")
+    assert d.line is None and "from `--set cluster.nodes=0`" in d.message
+    assert d.hint == "allowed: 1 ≤ value ≤ 1024"
+
+
 def test_rule_mtp_needs_mtp_layers() -> None:
     d = only(check(GOOD + "rollout: {mtp: {num_speculative_tokens: 2}}\n"), "RLC201")
     assert "no MTP layers" in d.message
