@@ -71,8 +71,9 @@ class YamlShapeError(ValueError):
     """A YAML document whose shape no spec has: recursive aliases, nesting too deep, alias expansion too large."""
 
 
-class _KeyTrackingLoader(yaml.SafeLoader):
-    """SafeLoader whose composer refuses nesting deeper than MAX_DEPTH (it recurses once per level)."""
+class _DepthLimitedLoader(yaml.SafeLoader):
+    """The pure-Python loader, for PyYAML without libyaml: its composer recurses once per level, so it stops
+    at MAX_DEPTH (libyaml refuses past 1,000 levels by itself, and the node walk stops at MAX_DEPTH)."""
 
     _depth = 0
 
@@ -84,6 +85,10 @@ class _KeyTrackingLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)  # type: ignore[misc]
         finally:
             self._depth -= 1
+
+
+#: libyaml's parser where PyYAML has it: the Python scanner is quadratic on deeply nested flow collections.
+_Loader: type = getattr(yaml, "CSafeLoader", _DepthLimitedLoader)
 
 
 def _walk_nodes(
@@ -139,7 +144,7 @@ def _bounded_yaml(text: str) -> tuple[Any, dict[Loc, int], list[tuple[Loc, int]]
     The node tree is checked before anything is constructed, so an alias bomb or a recursive alias costs
     no more than MAX_NODES steps. Raises yaml.YAMLError for malformed text.
     """
-    loader = _KeyTrackingLoader(text)
+    loader = _Loader(text)
     try:
         root = loader.get_single_node()
         lines: dict[Loc, int] = {}
