@@ -244,6 +244,13 @@ def run(
         typer.echo(render_text([report]), err=True)
     if not report.ok:
         raise typer.Exit(EXIT_FINDINGS)
+    if allow_modified and report.diagnostics:
+        from rlc.compiler.plan_changes import describe_modifications
+
+        changed = describe_modifications(plan_dir)
+        if changed:
+            typer.echo("rlc run: --allow-modified: running a plan that differs from the compiled one:", err=True)
+            typer.echo("\n".join(f"    {line}" for line in changed), err=True)
     try:
         plan = load_plan(plan_dir)
     except (OSError, ValueError) as exc:
