@@ -357,6 +357,28 @@ def init(
     typer.echo(f"wrote {path} (schema: {schema_path}); next: rlc validate {path}")
 
 
+@app.command()
+def doctor(
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="Where runs will write (its disk is checked).")] = Path(),
+    output_format: Annotated[ExplainFormat, typer.Option("--format", "-f", help="text or json.")] = ExplainFormat.text,
+) -> None:
+    """What is installed, which devices are seen, Ray, /dev/shm and disk (exit 0 ok, 1 a run would fail here)."""
+    import json
+
+    from rlc.runtime.doctor import run_checks
+
+    checks = run_checks(run_dir)
+    failed = any(c.status == "fail" for c in checks)
+    if output_format == ExplainFormat.json:
+        typer.echo(json.dumps({"ok": not failed, "checks": [c.to_json() for c in checks]}, indent=2, sort_keys=True))
+    else:
+        width = max(len(c.name) for c in checks)
+        for c in checks:
+            typer.echo(f"{c.status:4s}  {c.name:{width}s}  {c.detail}")
+        typer.echo("doctor: " + ("a run would fail here (see fail above)" if failed else "ready"))
+    raise typer.Exit(EXIT_FINDINGS if failed else EXIT_OK)
+
+
 def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     """A rich table on a terminal; tab-separated lines when piped, so nothing is truncated for grep or cut."""
     if not sys.stdout.isatty():

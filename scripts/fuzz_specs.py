@@ -34,6 +34,7 @@ def main() -> int:
     failures: collections.Counter[str] = collections.Counter()
     examples: dict[str, str] = {}
     times: list[float] = []
+    cpu_times: list[float] = []
     slow = 0
     slowest: list[tuple[float, str]] = [(0.0, "")]
     started = time.perf_counter()
@@ -53,6 +54,7 @@ def main() -> int:
         outcome = run_case(text, target, overrides, limit_s=args.limit)
         kinds[outcome.kind] += 1
         times.append(outcome.seconds)
+        cpu_times.append(outcome.cpu_seconds)
         if outcome.seconds > slowest[0][0]:
             slowest[0] = (outcome.seconds, repr((outcome.kind, text[:400], target, overrides)))
         if outcome.seconds > SLOW_S:
@@ -71,7 +73,8 @@ def main() -> int:
         print(f"  {kind:13s} {count}")
     times.sort()
     p99 = times[int(0.99 * (len(times) - 1))] if times else 0.0
-    print(f"  time per mutant: median {statistics.median(times):.3f} s, p99 {p99:.3f} s, max {times[-1]:.3f} s")
+    print(f"  wall time per mutant: median {statistics.median(times):.3f} s, p99 {p99:.3f} s, max {times[-1]:.3f} s")
+    print(f"  CPU time per mutant: max {max(cpu_times, default=0.0):.3f} s")
     print(f"  over {SLOW_S:g} s: {slow}")
     print(f"  slowest: {slowest[0][1][:600]}")
     uncaught = kinds["exception"] + kinds["hang"] + kinds["invariant"]

@@ -239,9 +239,10 @@ class Outcome:
     """How one case ended: `kind` is ok | findings | emit-refused | exception | hang | invariant."""
 
     kind: str
-    seconds: float
+    seconds: float  # wall clock
     detail: str = ""
     codes: list[str] = field(default_factory=list)
+    cpu_seconds: float = 0.0  # this process's CPU time: what the case cost, whatever else loads the machine
 
 
 _armed = [False]
@@ -316,7 +317,7 @@ def run_case(text: str, target: str | None, overrides: list[str], *, limit_s: fl
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     # Re-fired every 0.2 s: an alarm that lands in a callback that swallows exceptions (gc hooks) is not lost.
     signal.setitimer(signal.ITIMER_REAL, limit_s, 0.2)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     _armed[0] = True
     try:
         outcome = _compile(text, target, overrides)
@@ -329,6 +330,7 @@ def run_case(text: str, target: str | None, overrides: list[str], *, limit_s: fl
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     outcome.seconds = time.perf_counter() - start
+    outcome.cpu_seconds = time.process_time() - cpu_start
     if not math.isfinite(outcome.seconds):
         outcome.seconds = limit_s
     return outcome

@@ -23,7 +23,7 @@ def test_mutated_specs_validate_and_compile_without_crashing(case: tuple[str, st
     text, target, overrides = case
     outcome = run_case(text, target, overrides, limit_s=10)
     assert outcome.kind in ("ok", "findings"), outcome
-    assert outcome.seconds < SLOW_S, outcome
+    assert outcome.cpu_seconds < SLOW_S, outcome  # CPU time: a loaded CI machine does not make it fail
     assert all(code.startswith("RLC") for code in outcome.codes)
 
 

@@ -32,9 +32,10 @@ def diagnostics(text: str, overrides: list[str] | None = None) -> list[tuple[str
 
 
 def timed(text: str, overrides: list[str] | None = None) -> tuple[list[tuple[str, str, str]], float]:
-    start = time.perf_counter()
+    """Diagnostics and the CPU seconds they took (CPU time, so a busy machine does not fail the bound)."""
+    start = time.process_time()
     found = diagnostics(text, overrides)
-    return found, time.perf_counter() - start
+    return found, time.process_time() - start
 
 
 # ----------------------------------------------------------------------------------------- YAML shapes
@@ -246,7 +247,7 @@ def test_each_bound_is_enforced_and_compiles_fast_at_the_bound(
     _set_path(data, path, kind(at_bound))
     outcome = run_case(yaml.safe_dump(data, sort_keys=False), None, [], limit_s=10)
     assert outcome.kind in ("ok", "findings", "emit-refused"), (path, outcome)
-    assert outcome.seconds < 2, (path, outcome.seconds)
+    assert outcome.cpu_seconds < 2, (path, outcome.cpu_seconds)
     _set_path(data, path, kind(high + 1 if kind is int else high * 2 + 1))
     found = diagnostics(yaml.safe_dump(data, sort_keys=False))
     assert ("RLC104", ".".join(path)) in [(c, p) for c, p, _ in found], found
@@ -262,4 +263,4 @@ def test_every_bound_at_once_compiles_fast() -> None:
         _set_path(data, path, kind(high if inclusive else (high - 1 if kind is int else high * 0.999)))
     outcome = run_case(yaml.safe_dump(data, sort_keys=False), None, [], limit_s=10)
     assert outcome.kind in ("ok", "findings"), outcome
-    assert outcome.seconds < 2
+    assert outcome.cpu_seconds < 2

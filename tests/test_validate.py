@@ -162,6 +162,23 @@ def test_missing_file(tmp_path: Path) -> None:
 # ----------------------------------------------------------------- semantic rules, one test each
 
 
+@pytest.mark.parametrize(
+    ("line", "path"),
+    [
+        ("output: {dir: ~/runs/x}", "output.dir"),
+        ("output: {dir: $HOME/runs/x}", "output.dir"),
+        ('output: {dir: "runs/${USER}/x"}', "output.dir"),
+        ("data: {train: ~/data/math.jsonl}", "data.train"),
+    ],
+)
+def test_rule_paths_are_not_expanded(line: str, path: str) -> None:
+    key = line.split(":", 1)[0]
+    text = "\n".join(x for x in GOOD.splitlines() if not x.startswith(f"{key}:")) + f"\n{line}\n"
+    d = only(check(text), "RLC215")
+    assert d.path == path and "would be used literally" in d.message and "absolute path" in d.hint
+    assert check(GOOD + "output: {dir: /data/runs/x$}\n").ok  # a lone $ is just a character
+
+
 def test_rule_cluster_within_the_search() -> None:
     d = only(check(GOOD.replace("nodes: 2", "nodes: 1024, devices_per_node: 64")), "RLC214")
     assert d.path == "cluster.nodes"
