@@ -358,6 +358,29 @@ def init(
 
 
 @app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory (holds metrics.jsonl).", show_default=False)],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Folder (default: RUNDIR/report).")] = None,
+) -> None:
+    """A self-contained HTML page and PNGs of a run's metrics, next to the plan's predictions."""
+    from rlc.runtime.errors import RunError, RunUsageError
+    from rlc.runtime.report import write_report
+
+    if not run_dir.is_dir():
+        raise _usage_error(f"{run_dir} is not a run directory")
+    try:
+        written = write_report(run_dir, output)
+    except RunUsageError as exc:
+        raise _usage_error(str(exc)) from None
+    except RunError as exc:
+        typer.echo(f"rlc report: error: {exc}", err=True)
+        raise typer.Exit(EXIT_FINDINGS) from None
+    except OSError as exc:
+        raise _usage_error(f"cannot write the report: {exc.strerror or exc} ({exc.filename})") from None
+    typer.echo(f"wrote {written.html} ({len(written.pngs)} charts)")
+
+
+@app.command()
 def doctor(
     run_dir: Annotated[Path, typer.Option("--run-dir", help="Where runs will write (its disk is checked).")] = Path(),
     output_format: Annotated[ExplainFormat, typer.Option("--format", "-f", help="text or json.")] = ExplainFormat.text,

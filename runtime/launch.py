@@ -310,6 +310,20 @@ def _run_controller(controller: Any, run_dir: Path) -> int:
         ) from None
 
 
+def _write_report(run_dir: Path, log) -> None:  # type: ignore[no-untyped-def]
+    """The run's HTML report; a run never fails for want of it."""
+    from rlc.runtime.report import write_report
+
+    try:
+        written = write_report(run_dir)
+    except RunUsageError as exc:  # matplotlib is not installed
+        log(f"no report: {exc}")
+    except (RunError, OSError, ValueError) as exc:
+        log(f"warning: the report could not be written: {exc}")
+    else:
+        log(f"report: {written.html}")
+
+
 def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False, overwrite: bool = False) -> int:
     """Execute a verified plan; returns the number of steps trained in total.
 
@@ -369,6 +383,7 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False, over
         signal.signal(signal.SIGINT, interrupt)
         steps = _run_controller(controller, run_dir)
         log(f"done: {steps} step(s); metrics in {run_dir / 'metrics.jsonl'}")
+        _write_report(run_dir, log)
         return steps
     finally:
         signal.signal(signal.SIGINT, previous)
