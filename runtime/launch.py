@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -301,8 +302,11 @@ def _run_controller(controller: Any, run_dir: Path) -> int:
     try:
         return controller.run()
     except RayActorError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RunError(f"a Ray actor of the run died ({first}); the run stopped: {_resumable(run_dir)}") from None
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        named = re.search(r"class_name: (\S+)", text)
+        who = f"{named.group(1)}: " if named else ""
+        raise RunError(f"a Ray actor of the run died ({who}{first}); the run stopped: {_resumable(run_dir)}") from None
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
         raise RunError(
@@ -393,8 +397,9 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False, over
             if part is not None:
                 try:
                     part.shutdown()
-                except Exception as exc:
-                    print(f"rlc: warning: shutdown: {exc}", file=sys.stderr)
+                except Exception as exc:  # a dead actor: one line, not Ray's whole report again
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    print(f"rlc: warning: shutdown: {first}", file=sys.stderr)
         if started_ray:
             ray.shutdown()
         else:

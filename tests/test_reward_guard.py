@@ -46,6 +46,7 @@ def test_bad_rewards_score_zero_then_stop_naming_the_sample(fn, problem: str) ->
     message = str(stopped.value)
     assert message.startswith(f"reward 'mylab.rewards:score' {problem} (prompt '3+4=', completion '7', answer '7')")
     assert f"{allowed + 1} of the last {allowed + 1} samples failed" in message
+    assert f"the run stops past {allowed} (5% of a batch of 100) scored 0" in message
     assert "fix the reward function" in message and "--resume" in message
 
 

@@ -28,6 +28,7 @@ def test_reward_that_raises_stops_with_the_sample(tmp_path: Path) -> None:
     started = time.monotonic()
     result = subprocess.run([*RLC, "run", str(plan)], capture_output=True, text=True, timeout=600, env=env)
     output = result.stdout + result.stderr
+    print(result.stderr[-1500:])  # the message, for the record (pytest -s)
     assert result.returncode == 1, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert "rlc run: error: reward 'badreward:score' raised ValueError: cannot parse" in result.stderr
@@ -94,6 +95,7 @@ def test_killed_trainer_actor_stops_with_a_resumable_message(tmp_path: Path) -> 
     thread.join(timeout=10)
     assert killed, "the trainer was never killed"
     message = str(stopped.value)
-    assert message.startswith("a Ray actor of the run died")
+    print(message)  # for the record (pytest -s)
+    assert message.startswith("a Ray actor of the run died (TrainerWorker: ")
     assert "the newest complete checkpoint is step-" in message and "--resume" in message
     assert time.monotonic() - started < 600

@@ -200,8 +200,9 @@ class RewardGuard:
         if failed > self.allowed:
             raise RunError(
                 f"reward {self.name!r} {problem} {sample}; {failed} of the last {len(self.recent)} samples "
-                f"failed, more than the {MAX_FAILED_SHARE:.0%} of a batch ({self.allowed}) scored 0 before the "
-                "run stops: fix the reward function (checkpoints so far are kept; `--resume` continues)"
+                f"failed, and the run stops past {self.allowed} ({MAX_FAILED_SHARE:.0%} of a batch of "
+                f"{self.window}) scored 0: fix the reward function (checkpoints so far are kept; `--resume` "
+                "continues)"
             )
         if not self.reported:
             self.reported = True
