@@ -341,14 +341,15 @@ def train_time(
     combine all-to-alls per MoE layer, forward and backward (Lepikhin et al. 2020). DP: FSDP2 all-gathers
     parameters for forward and backward of every micro-batch and reduce-scatters gradients once; Megatron's
     distributed optimizer reduce-scatters gradients and all-gathers parameters once per step; half of it hides
-    behind compute. Offload: parameters cross the host link per micro-batch (forward, backward) and the
-    optimizer's 16 B/param are swapped in and out for a host-side step.
+    behind compute. Offload: parameters cross the host link per micro-batch (forward, backward), also for a
+    LoRA run's frozen base; offloaded optimizer moments are brought to the device for the update and back.
+    CP ring (Liu et al. 2023): K/V blocks passed cp − 1 times per layer and pass.
     """
     arch = sizes.arch
-    b = dtype_bytes(target)
-    kind = target.kind
+    fsdp = layout.backend == "fsdp2"
+    b = layout.precision.compute_bytes if fsdp else dtype_bytes(target)
     flops = train_flops(sizes, work, layout.recompute)
-    compute = flops / (layout.devices * target.bf16_tflops * 1e12 * target.efficiency.train_mfu)
+    compute = flops / (layout.world_size * target.bf16_tflops * 1e12 * target.efficiency.train_mfu)
     tokens_rank = work.trained_tokens / layout.dp
     micro = max(1, ceil(tokens_rank / layout.micro_batch_tokens))
     bubble = (layout.pp - 1) / (micro + layout.pp - 1)
@@ -361,10 +362,16 @@ def train_time(
         count = 2 * passes * stage_layers
         tp_s = _collective_s(target, count * volume, target.intra_node_bandwidth_gbps, count * micro)
     if layout.cp > 1:
-        width = (2 * arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim
-        volume = (layout.cp - 1) / layout.cp * local * width * b / layout.tp
         link = _link_gbps(target, layout.tp * layout.cp, devices_per_node)
-        cp_s = _collective_s(target, passes * stage_layers * volume, link, 4 * passes * stage_layers * micro)
+        if layout.cp_kind == "ring":
+            # Each rank passes its K/V block on cp − 1 times per layer (and dK/dV back in backward).
+            volume = (layout.cp - 1) * local * 2 * arch.num_kv_heads * arch.head_dim * b / layout.tp
+            count = (layout.cp - 1) * passes * stage_layers
+        else:
+            width = (2 * arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim
+            volume = (layout.cp - 1) / layout.cp * local * width * b / layout.tp
+            count = 4 * passes * stage_layers
+        cp_s = _collective_s(target, passes * stage_layers * volume, link, count * micro)
     if arch.moe is not None and layout.ep > 1:
         moe_share = (arch.num_layers - arch.moe.first_dense_layers) / arch.num_layers
         volume = local * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep
@@ -372,13 +379,13 @@ def train_time(
         count = 2 * passes * stage_layers * moe_share
         ep_s = _collective_s(target, count * volume / layout.tp, link, count * micro)
     dp_s = 0.0
-    group = layout.devices // (layout.tp * layout.pp) if layout.backend == "fsdp2" else layout.dp * layout.cp
+    group = layout.shard_group if fsdp else layout.dp * layout.cp
     if group > 1:
         replica = sizes.total / (layout.tp * layout.pp)
         ring = (group - 1) / group
-        link = _link_gbps(target, layout.devices, devices_per_node)
-        if layout.backend == "fsdp2":
-            volume = (2 * micro * b + b) * replica * ring
+        link = _link_gbps(target, layout.world_size, devices_per_node)
+        if fsdp:
+            volume = (2 * micro * b + layout.precision.reduce_bytes) * replica * ring
             count = 3 * micro * arch.num_layers
         else:
             volume = 2 * b * replica * ring
@@ -387,12 +394,16 @@ def train_time(
         dp_s = max(dp_s, (1 - DP_OVERLAP) * _collective_s(target, volume, link, count))
     offload_s = 0.0
     host = target.host_to_device_bandwidth_gbps * 1e9
-    shard = sizes.total / layout.devices if layout.backend == "fsdp2" else sizes.total / (layout.tp * layout.pp)
-    if layout.offload_params and not work.lora:
-        offload_s += (2 * micro + 1) * shard * b / host
-    if layout.offload_optimizer and not work.lora:
-        offload_s += 2 * 16 * shard / max(1, group) / host
-    del kind
+    shard = sizes.total / layout.world_size if fsdp else sizes.total / (layout.tp * layout.pp)
+    w_bytes = layout.precision.param_bytes if fsdp else b
+    if layout.offload_params:
+        # Parameters cross the host link for forward and backward of every micro-batch; gradients come back
+        # once (a LoRA run's frozen base has none, but its weights still travel).
+        offload_s += (2 * micro * w_bytes + (0 if work.lora else layout.precision.reduce_bytes)) * shard / host
+    if layout.offload_optimizer and not layout.offload_params and not work.lora:
+        # The moments come to the device for the update and go back: 2 × their bytes.
+        moments = 2 * layout.precision.param_bytes * shard if fsdp else 12 * shard / max(1, group)
+        offload_s += 2 * moments / host
     return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s)
 
 
@@ -412,11 +423,11 @@ def weight_sync_s(
     Volume: the full model in compute dtype (total params × bytes), or only the LoRA adapters when the
     engine serves them. broadcast: one pipelined broadcast from trainer rank 0 (bytes / link bw; across
     nodes the scale-out link bounds it) after gathering the shards on that rank (same volume, intra-node).
-    inplace (colocated, one node): the gathered weights go through host shared memory, because the
-    trainer rank and the engine worker of one device cannot both be ranks of one NCCL group: rank 0
-    copies them to the host and the engines' devices load them back in parallel, 2 × bytes /
-    host↔device bandwidth after the gather. Across nodes the runtime uses files (priced as disk by
-    the search).
+    inplace (colocated): the gathered weights go through host shared memory, because the trainer rank
+    and the engine worker of one device cannot both be ranks of one NCCL group: each node's leader rank
+    gathers the full weights (over the scale-out link when the trainer spans nodes), copies them to its
+    host and that node's engines load them back in parallel, 2 × bytes / host↔device bandwidth after
+    the gather.
     disk: safetensors written once and read in parallel at DISK_GBPS.
     """
     b = dtype_bytes(target)
@@ -424,9 +435,10 @@ def weight_sync_s(
     if method == "disk":
         return 2 * volume / (DISK_GBPS * 1e9)
     intra = _collective_s(target, volume, target.intra_node_bandwidth_gbps)
-    if method == "inplace":
-        return intra + 2 * volume / (target.host_to_device_bandwidth_gbps * 1e9)
     link = target.inter_node_bandwidth_gbps if cross_node else target.intra_node_bandwidth_gbps
+    if method == "inplace":
+        gather = _collective_s(target, volume, link)
+        return gather + 2 * volume / (target.host_to_device_bandwidth_gbps * 1e9)
     return intra + _collective_s(target, volume, link)
 
 

@@ -90,10 +90,16 @@ def runners_table(plan: Plan) -> Table:
 
 def explain_plan(plan: Plan, console: Console) -> None:
     """Print the layout, memory, step-time and runners-up tables."""
-    for table in (layout_table(plan), memory_table(plan), time_table(plan), runners_table(plan)):
+    console.print(layout_table(plan))
+    for r in plan.roles:
+        if r.layout is not None:
+            console.print(f"{r.name} trainer layout: {escape(r.layout.summary())}")
+    for table in (memory_table(plan), time_table(plan), runners_table(plan)):
         console.print(table)
     for warning in plan.warnings:
-        console.print(f"[yellow]warning:[/yellow] {warning}")
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+    for gap in plan.runtime_gaps:
+        console.print(f"[red]rlc run refuses this plan:[/red] {escape(gap)}")
 
 
 def explain_json(plan: Plan) -> str:
@@ -109,9 +115,12 @@ def explain_json(plan: Plan) -> str:
                 "parallel": r.parallel.model_dump(),
                 "backend": r.backend,
                 "memory": r.memory.model_dump(),
+                "notes": r.notes,
+                **({"layout": r.layout.model_dump(), "layout_summary": r.layout.summary()} if r.layout else {}),
             }
             for r in plan.roles
         ],
+        "runtime_gaps": plan.runtime_gaps,
         "estimates": plan.estimates.model_dump(),
         "runners_up": [c.model_dump() for c in plan.runners_up],
         "warnings": plan.warnings,

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 MANIFEST = "manifest.json"
 PLAN_FILE = "plan.json"
 #: Plan formats this rlc can run (the schema's PLAN_FORMAT_VERSION and any older ones still readable).
-SUPPORTED_FORMATS: tuple[int, ...] = (1,)
+SUPPORTED_FORMATS: tuple[int, ...] = (2,)
 #: Entries a Kubernetes ConfigMap volume adds next to the files (atomic-writer internals); never plan content.
 _CONFIGMAP_INTERNALS = ".."
 

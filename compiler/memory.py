@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from math import ceil
 
 from rlc.schemas.arch import ModelArch
+from rlc.schemas.layout import TrainLayout
 from rlc.schemas.target import TargetProfile
 
 GIB = 1024**3
@@ -187,66 +188,34 @@ class MemoryBreakdown:
 # --------------------------------------------------------------------------------------------- training
 
 
-@dataclass(frozen=True)
-class TrainLayout:
-    """A trainer layout: devices, parallel degrees, backend, recompute, offload and token budget."""
-
-    devices: int
-    backend: str = "fsdp2"
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    recompute: str = "none"
-    offload_params: bool = False
-    offload_optimizer: bool = False
-    micro_batch_tokens: int = 4096
-
-    @property
-    def dp(self) -> int:
-        return max(1, self.devices // (self.tp * self.pp * self.cp))
-
-    @property
-    def etp(self) -> int:
-        """Expert tensor parallel: experts also split over TP when EP·TP fits in one stage's ranks.
-
-        Megatron's default (ETP = TP) and MindSpeed's moe_tp_extend_ep both split each expert group over
-        tp·ep ranks, which needs ep | cp·dp; otherwise verl/Megatron recipes set ETP = 1 and EP carves the
-        tp·cp·dp ranks of a stage (e.g. Qwen3-235B TP2·CP8·EP16).
-        """
-        if self.ep > 1 and (self.cp * self.dp) % self.ep:
-            return 1
-        return self.tp
-
-    @property
-    def expert_shards(self) -> int:
-        return self.ep * self.etp
-
-    def summary(self) -> str:
-        """Every choice that tells two trainer layouts apart: `megatron tp4 pp2 cp1 dp2 ep8 recompute=full ...`."""
-        text = f"{self.backend} tp{self.tp} pp{self.pp} cp{self.cp} dp{self.dp}"
-        text += f" ep{self.ep}" if self.ep > 1 else ""
-        text += f" recompute={self.recompute} mbt={self.micro_batch_tokens}"
-        off = "+".join(n for n, on in (("params", self.offload_params), ("opt", self.offload_optimizer)) if on)
-        return text + (f" offload={off}" if off else "")
-
-
 def train_param_shard(sizes: ModelSizes, layout: TrainLayout) -> tuple[float, float]:
     """Parameters on the most loaded device, split as (dense incl. embeddings, routed experts).
 
-    FSDP2 (ZeRO-3, Rajbhandari et al. 2020): every parameter sharded over all devices of the mesh, Ψ/d.
+    FSDP2 (ZeRO-3, Rajbhandari et al. 2020; rlc's trainer): decoder-layer weights are split by TP (colwise
+    q/k/v/gate/up, rowwise o/down) and every parameter is sharded over the dp·cp ranks, so a device holds
+    (layers/t + embedding + head)/(dp·cp); embeddings and norms are not tensor-parallel there.
     Megatron (Narayanan et al. 2021; megatron/training/theoretical_memory_usage.py): a stage holds
     ceil(L/p) layers; dense parts split by t, routed experts by ep·etp; the first stage adds the embedding and
     the last the LM head (both when p == 1), vocab-parallel over t.
     """
     if layout.backend == "fsdp2":
-        return sizes.total / layout.devices, 0.0
+        layers = sizes.total - sizes.embedding - sizes.head
+        return (layers / layout.tp + sizes.embedding + sizes.head) / layout.shard_group, 0.0
     per_layer = 1 / sizes.layers
     stage_layers = ceil(sizes.layers / layout.pp)
     vocab = sizes.embedding + sizes.head if layout.pp == 1 else max(sizes.embedding, sizes.head or sizes.embedding)
     dense = (sizes.dense * per_layer * stage_layers + vocab) / layout.tp
     expert = sizes.expert * per_layer * stage_layers / layout.expert_shards
     return dense, expert
+
+
+def replicated_activation_elements(arch: ModelArch, recompute: str) -> float:
+    """The part of `activation_elements_per_token_layer` that tensor parallelism without sequence parallelism
+    does not split: the norms' inputs and outputs (4h; 2h under selective recompute, which drops the norm
+    outputs), or the layer input under full recompute (h). FSDP2's DTensor TP in rlc splits only the
+    attention heads and the FFN width; Megatron with sequence parallelism splits everything."""
+    h = arch.hidden_size
+    return {"none": 4.0 * h, "selective": 2.0 * h, "full": float(h)}[recompute]
 
 
 def activation_elements_per_token_layer(arch: ModelArch, recompute: str) -> float:
@@ -316,75 +285,86 @@ def train_memory(
 ) -> MemoryBreakdown:
     """The trainer's per-device peak during the training phase.
 
-    Model states (ZeRO accounting, Rajbhandari et al. 2020: 2 + 2 + 12 bytes/param for Adam in mixed
-    precision): FSDP2 shards weights (bf16, 2), grads (bf16, 2) and optimizer (fp32 master + m + v, 12) over
-    all d devices. Megatron with the distributed optimizer keeps bf16 weights (2) and fp32 main grads (4) per
-    TP/PP/EP shard and the 12-byte optimizer sharded over its data-parallel ranks (DP·CP for dense, the
-    expert-DP tp·cp·dp/(ep·etp) for experts). On the cpu target everything is fp32: weights 4, grads 4,
-    Adam m+v 8 (no separate master copy).
+    Model states (ZeRO accounting, Rajbhandari et al. 2020). FSDP2 as rlc's trainer runs it: the sharded
+    parameters are the master weights in the layout's param dtype (4 bytes for fp32), gradients are
+    reduce-scattered in its reduce dtype (4), AdamW keeps two moments in the param dtype (8): 16 bytes per
+    parameter over the dp·cp shard, the same total as mixed-precision ZeRO's 2 + 2 + 12. FSDP2 all-gathers
+    up to two decoder layers (current + prefetched) and the root unit (embeddings, tied or separate head)
+    in the compute dtype. Megatron with the distributed optimizer keeps bf16 weights (2) and fp32 main grads
+    (4) per TP/PP/EP shard and the 12-byte optimizer sharded over its data-parallel ranks (DP·CP for dense,
+    the expert-DP tp·cp·dp/(ep·etp) for experts); on the cpu target 4 + 4 + 8.
     LoRA: the frozen base keeps only weights; the adapters carry weights, grads and optimizer (same
     sharding). A KL reference without LoRA is one more frozen weight copy.
-    FSDP2 also all-gathers up to two layers (current + prefetched) in compute dtype.
-    Activations: `activation_elements_per_token_layer` × bytes × tokens per device (micro_batch_tokens/cp)
-    × ceil(L/p) layers × p in-flight micro-batches on the first 1F1B stage, ÷ t (sequence parallel). Full
-    recompute adds one layer's complete set for the layer being recomputed.
-    Logits: log-probs are computed in chunks of `logprob_chunk_tokens`, so chunk × V/t × 4 bytes × 3 (fp32
-    logits, log-softmax, gradient) — never tokens × V.
-    Offload moves weights+grads (params) or optimizer states to host RAM; host need is checked per node.
+    Activations: `activation_elements_per_token_layer` × compute bytes × tokens per device (micro_batch_tokens/cp)
+    × ceil(L/p) layers × p in-flight micro-batches on the first 1F1B stage. Megatron (sequence parallel)
+    divides all of it by t; FSDP2's tensor parallelism splits heads and FFN width only, so the norms' share
+    (`replicated_activation_elements`) stays whole. Full recompute adds one layer's complete set for the layer
+    being recomputed.
+    Logits: log-probs are computed in chunks of `logprob_chunk_tokens`, so chunk × V × 4 bytes × 3 (fp32
+    logits, log-softmax, gradient) — never tokens × V; Megatron's vocab-parallel head divides V by t.
+    Offload: FSDP2 parameter offload (CPUOffloadPolicy) keeps parameters, gradients and the optimizer step on
+    the host; optimizer offload keeps AdamW's moments on the host and streams one FSDP unit's moments to the
+    device for its update; host need is checked per node.
     `resident_gib`: memory another role keeps on the same device during this phase (colocated).
     """
-    b = dtype_bytes(target)
-    cpu = target.kind == "cpu"
+    fsdp = layout.backend == "fsdp2"
     dense, expert = train_param_shard(sizes, layout)
     shard = dense + expert
     items: dict[str, float] = {}
     lora = lora_rank is not None
-    if layout.backend == "fsdp2":
-        opt_dense, opt_expert = dense / 1, 0.0  # already sharded over all devices
+    if fsdp:
+        p = layout.precision
+        w_bytes, g_bytes, o_bytes, cb = p.param_bytes, p.reduce_bytes, 2 * p.param_bytes, p.compute_bytes
+        opt_shard = shard
     else:
-        opt_dense = dense / (layout.dp * layout.cp)
+        b = dtype_bytes(target)
+        w_bytes, g_bytes, o_bytes, cb = b, 4, 8 if target.kind == "cpu" else 12, b
         edp = max(1, layout.tp * layout.cp * layout.dp // layout.expert_shards)
-        opt_expert = expert / edp
-    grad_bytes = 4 if (cpu or layout.backend == "megatron") else 2
-    opt_bytes = 8 if cpu else 12
-    if lora:
-        items["weights"] = gib(shard * b)
-        items["grads"] = 0.0
-        items["optimizer"] = 0.0
-    else:
-        items["weights"] = gib(shard * b)
-        items["grads"] = gib(shard * grad_bytes)
-        items["optimizer"] = gib((opt_dense + opt_expert) * opt_bytes)
-    if layout.backend == "fsdp2" and layout.devices > 1:
-        items["gather"] = gib(2 * sizes.max_layer * b)
+        opt_shard = dense / (layout.dp * layout.cp) + expert / edp
+    items["weights"] = gib(shard * w_bytes)
+    items["grads"] = 0.0 if lora else gib(shard * g_bytes)
+    items["optimizer"] = 0.0 if lora else gib(opt_shard * o_bytes)
+    if fsdp and (layout.shard_group > 1 or cb != w_bytes):
+        items["gather"] = gib((2 * sizes.max_layer / layout.tp + sizes.embedding + sizes.head) * cb)
     if lora:
         adapters = lora_params(sizes.arch, lora_rank or 0, lora_targets)
-        split = layout.devices if layout.backend == "fsdp2" else layout.tp * layout.pp
-        items["lora"] = gib(adapters / split * (b + grad_bytes + opt_bytes))
+        split = layout.world_size if fsdp else layout.tp * layout.pp
+        items["lora"] = gib(adapters / split * (w_bytes + g_bytes + o_bytes))
     if reference and not lora:
-        items["reference"] = gib(shard * b)
+        items["reference"] = gib(shard * w_bytes)
     tokens = ceil(layout.micro_batch_tokens / layout.cp)
     arch = sizes.arch
+
+    def per_token(recompute: str) -> float:
+        total = sizes.act[recompute]
+        if not fsdp:
+            return total / layout.tp
+        kept = replicated_activation_elements(arch, recompute)
+        return kept + (total - kept) / layout.tp
+
     stage_layers = ceil(arch.num_layers / layout.pp)
-    act = sizes.act[layout.recompute] * tokens * stage_layers * layout.pp / layout.tp
+    act = per_token(layout.recompute) * tokens * stage_layers * layout.pp
     if layout.recompute == "full":
-        act += sizes.act["none"] * tokens / layout.tp
+        act += per_token("none") * tokens
     if lora:
         act += 2 * (lora_rank or 0) * len(LORA_MODULES) * tokens * stage_layers * layout.pp / layout.tp
-    items["activations"] = gib(act * b)
+    items["activations"] = gib(act * cb)
     chunk = min(logprob_chunk_tokens, tokens)
-    items["logits"] = gib(chunk * arch.vocab_size / layout.tp * 4 * LOGIT_COPIES)
+    items["logits"] = gib(chunk * arch.vocab_size / (1 if fsdp else layout.tp) * 4 * LOGIT_COPIES)
     host_per_device = 0.0
     if layout.offload_params:
-        host_per_device += items["weights"] + items["grads"]
-        items["weights"] = items["grads"] = 0.0
-    if layout.offload_optimizer:
+        moved = ("weights", "grads", "optimizer") if fsdp else ("weights", "grads")
+        host_per_device += sum(items[k] for k in moved)
+        items.update({k: 0.0 for k in moved})
+    if layout.offload_optimizer and items["optimizer"]:
         host_per_device += items["optimizer"]
-        items["optimizer"] = 0.0
+        # One FSDP unit's moments at a time come to the device for its update.
+        unit = max(sizes.max_layer / layout.tp, sizes.embedding + sizes.head) / layout.shard_group
+        items["optimizer"] = gib(unit * o_bytes) if fsdp else 0.0
     if resident_gib:
         items["other_roles"] = resident_gib
     items["reserve"] = target.reserve_gib
-    per_node = min(devices_per_node or target.devices_per_node, layout.devices)
+    per_node = min(devices_per_node or target.devices_per_node, layout.world_size)
     host_cap = target.host_memory_gib * HOST_MEMORY_FRACTION
     host = host_per_device * per_node
     problems = ()

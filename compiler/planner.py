@@ -16,6 +16,7 @@ from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
 from rlc.compiler.memory import MemoryBreakdown, RolloutLayout
 from rlc.compiler.resolve import Problem
+from rlc.schemas import layout as layout_lib
 from rlc.schemas.arch import ModelArch
 from rlc.schemas.plan import (
     AlgorithmSettings,
@@ -31,6 +32,7 @@ from rlc.schemas.plan import (
     OffloadStep,
     Parallel,
     Plan,
+    RayPlacement,
     Role,
     Sampling,
     Schedule,
@@ -39,6 +41,7 @@ from rlc.schemas.plan import (
 from rlc.schemas.spec import ModelRef
 
 WORKER_EXTENSION = "rlc.runtime.rollout.weight_sync.WeightSyncExtension"
+PLATFORM_OF_KIND = {"npu": "npu", "gpu": "cuda", "cpu": "cpu"}
 MAX_RUNNERS_UP = 5
 #: Context past which a pinned vLLM share above the planner's own cap draws a warning (long prefills).
 LONG_CONTEXT = 32768
@@ -280,7 +283,77 @@ def build_plan(
     diags = _warnings(problem, lines, file)
     if result.best is None:
         return None, diags + infeasible(problem, result, ctx, lines, file)
+    platform = PLATFORM_OF_KIND[problem.target.kind]
+    for gap in layout_lib.runtime_gaps(result.best.train.layout, platform):
+        diags.append(
+            Diagnostic(
+                "RLC303",
+                f"`rlc run` cannot execute this plan yet: {gap}",
+                "train",
+                "warning",
+                "the plan is written for review and launch files; pin train.backend: fsdp2 (dense models) for a "
+                "layout the runtime executes",
+                lines.line_for("train"),
+                file,
+            )
+        )
     return assemble(problem, ctx, result, diags), diags
+
+
+def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPlacement]:
+    """Each role's placement group, bundles and per-actor resource shares, by role name.
+
+    Disaggregated: one group per role; a trainer device is one bundle, an engine (or teacher engine) one bundle
+    of its TP/EP devices. Colocated: one group of device bundles shared by every role; each role's actor takes
+    an equal share of a device (the trainer's share is halved again when a separate KL reference rank sits
+    beside it), and engine i is anchored on the bundle of its first device.
+    """
+    res = problem.target.ray_resource
+    colocated = best.mode == "colocated"
+    tl, rl = best.train.layout, best.rollout.layout
+    reference = problem.spec.algorithm.kl_coef > 0 and problem.spec.lora is None
+    engines = [("rollout", rl)] + [(f"teacher-{t.name}", t.layout) for t in best.teachers]
+    out: dict[str, RayPlacement] = {}
+    if colocated:
+        bundles = [{res: 1.0}] * tl.world_size
+        share = r4(1.0 / len(["actor", *engines]))
+        trainer = r4(share / 2) if reference else share
+        out["actor"] = RayPlacement(
+            placement_group="rlc-colocated",
+            bundles=bundles,
+            bundle_indices=list(range(tl.world_size)),
+            actor_resources={res: trainer},
+            reference_resources={res: trainer} if reference else None,
+        )
+        for name, lay in engines:
+            out[name] = RayPlacement(
+                placement_group="rlc-colocated",
+                bundles=bundles,
+                bundle_indices=[i * lay.engine_devices for i in range(lay.replicas)],
+                actor_resources={res: share},
+            )
+        return out
+    out["actor"] = RayPlacement(
+        placement_group="rlc-actor",
+        bundles=[{res: 1.0}] * tl.world_size,
+        bundle_indices=list(range(tl.world_size)),
+        actor_resources={res: 0.5 if reference else 1.0},
+        reference_resources={res: 0.5} if reference else None,
+    )
+    for name, lay in engines:
+        width = float(lay.engine_devices)
+        out[name] = RayPlacement(
+            placement_group=f"rlc-{name}",
+            bundles=[{res: width}] * lay.replicas,
+            bundle_indices=list(range(lay.replicas)),
+            actor_resources={res: width},
+        )
+    return out
+
+
+def r4(value: float) -> float:
+    """Ray resource shares are kept to four decimals (Ray's own granularity)."""
+    return float(int(value * 10_000) / 10_000)
 
 
 def _offload_steps(problem: Problem, colocated: bool, best: search.Candidate) -> list[OffloadStep]:
@@ -313,8 +386,9 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
     tl, rl = best.train.layout, best.rollout.layout
     lora_mode = search.lora_rollout_mode(problem)
     roles: list[Role] = []
+    placements = ray_placements(problem, best)
     train_notes = [
-        f"{tl.summary()}: fastest fitting trainer layout on {tl.devices} devices",
+        f"{tl.summary()}: fastest fitting trainer layout on {tl.world_size} devices",
         f"peak {best.train.memory.total_gib:.1f} of {best.train.memory.capacity_gib:.1f} GiB",
     ]
     if tl.offload_params or tl.offload_optimizer:
@@ -323,27 +397,19 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
         Role(
             name="actor",
             kind="train",
-            devices=tl.devices,
-            placement=placement_ids(best.train_start, tl.devices, dpn),
+            devices=tl.world_size,
+            placement=placement_ids(best.train_start, tl.world_size, dpn),
             parallel=Parallel(tp=tl.tp, pp=tl.pp, cp=tl.cp, ep=tl.ep, dp=tl.dp),
+            layout=layout_lib.TrainLayout.model_validate(tl.model_dump()),
+            ray=placements["actor"],
             backend=tl.backend,
             replicas=tl.dp,
             memory=memory_model(best.train.memory, "train"),
             engine={
-                "backend": tl.backend,
-                "tp": tl.tp,
-                "pp": tl.pp,
-                "cp": tl.cp,
-                "ep": tl.ep,
-                "etp": tl.etp,
-                "dp": tl.dp,
-                "recompute": tl.recompute,
-                "offload_params": tl.offload_params,
-                "offload_optimizer": tl.offload_optimizer,
-                "micro_batch_tokens": tl.micro_batch_tokens,
                 "logprob_chunk_tokens": spec.train.logprob_chunk_tokens,
-                "dtype": "float32" if target.kind == "cpu" else "bfloat16",
                 "packing": spec.train.packing,
+                "packed_attention": "varlen",
+                "etp": tl.etp,
             },
             estimates={
                 "train_s": r3(best.train.seconds),
@@ -363,6 +429,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
             devices=rl.devices,
             placement=placement_ids(best.rollout_start, rl.devices, dpn),
             parallel=Parallel(tp=rl.tp, ep=rl.ep, dp=rl.replicas),
+            ray=placements["rollout"],
             backend=backend,
             replicas=rl.replicas,
             memory=memory_model(best.rollout.memory, "rollout"),
@@ -396,6 +463,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
                 devices=layout.devices,
                 placement=placement_ids(start, layout.devices, dpn),
                 parallel=Parallel(tp=layout.tp, dp=layout.replicas),
+                ray=placements[f"teacher-{option.name}"],
                 backend=backend,
                 replicas=layout.replicas,
                 memory=memory_model(option.memory, "steady"),
@@ -467,8 +535,13 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
         spec_hash=spec_hash(problem),
         target=target.id,
         target_kind=target.kind,
-        platform={"npu": "npu", "gpu": "cuda", "cpu": "cpu"}[target.kind],  # type: ignore[arg-type]
-        cluster=Cluster(nodes=spec.cluster.nodes, devices_per_node=dpn, total_devices=problem.total_devices),
+        platform=PLATFORM_OF_KIND[target.kind],  # type: ignore[arg-type]
+        cluster=Cluster(
+            nodes=spec.cluster.nodes,
+            devices_per_node=dpn,
+            total_devices=problem.total_devices,
+            ray_resource=target.ray_resource,
+        ),
         model=model,
         roles=roles,
         schedule=schedule,
@@ -531,6 +604,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
         ),
         runners_up=runners,
         warnings=[d.message for d in diags if d.severity == "warning"],
+        runtime_gaps=layout_lib.runtime_gaps(tl, PLATFORM_OF_KIND[target.kind]),  # type: ignore[arg-type]
     )
 
 

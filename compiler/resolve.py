@@ -109,6 +109,18 @@ def resolve_model(ref: ModelRef, path: str, lines: LineMap, file: str) -> tuple[
         ]
 
 
+def with_device_memory(target: TargetProfile, budget_gib: float | None) -> TargetProfile:
+    """The target with `cluster.device_memory_gib` as its usable memory per device.
+
+    On cpu the budget is a convention (each worker process's slice of host RAM), so it may grow or shrink;
+    on accelerators it can only lower what the device offers (rule RLC214 reports a larger value).
+    """
+    if budget_gib is None:
+        return target
+    usable = budget_gib if target.kind == "cpu" else min(budget_gib, target.usable_hbm_gib)
+    return target.model_copy(update={"usable_hbm_gib": usable, "hbm_gib": max(target.hbm_gib, usable)})
+
+
 def resolve(spec: Spec, lines: LineMap, file: str) -> tuple[Problem | None, list[Diagnostic]]:
     """Look up the target and every model; report all unknown names at once."""
     found: list[Diagnostic] = []
@@ -125,7 +137,7 @@ def resolve(spec: Spec, lines: LineMap, file: str) -> tuple[Problem | None, list
             )
         )
     else:
-        target = load_target(spec.target)
+        target = with_device_memory(load_target(spec.target), spec.cluster.device_memory_gib)
     arch, problems = resolve_model(spec.model, "model", lines, file)
     found.extend(problems)
     teachers: dict[str, ModelArch] = {}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from rlc.compiler.diagnostics import Diagnostic, Severity
 from rlc.compiler.load import LineMap
 from rlc.compiler.resolve import Problem
+from rlc.schemas import layout
 from rlc.schemas.spec import BUILTIN_REWARDS, BUILTIN_TASKS
 
 GIB = 1024**3
@@ -222,49 +223,31 @@ def check_context(ctx: RuleContext) -> Iterator[Diagnostic]:
         )
 
 
-def _divides(part: int, whole: int) -> bool:
-    return part > 0 and whole % part == 0
-
-
 @rule("RLC207", "Pinned parallel degrees must divide heads, layers, experts and devices")
 def check_parallel_pins(ctx: RuleContext) -> Iterator[Diagnostic]:
+    """The pins checked with the same layout rules the planner's search applies (`schemas/layout.py`)."""
     p = ctx.problem
     arch, pin = p.arch, p.spec.placement
     train = pin.train
     heads, kv, layers = arch.num_attention_heads, arch.num_kv_heads, arch.num_layers
-    experts = arch.moe.num_experts if arch.moe else 0
     for role, tp in (("train", train.tp), ("rollout", pin.rollout.tp)):
         if tp is None:
             continue
-        if not _divides(tp, heads):
+        problem = layout.tp_problem(arch, tp)
+        if problem:
+            hint = f"use a divisor of {heads}" if heads % tp else f"use a divisor or multiple of {kv}"
+            yield ctx.diag("RLC207", f"placement.{role}.tp", f"{role} {problem}", hint)
+        problem = layout.tp_topology_problem(tp, p.devices_per_node)
+        if problem:
             yield ctx.diag(
                 "RLC207",
                 f"placement.{role}.tp",
-                f"{role} TP({tp}) does not divide {arch.id}'s {heads} attention heads",
-                f"use a divisor of {heads}",
-            )
-        elif not (_divides(tp, kv) or _divides(kv, tp)):
-            yield ctx.diag(
-                "RLC207",
-                f"placement.{role}.tp",
-                f"{role} TP({tp}) and {kv} KV heads: neither divides the other, so KV heads cannot be split "
-                "or replicated evenly",
-                f"use a divisor or multiple of {kv}",
-            )
-        if tp > p.devices_per_node:
-            yield ctx.diag(
-                "RLC207",
-                f"placement.{role}.tp",
-                f"{role} TP({tp}) spans more than one node ({p.devices_per_node} devices per node); "
-                "tensor parallelism must stay inside a node",
+                f"{role} {problem}; tensor parallelism must stay inside a node",
                 f"use TP <= {p.devices_per_node} and add PP or DP",
             )
-    if train.pp is not None and train.pp > layers:
+    if train.pp is not None and layout.pp_problem(arch, train.pp):
         yield ctx.diag(
-            "RLC207",
-            "placement.train.pp",
-            f"train PP({train.pp}) exceeds {arch.id}'s {layers} layers",
-            f"use PP <= {layers}",
+            "RLC207", "placement.train.pp", f"train {layout.pp_problem(arch, train.pp)}", f"use PP <= {layers}"
         )
     elif train.pp is not None and layers % train.pp:
         yield ctx.diag(
@@ -276,40 +259,36 @@ def check_parallel_pins(ctx: RuleContext) -> Iterator[Diagnostic]:
         )
     if train.cp is not None and train.cp > 1:
         tp = train.tp or 1
-        if heads % (tp * train.cp):
+        kind = train.cp_kind or layout.default_cp_kind(arch, tp, train.cp)
+        problem = layout.cp_problem(arch, tp, train.cp, kind)
+        if problem:
             yield ctx.diag(
                 "RLC207",
-                "placement.train.cp",
-                f"train TP({tp})·CP({train.cp})={tp * train.cp} does not divide {heads} attention heads "
-                "(Ulysses context parallelism splits heads)",
-                f"pick TP·CP dividing {heads}",
+                "placement.train.cp_kind" if train.cp_kind else "placement.train.cp",
+                f"train {problem}",
+                f"pick TP·CP dividing {heads}, or cp_kind: ring",
             )
+    elif train.cp_kind == "ring":
+        yield ctx.diag(
+            "RLC207",
+            "placement.train.cp_kind",
+            "cp_kind is set but context parallelism is off (cp 1), so it has no effect",
+            "set placement.train.cp >= 2",
+            "warning",
+        )
     for role, ep in (("train", train.ep), ("rollout", pin.rollout.ep)):
         if ep is None or ep == 1:
             continue
-        if not experts:
-            yield ctx.diag(
-                "RLC207",
-                f"placement.{role}.ep",
-                f"{role} EP({ep}) on dense model {arch.id}: expert parallelism needs a mixture-of-experts model",
-                "remove ep",
-            )
-        elif not _divides(ep, experts):
-            yield ctx.diag(
-                "RLC207",
-                f"placement.{role}.ep",
-                f"{role} EP({ep}) does not divide {arch.id}'s {experts} experts",
-                f"use a divisor of {experts}",
-            )
+        problem = layout.ep_problem(arch, ep)
+        if problem:
+            hint = "remove ep" if arch.moe is None else f"use a divisor of {arch.moe.num_experts}"
+            yield ctx.diag("RLC207", f"placement.{role}.ep", f"{role} {problem}", hint)
     if train.devices is not None:
-        group = (train.tp or 1) * (train.pp or 1) * (train.cp or 1)
-        if train.devices % group:
+        problem = layout.group_problem(train.devices, train.tp or 1, train.pp or 1, train.cp or 1)
+        if problem:
+            group = (train.tp or 1) * (train.pp or 1) * (train.cp or 1)
             yield ctx.diag(
-                "RLC207",
-                "placement.train.devices",
-                f"train TP({train.tp or 1})·PP({train.pp or 1})·CP({train.cp or 1})={group} does not divide "
-                f"{train.devices} training devices",
-                f"use a multiple of {group} devices",
+                "RLC207", "placement.train.devices", f"train {problem}", f"use a multiple of {group} devices"
             )
     if pin.rollout.devices is not None and pin.rollout.tp is not None and pin.rollout.devices % pin.rollout.tp:
         yield ctx.diag(
@@ -505,14 +484,69 @@ def check_mode_settings(ctx: RuleContext) -> Iterator[Diagnostic]:
         )
 
 
-@rule("RLC214", "The cluster must be within what the planner searches")
+@rule("RLC214", "cluster.device_memory_gib must be a budget the devices can give")
+def check_device_memory(ctx: RuleContext) -> Iterator[Diagnostic]:
+    p = ctx.problem
+    asked = p.spec.cluster.device_memory_gib
+    if asked is None:
+        return
+    from rlc.schemas.registry import load_target
+
+    offered = load_target(p.target.id).usable_hbm_gib
+    if p.target.kind != "cpu" and asked > offered:
+        yield ctx.diag(
+            "RLC214",
+            "cluster.device_memory_gib",
+            f"device_memory_gib {asked:g} exceeds the {offered:g} GiB a {p.target.id} device offers; it can only "
+            "lower the budget",
+            f"use at most {offered:g}, or remove it",
+        )
+    if asked <= p.target.reserve_gib:
+        yield ctx.diag(
+            "RLC214",
+            "cluster.device_memory_gib",
+            f"device_memory_gib {asked:g} leaves nothing beside the {p.target.reserve_gib:g} GiB reserve",
+            f"use more than {p.target.reserve_gib:g} GiB",
+        )
+
+
+@rule("RLC215", "Training choices the pinned backend does not implement")
+def check_backend_choices(ctx: RuleContext) -> Iterator[Diagnostic]:
+    spec = ctx.problem.spec
+    pin = spec.placement.train
+    backend = pin.backend or (spec.train.backend if spec.train.backend != "auto" else None)
+    if backend != "fsdp2":
+        return
+    recompute = pin.recompute or (spec.train.recompute if spec.train.recompute != "auto" else None)
+    if recompute and recompute not in layout.backend_recomputes("fsdp2"):
+        path = "placement.train.recompute" if pin.recompute else "train.recompute"
+        yield ctx.diag(
+            "RLC215",
+            path,
+            f"recompute: {recompute} on the fsdp2 backend: FSDP2 recomputes whole decoder layers (full) or nothing",
+            "use recompute: full (or none), or backend: megatron",
+        )
+    for name in ("pp", "ep"):
+        value = getattr(pin, name)
+        if value and value > 1:
+            yield ctx.diag(
+                "RLC215",
+                f"placement.train.{name}",
+                f"{name.upper()}({value}) on the fsdp2 backend: rlc's FSDP2 trainer has no "
+                + ("pipeline" if name == "pp" else "expert")
+                + " parallelism",
+                "use backend: megatron (planned, not executed yet), or drop the pin",
+            )
+
+
+@rule("RLC216", "The cluster must be within what the planner searches")
 def check_cluster_size(ctx: RuleContext) -> Iterator[Diagnostic]:
     from rlc.schemas.spec import MAX_DEVICES
 
     problem = ctx.problem
     if problem.total_devices > MAX_DEVICES:
         yield ctx.diag(
-            "RLC214",
+            "RLC216",
             "cluster.nodes",
             f"{problem.spec.cluster.nodes} node(s) × {problem.devices_per_node} devices = {problem.total_devices:,} "
             f"devices; the planner searches layouts for up to {MAX_DEVICES:,}",
@@ -523,7 +557,7 @@ def check_cluster_size(ctx: RuleContext) -> Iterator[Diagnostic]:
 _SHELL_VARIABLE = re.compile(r"\$\{?[A-Za-z_]")
 
 
-@rule("RLC215", "Paths are taken literally: no ~ or $VARIABLE expansion")
+@rule("RLC217", "Paths are taken literally: no ~ or $VARIABLE expansion")
 def check_unexpanded_paths(ctx: RuleContext) -> Iterator[Diagnostic]:
     spec = ctx.problem.spec
     paths = {"model.path": spec.model.path, "data.train": spec.data.train, "output.dir": spec.output.dir}
@@ -533,7 +567,7 @@ def check_unexpanded_paths(ctx: RuleContext) -> Iterator[Diagnostic]:
         if value is None or not (value.startswith("~") or _SHELL_VARIABLE.search(value)):
             continue
         yield ctx.diag(
-            "RLC215",
+            "RLC217",
             where,
             f"`{value}` would be used literally (a directory named `{value.split('/')[0]}`): rlc expands neither "
             "`~` nor environment variables, since the plan must mean the same path on every node",

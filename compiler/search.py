@@ -20,8 +20,19 @@ from dataclasses import dataclass, field
 from math import ceil, inf
 
 from rlc.compiler import cost, memory
-from rlc.compiler.memory import MemoryBreakdown, ModelSizes, RolloutLayout, TrainLayout
+from rlc.compiler.memory import MemoryBreakdown, ModelSizes, RolloutLayout
 from rlc.compiler.resolve import Problem
+from rlc.schemas.layout import (
+    BF16,
+    FP32,
+    CpKind,
+    Precision,
+    TrainLayout,
+    backend_recomputes,
+    cp_problem,
+    default_cp_kind,
+    tp_problem,
+)
 from rlc.schemas.target import TargetProfile
 
 #: Highest vLLM memory share the planner chooses on its own; above it long prefills have OOMed even though
@@ -72,6 +83,7 @@ class Context:
     mtp: bool
     teacher_sizes: dict[str, ModelSizes]
     exhaustive: bool
+    precision: Precision = FP32
     #: Role searches already done, by role and arguments: splits and teacher pool sizes revisit device counts.
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -92,6 +104,18 @@ def lora_rollout_mode(problem: Problem) -> str:
     if lora.rollout != "auto":
         return lora.rollout
     return "merged" if (problem.arch.is_moe and problem.target.kind == "npu") else "adapter"
+
+
+def train_precision(problem: Problem) -> Precision:
+    """The trainer's dtypes: `train.precision`, where auto is bf16 compute on accelerators and fp32 on cpu.
+
+    Parameters, optimizer state and gradient reduction stay fp32 either way (FSDP2 mixed precision). The cpu
+    target defaults to fp32 so that trainer and vLLM (which runs fp32 there) agree on log-probs.
+    """
+    choice = problem.spec.train.precision
+    if choice == "auto":
+        return FP32 if problem.target.kind == "cpu" else BF16
+    return BF16 if choice == "bfloat16" else FP32
 
 
 def make_context(problem: Problem, exhaustive: bool = False) -> Context:
@@ -130,6 +154,7 @@ def make_context(problem: Problem, exhaustive: bool = False) -> Context:
         mtp=uses_mtp_layers,
         teacher_sizes={name: memory.model_sizes(a) for name, a in sorted(problem.teacher_archs.items())},
         exhaustive=exhaustive,
+        precision=train_precision(problem),
     )
 
 
@@ -194,17 +219,28 @@ def _record(failures: dict[str, RoleSearch], role: str, found: RoleSearch) -> No
         failures[role] = found
 
 
-def _tp_ok(arch, tp: int) -> bool:  # type: ignore[no-untyped-def]
-    kv = arch.num_kv_heads
-    return arch.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
-
-
 def train_search(ctx: Context, n: int, resident_gib: float = 0.0) -> RoleSearch:
     """Best trainer layouts on `n` devices (fitting ones sorted by time, then summary); memoised per context."""
     key = ("train", n, resident_gib)
     if key not in ctx.memo:
         ctx.memo[key] = _train_search(ctx, n, resident_gib)
     return ctx.memo[key]
+
+
+def _cp_kinds(ctx: Context, backend: str, tp: int, cp: int) -> list[CpKind]:
+    """CP kinds to try for (tp, cp): the pinned one; else Ulysses where the heads allow it, otherwise ring,
+    which the fsdp2 runtime executes on cpu only (`layout.runtime_gaps`), so there it is offered on cpu or
+    when nothing else is possible for a pinned CP."""
+    pin = ctx.spec.placement.train
+    arch = ctx.sizes.arch
+    if cp == 1:
+        return ["ulysses"]
+    if pin.cp_kind:
+        return [pin.cp_kind] if cp_problem(arch, tp, cp, pin.cp_kind) is None else []
+    kind = default_cp_kind(arch, tp, cp)
+    if kind == "ring" and backend == "fsdp2" and ctx.target.kind != "cpu" and not pin.cp:
+        return []
+    return [kind]
 
 
 def _train_search(ctx: Context, n: int, resident_gib: float) -> RoleSearch:
@@ -214,29 +250,32 @@ def _train_search(ctx: Context, n: int, resident_gib: float) -> RoleSearch:
     backend_pin = pin.backend or (spec.train.backend if spec.train.backend != "auto" else None)
     if backend_pin:
         backends = [backend_pin]
-    elif arch.is_moe or any(v and v > 1 for v in (pin.tp, pin.pp, pin.ep)):
+    elif arch.is_moe or any(v and v > 1 for v in (pin.pp, pin.ep)):
         backends = ["megatron"]
     else:
         backends = ["fsdp2", "megatron"]
-    recomputes = (
-        [pin.recompute]
-        if pin.recompute
-        else ([spec.train.recompute] if spec.train.recompute != "auto" else list(RECOMPUTE_ORDER))
-    )
+    rc_pin = pin.recompute or (spec.train.recompute if spec.train.recompute != "auto" else None)
     off_pin = pin.offload or (
         spec.train.offload if (spec.train.offload.params or spec.train.offload.optimizer) else None
     )
-    offloads = [(off_pin.params, off_pin.optimizer)] if off_pin else list(OFFLOAD_ORDER)
     mbt_pin = pin.micro_batch_tokens or spec.train.micro_batch_tokens
     mbts = [mbt_pin] if mbt_pin else [_round_up(ctx.longest * m, 128) for m in MBT_MULTIPLES]
     dpn = ctx.devices_per_node
     long_cp = max(1, ctx.longest // 4096)
     fastest: list[float] = []  # seconds of the KEEP_TRAIN fastest options so far: the bar for pruning
     for backend in backends:
-        if backend == "fsdp2":
-            tps, pps, eps = [1], [1], [1]
+        recomputes = [rc_pin] if rc_pin else [r for r in RECOMPUTE_ORDER if r in backend_recomputes(backend)]
+        if rc_pin and rc_pin not in backend_recomputes(backend):
+            continue  # e.g. selective on fsdp2, which checkpoints whole layers only
+        if off_pin:
+            # FSDP2's parameter offload runs the optimizer step on the host, so its state lives there too.
+            offloads = [(off_pin.params, off_pin.optimizer or (off_pin.params and backend == "fsdp2"))]
         else:
-            tps = [pin.tp] if pin.tp else [t for t in _pow2_upto(min(dpn, n)) if _tp_ok(arch, t)]
+            offloads = list(OFFLOAD_ORDER)
+        tps = [pin.tp] if pin.tp else [t for t in _pow2_upto(min(dpn, n)) if tp_problem(arch, t) is None]
+        if backend == "fsdp2":
+            pps, eps = [1], [1]
+        else:
             pps = [pin.pp] if pin.pp else [p for p in _pow2_upto(min(arch.num_layers, n))]
             if arch.moe is None:
                 eps = [1]
@@ -256,25 +295,27 @@ def _train_search(ctx: Context, n: int, resident_gib: float) -> RoleSearch:
             for cp in cps_all:
                 if not pin.cp and not ctx.exhaustive and cp > long_cp and plain_fit:
                     continue
-                if arch.num_attention_heads % (tp * cp):
-                    continue
-                for ep in eps:
-                    for pp in pps:
-                        if n % (tp * pp * cp):
-                            continue
-                        dp = n // (tp * pp * cp)
-                        if ep > 1 and (tp * cp * dp) % ep:
-                            continue
-                        bound = fastest[-1] if len(fastest) >= KEEP_TRAIN and not ctx.exhaustive else inf
-                        had = len(found.options)
-                        cheapest_fit = _train_degree(
-                            ctx, found, n, backend, tp, pp, cp, ep, recomputes, offloads, mbts, resident_gib, bound
-                        )
-                        if len(found.options) > had:
-                            fastest = heapq.nsmallest(KEEP_TRAIN, fastest + [o.seconds for o in found.options[had:]])
-                        plain_fit = plain_fit or cheapest_fit
-                        if cheapest_fit and not ctx.exhaustive:
-                            break
+                for cp_kind in _cp_kinds(ctx, backend, tp, cp):
+                    for ep in eps:
+                        for pp in pps:
+                            if n % (tp * pp * cp):
+                                continue
+                            dp = n // (tp * pp * cp)
+                            if ep > 1 and (tp * cp * dp) % ep:
+                                continue
+                            bound = fastest[-1] if len(fastest) >= KEEP_TRAIN and not ctx.exhaustive else inf
+                            had = len(found.options)
+                            shape = Shape(backend, tp, pp, cp, cp_kind, ep)
+                            cheapest_fit = _train_degree(
+                                ctx, found, n, shape, recomputes, offloads, mbts, resident_gib, bound
+                            )
+                            if len(found.options) > had:
+                                fastest = heapq.nsmallest(
+                                    KEEP_TRAIN, fastest + [o.seconds for o in found.options[had:]]
+                                )
+                            plain_fit = plain_fit or cheapest_fit
+                            if cheapest_fit and not ctx.exhaustive:
+                                break
         if backend == "fsdp2" and found.options and not backend_pin:
             break  # fsdp2 for dense models that fit; megatron only when it does not
     found.options.sort(key=lambda o: (round(o.seconds, 6), o.layout.summary()))
@@ -282,15 +323,43 @@ def _train_search(ctx: Context, n: int, resident_gib: float) -> RoleSearch:
     return found
 
 
-def _train_lower_bound_s(
-    ctx: Context, n: int, backend: str, degrees: tuple[int, int, int, int], rc: str, mbts: list[int]
-) -> float:
+@dataclass(frozen=True)
+class Shape:
+    """The degrees of a trainer layout, before recompute, offload and the token budget are chosen."""
+
+    backend: str
+    tp: int
+    pp: int
+    cp: int
+    cp_kind: CpKind
+    ep: int
+
+    def layout(
+        self, ctx: Context, n: int, recompute: str, off_params: bool, off_optimizer: bool, mbt: int
+    ) -> TrainLayout:
+        return TrainLayout.model_construct(
+            world_size=n,
+            backend=self.backend,
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            cp_kind=self.cp_kind,
+            ep=self.ep,
+            recompute=recompute,
+            offload_params=off_params,
+            offload_optimizer=off_optimizer,
+            micro_batch_tokens=mbt,
+            precision=ctx.precision,
+        )
+
+
+def _train_lower_bound_s(ctx: Context, n: int, shape: Shape, rc: str, mbts: list[int]) -> float:
     """Seconds no layout with these degrees and this recompute can beat (`cost.train_time`): compute at the
     smallest pipeline bubble (smallest budget, most micro-batches) plus communication at the fewest
     micro-batches (largest budget; per-micro-batch latencies and FSDP2 gathers only grow with their number),
     without offload traffic."""
-    tp, pp, cp, ep = degrees
-    layout = TrainLayout(n, backend, tp, pp, cp, ep, rc, False, False, mbts[0])
+    pp = shape.pp
+    layout = shape.layout(ctx, n, rc, False, False, mbts[0])
     t = cost.train_time(ctx.sizes, layout, ctx.target, ctx.work, ctx.devices_per_node)
     micro = max(1, ceil(ctx.work.trained_tokens / layout.dp / mbts[-1]))
     bubble = (pp - 1) / (micro + pp - 1)
@@ -301,11 +370,7 @@ def _train_degree(
     ctx: Context,
     found: RoleSearch,
     n: int,
-    backend: str,
-    tp: int,
-    pp: int,
-    cp: int,
-    ep: int,
+    shape: Shape,
     recomputes: list[str],
     offloads: list[tuple[bool, bool]],
     mbts: list[int],
@@ -327,7 +392,7 @@ def _train_degree(
     def evaluate(rc: str, off_p: bool, off_o: bool, mbt: int) -> tuple[TrainLayout, MemoryBreakdown]:
         key = (rc, off_p, off_o, mbt)
         if key not in seen:
-            layout = TrainLayout(n, backend, tp, pp, cp, ep, rc, off_p, off_o, mbt)
+            layout = shape.layout(ctx, n, rc, off_p, off_o, mbt)
             mem = memory.train_memory(
                 ctx.sizes,
                 layout,
@@ -350,7 +415,7 @@ def _train_degree(
         if limit == inf:
             return False
         if rc not in lower:
-            lower[rc] = _train_lower_bound_s(ctx, n, backend, (tp, pp, cp, ep), rc, mbts)
+            lower[rc] = _train_lower_bound_s(ctx, n, shape, rc, mbts)
         return lower[rc] > limit * (1 + 1e-9)
 
     if beaten(recomputes[0], bound) and all(beaten(rc, bound) for rc in recomputes):
@@ -584,7 +649,7 @@ class Candidate:
         `disaggregated: train 16 (fsdp2 tp1 pp1 cp1 dp16 recompute=none mbt=10240) + rollout 8 (2x vllm tp4
         mem=0.90) + teacher-math 4 (2x vllm tp2 mem=0.85)`."""
         parts = [
-            f"{self.mode}: train {self.train.layout.devices} ({self.train.layout.summary()})",
+            f"{self.mode}: train {self.train.layout.world_size} ({self.train.layout.summary()})",
             f"rollout {self.rollout.layout.devices} ({self.rollout.layout.summary()})",
         ]
         parts += [f"teacher-{t.name} {t.layout.devices} ({t.layout.summary()})" for t in self.teachers]
@@ -604,7 +669,7 @@ class Candidate:
         return (
             -round(self.step.tokens_per_s, 3),
             round(self.step.train_s, 6),
-            self.train.layout.devices,
+            self.train.layout.world_size,
             round(self.step.rollout_s, 6),
             ro.engine_devices,
             ro.tp,
@@ -634,11 +699,9 @@ def _combine(
     sizes, target, work = ctx.sizes, ctx.target, ctx.work
     adapter = memory.lora_params(sizes.arch, ctx.lora_rank, ctx.lora_targets) if ctx.lora_adapter else 0
     method = _sync_method(ctx, mode)
-    cross = mode == "disaggregated" and ctx.nodes > 1
-    if method == "inplace" and ctx.nodes > 1 and target.kind != "cpu":
-        # Colocated over several nodes: engines on other nodes cannot read rank 0's /dev/shm, so the
-        # runtime moves the weights through files in the (shared) run directory.
-        method = "disk"
+    # Across nodes the broadcast crosses the scale-out link, and so does a colocated run's gather to each
+    # node's leader rank (which then hands the weights to its node's engines through host memory).
+    cross = ctx.nodes > 1
     sync = cost.weight_sync_s(sizes, target, method, cross_node=cross, adapter_params=adapter)
     switch = cost.switch_s(target, state_gib) if mode == "colocated" else 0.0
     teacher_s = max((t.seconds for t in teachers), default=0.0)
@@ -863,7 +926,7 @@ def _train_rollout_splits(
             seen.add(s)
             cands += evaluate(s)
         if cands:
-            best = min(cands, key=Candidate.key).train.layout.devices
+            best = min(cands, key=Candidate.key).train.layout.world_size
             idx = splits.index(best)
             for s in splits[max(0, idx - step) : idx + step + 1]:
                 if s not in seen:

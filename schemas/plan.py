@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PLAN_FORMAT_VERSION = 1
+from .layout import TrainLayout
+
+#: 2: train roles carry a typed `layout`, every role its Ray placement (`ray`), the plan its `runtime_gaps`.
+PLAN_FORMAT_VERSION = 2
 
 RoleKind = Literal["train", "rollout", "teacher", "reward"]
 
@@ -40,12 +43,35 @@ class Memory(PlanModel):
     phase: str = Field("steady", description="Which phase this peak belongs to (train, rollout, steady).")
 
 
+class RayPlacement(PlanModel):
+    """How `rlc run` places one role's processes on Ray, fixed by the compiler so the runtime derives nothing.
+
+    Roles that share devices (a colocated trainer and its engines) name the same placement group with the
+    same bundles, and each takes its `actor_resources` share of a device's logical resource.
+    """
+
+    placement_group: str = Field(description="Placement group name; roles sharing devices share one group.")
+    strategy: Literal["PACK", "STRICT_PACK", "SPREAD"] = Field("PACK", description="Ray placement strategy.")
+    bundles: list[dict[str, float]] = Field(description="The group's bundles in order (a device or an engine).")
+    bundle_indices: list[int] = Field(description="The bundle of each actor of this role (rank or engine order).")
+    actor_resources: dict[str, float] = Field(description="What each actor of this role takes from its bundle.")
+    reference_resources: dict[str, float] | None = Field(
+        None,
+        description="Train roles with a separate KL reference policy: what each reference rank (one per trainer "
+        "rank, on the same bundle) takes.",
+    )
+
+
 class Role(PlanModel):
     name: str = Field(description="Unique role name: actor, rollout, teacher-<name>.")
     kind: RoleKind
     devices: int = Field(description="Device count.")
     placement: list[NodeDevices] = Field(description="Device ids per node.")
     parallel: Parallel
+    layout: TrainLayout | None = Field(
+        None, description="Train roles: the parallel layout the trainer builds, exactly (degrees, dtypes, ...)."
+    )
+    ray: RayPlacement | None = Field(None, description="Ray placement of this role's processes.")
     backend: str = Field(description="fsdp2, megatron, vllm, vllm-ascend, or python for reward workers.")
     replicas: int = Field(1, description="Engine replicas (rollout/teacher) or data-parallel ranks (train).")
     memory: Memory
@@ -53,6 +79,19 @@ class Role(PlanModel):
     estimates: dict[str, float] = Field(default_factory=dict, description="Per-role time/throughput figures.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for this role's processes.")
     notes: list[str] = Field(default_factory=list, description="Why the planner chose this.")
+
+    @model_validator(mode="after")
+    def _layout_matches(self) -> Role:
+        if self.kind == "train":
+            if self.layout is None:
+                raise ValueError(f"train role {self.name} has no layout")
+            t = self.layout
+            stated = (self.devices, self.parallel.tp, self.parallel.pp, self.parallel.cp, self.parallel.ep)
+            if stated != (t.world_size, t.tp, t.pp, t.cp, t.ep) or self.parallel.dp != t.dp:
+                raise ValueError(f"train role {self.name}: parallel {self.parallel} disagrees with its layout")
+        elif self.layout is not None:
+            raise ValueError(f"{self.kind} role {self.name} has a trainer layout")
+        return self
 
 
 class OffloadStep(PlanModel):
@@ -165,6 +204,7 @@ class Cluster(PlanModel):
     nodes: int
     devices_per_node: int
     total_devices: int
+    ray_resource: str = Field(description="Ray custom resource that counts this target's devices.")
 
 
 class Plan(PlanModel):
@@ -190,6 +230,10 @@ class Plan(PlanModel):
     estimates: Estimates
     runners_up: list[Candidate] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
+    runtime_gaps: list[str] = Field(
+        default_factory=list,
+        description="What `rlc run` cannot execute about this plan on its platform; a plan with gaps is refused.",
+    )
 
     def role(self, name: str) -> Role:
         for role in self.roles:

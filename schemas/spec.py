@@ -22,7 +22,7 @@ BUILTIN_REWARDS: tuple[str, ...] = ("exact_match", "math_exact")
 # error with the range instead of a planner that searches for hours or overflows.
 MAX_NODES = 1024
 MAX_DEVICES_PER_NODE = 64
-#: Devices the planner searches at most (nodes × devices per node; checked by rule RLC214).
+#: Devices the planner searches at most (nodes × devices per node; checked by rule RLC216).
 MAX_DEVICES = 8192
 MAX_TOKENS = 1 << 24  # 16 Mi tokens: past any model's context window or a micro-batch budget
 MAX_STEPS = 100_000_000
@@ -58,6 +58,13 @@ class Cluster(StrictModel):
     devices_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES_PER_NODE)] | None = Field(
         None,
         description="Accelerators per node. Defaults to the target's value (8 on a2, 16 dies on a3, 2 on cpu).",
+    )
+    device_memory_gib: float | None = Field(
+        None,
+        gt=0.0,
+        le=4096.0,
+        description="Memory the planner may use per device, GiB. On cpu: the host-RAM slice of each worker "
+        "process (default 3.5); on accelerators: a cap below the target's usable HBM, to leave headroom.",
     )
 
 
@@ -228,6 +235,11 @@ class Train(StrictModel):
     logprob_chunk_tokens: Tokens = Field(
         1024, description="Tokens per chunk when computing log-probs, so full-vocab logits never materialise."
     )
+    precision: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description="Trainer compute dtype; parameters, optimizer state and gradient reduction stay float32. "
+        "auto: bfloat16 on accelerators, float32 on cpu (where vLLM runs float32, so log-probs agree).",
+    )
 
 
 class Lora(StrictModel):
@@ -278,6 +290,11 @@ class TrainPin(StrictModel):
     tp: Degree | None = Field(None, description="Tensor parallel degree.")
     pp: Degree | None = Field(None, description="Pipeline parallel degree.")
     cp: Degree | None = Field(None, description="Context parallel degree.")
+    cp_kind: Literal["ulysses", "ring"] | None = Field(
+        None,
+        description="Context parallel kind: ulysses (all-to-all of heads; tp·cp must divide the heads) or ring "
+        "(K/V blocks passed around the ranks). Default: ulysses where the heads allow it, else ring.",
+    )
     ep: Degree | None = Field(None, description="Expert parallel degree.")
     recompute: Literal["none", "selective", "full"] | None = Field(None, description="Activation recompute.")
     offload: Offload | None = Field(None, description="Host offload of training state.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlc.compiler.load import load_spec_text
+from rlc.schemas.layout import BF16, TrainLayout
 from rlc.schemas.plan import (
     AlgorithmSettings,
     Candidate,
@@ -23,6 +24,7 @@ from rlc.schemas.plan import (
     OffloadStep,
     Parallel,
     Plan,
+    RayPlacement,
     Role,
     Sampling,
     Schedule,
@@ -84,6 +86,15 @@ def _ids(n: int, start: int = 0) -> list[int]:
     return list(range(start, start + n))
 
 
+def _ray(group: str, resource: str, bundles: int, width: float = 1.0, share: float | None = None) -> RayPlacement:
+    return RayPlacement(
+        placement_group=group,
+        bundles=[{resource: width}] * bundles,
+        bundle_indices=_ids(bundles),
+        actor_resources={resource: width if share is None else share},
+    )
+
+
 def _model(model_id: str, path: str | None, params_b: float = 8.19, build_tiny: bool = False) -> ModelSettings:
     return ModelSettings(
         id=model_id,
@@ -143,6 +154,8 @@ def a2_plan(nodes: int = 2, *, model_path: str = "/models/Qwen3-8B", data: str =
         devices=train_devices,
         placement=spread(train_devices, 0),
         parallel=Parallel(dp=train_devices),
+        layout=TrainLayout(world_size=train_devices, recompute="full", micro_batch_tokens=16384, precision=BF16),
+        ray=_ray("rlc-actor", "NPU", train_devices),
         backend="fsdp2",
         replicas=train_devices,
         memory=_memory(
@@ -160,6 +173,7 @@ def a2_plan(nodes: int = 2, *, model_path: str = "/models/Qwen3-8B", data: str =
         devices=rollout_devices,
         placement=spread(rollout_devices, train_devices // per_node if nodes > 1 else 0),
         parallel=Parallel(tp=2, dp=rollout_devices // 2),
+        ray=_ray("rlc-rollout", "NPU", rollout_devices // 2, 2.0),
         backend="vllm-ascend",
         replicas=rollout_devices // 2,
         memory=_memory({"weights": 8.2, "kv_cache": 40.1, "engine_reserve": 2.0}, 57.96, "rollout"),
@@ -174,7 +188,7 @@ def a2_plan(nodes: int = 2, *, model_path: str = "/models/Qwen3-8B", data: str =
         target="a2",
         target_kind="npu",
         platform="npu",
-        cluster=Cluster(nodes=nodes, devices_per_node=per_node, total_devices=total),
+        cluster=Cluster(nodes=nodes, devices_per_node=per_node, total_devices=total, ray_resource="NPU"),
         model=_model("qwen3-8b", model_path),
         roles=[actor, rollout],
         schedule=Schedule(
@@ -230,6 +244,7 @@ def a3_plan(*, teacher_paths: tuple[str, str] = ("/models/Qwen3-32B-math", "/mod
         devices=16,
         placement=node0,
         parallel=Parallel(dp=16),
+        layout=TrainLayout(world_size=16, micro_batch_tokens=8192, offload_params=True, offload_optimizer=True),
         backend="fsdp2",
         replicas=16,
         memory=_memory({"weights": 1.02, "lora_states": 0.3, "activations": 6.1, "logits": 0.9}, 57.96, "train"),
@@ -284,7 +299,7 @@ def a3_plan(*, teacher_paths: tuple[str, str] = ("/models/Qwen3-32B-math", "/mod
         target="a3",
         target_kind="npu",
         platform="npu",
-        cluster=Cluster(nodes=2, devices_per_node=16, total_devices=32),
+        cluster=Cluster(nodes=2, devices_per_node=16, total_devices=32, ray_resource="NPU"),
         model=_model("qwen3-8b", "/models/Qwen3-8B"),
         roles=roles,
         schedule=Schedule(
@@ -351,6 +366,8 @@ def cpu_plan(
         devices=1,
         placement=[NodeDevices(node=0, local_ids=[0])],
         parallel=Parallel(),
+        layout=TrainLayout(world_size=1, micro_batch_tokens=512),
+        ray=_ray("rlc-actor", "rlc_device", 1),
         backend="fsdp2",
         memory=_memory({"weights": 0.01, "optimizer": 0.02, "activations": 0.1}, 3.25, "train"),
         engine={"model": model_path, "dtype": "float32"},
@@ -361,6 +378,7 @@ def cpu_plan(
         devices=1,
         placement=[NodeDevices(node=0, local_ids=[1])],
         parallel=Parallel(),
+        ray=_ray("rlc-rollout", "rlc_device", 1),
         backend="vllm",
         memory=_memory({"weights": 0.01, "kv_cache": 1.0}, 3.25, "rollout"),
         engine=_vllm_engine(model_path or "", 1, 0.5, dtype="float32"),
@@ -384,7 +402,7 @@ def cpu_plan(
         target="cpu",
         target_kind="cpu",
         platform="cpu",
-        cluster=Cluster(nodes=1, devices_per_node=2, total_devices=2),
+        cluster=Cluster(nodes=1, devices_per_node=2, total_devices=2, ray_resource="rlc_device"),
         model=_model("rlc-tiny", model_path, 0.001, build_tiny=build_tiny),
         roles=[train, rollout],
         schedule=Schedule(

@@ -51,8 +51,8 @@ def test_response_fraction_and_trained_tokens() -> None:
 
 def test_pp_bubble_and_lora_flops() -> None:
     w = _work()
-    t1 = cost.train_time(SIZES, TrainLayout(8, "megatron", pp=1, micro_batch_tokens=8192), A2, w, 8)
-    t4 = cost.train_time(SIZES, TrainLayout(8, "megatron", pp=4, micro_batch_tokens=8192), A2, w, 8)
+    t1 = cost.train_time(SIZES, TrainLayout(world_size=8, backend="megatron", pp=1, micro_batch_tokens=8192), A2, w, 8)
+    t4 = cost.train_time(SIZES, TrainLayout(world_size=8, backend="megatron", pp=4, micro_batch_tokens=8192), A2, w, 8)
     assert t1.bubble == 0 and 0 < t4.bubble < 0.2
     assert cost.train_flops(SIZES, _work(lora=True), "none") < cost.train_flops(SIZES, w, "none")
     assert cost.train_flops(SIZES, w, "full") > cost.train_flops(SIZES, w, "none")

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from rlc.compiler import memory
-from rlc.compiler.memory import GIB, RolloutLayout, TrainLayout
+from rlc.compiler.memory import GIB, RolloutLayout
+from rlc.schemas.layout import BF16, TrainLayout
 from rlc.schemas.registry import load_arch, load_target
 
 A2 = load_target("a2")
 QWEN3_8B = memory.model_sizes(load_arch("qwen3-8b"))
+
+
+def L(world_size: int, backend: str = "fsdp2", **kw) -> TrainLayout:
+    """An accelerator layout (bf16 compute, fp32 params and reduction) unless the test says otherwise."""
+    return TrainLayout(world_size=world_size, backend=backend, **{"precision": BF16, **kw})
 
 
 def test_activation_per_token_matches_reference_anchor() -> None:
@@ -19,37 +25,65 @@ def test_activation_per_token_matches_reference_anchor() -> None:
 
 
 def test_zero_accounting_fsdp2() -> None:
-    """2 + 2 + 12 bytes per parameter, sharded over all devices (ZeRO-3)."""
-    m = memory.train_memory(QWEN3_8B, TrainLayout(8, micro_batch_tokens=4096), A2, logprob_chunk_tokens=1024)
+    """FSDP2 as the trainer runs it: fp32 sharded params (4), fp32 grads (4), AdamW moments (8), over all devices;
+    the same 16 bytes per parameter as mixed-precision ZeRO-3's 2 + 2 + 12."""
+    m = memory.train_memory(QWEN3_8B, L(8, micro_batch_tokens=4096), A2, logprob_chunk_tokens=1024)
     psi = QWEN3_8B.total / 8
-    assert abs(m.items["weights"] - 2 * psi / GIB) < 1e-6
-    assert abs(m.items["grads"] - 2 * psi / GIB) < 1e-6
-    assert abs(m.items["optimizer"] - 12 * psi / GIB) < 1e-6
+    assert abs(m.items["weights"] - 4 * psi / GIB) < 1e-6
+    assert abs(m.items["grads"] - 4 * psi / GIB) < 1e-6
+    assert abs(m.items["optimizer"] - 8 * psi / GIB) < 1e-6
     assert m.items["reserve"] == A2.reserve_gib
+    # Two decoder layers and the root unit (embedding; Qwen3-8B's head is separate) gathered in bf16.
+    gathered = 2 * QWEN3_8B.max_layer + QWEN3_8B.embedding + QWEN3_8B.head
+    assert abs(m.items["gather"] - 2 * gathered / GIB) < 1e-6
+
+
+def test_fsdp2_tensor_parallel_splits_heads_and_ffn_not_norms() -> None:
+    kwargs = {"logprob_chunk_tokens": 1024}
+    one = memory.train_memory(QWEN3_8B, L(8, micro_batch_tokens=8192), A2, **kwargs)
+    two = memory.train_memory(QWEN3_8B, L(8, tp=2, micro_batch_tokens=8192), A2, **kwargs)
+    kept = memory.replicated_activation_elements(QWEN3_8B.arch, "none")
+    expected = (kept + (QWEN3_8B.act["none"] - kept) / 2) / QWEN3_8B.act["none"]
+    assert abs(two.items["activations"] / one.items["activations"] - expected) < 1e-9
+    assert two.items["logits"] == one.items["logits"]  # the LM head is not tensor-parallel on fsdp2
+    # Embeddings are not tensor-parallel: TP 2 over the same 8 devices shards them over 4 ranks, not 8.
+    emb = QWEN3_8B.embedding + QWEN3_8B.head
+    assert abs((two.items["weights"] - one.items["weights"]) * GIB - 4 * (emb / 4 - emb / 8)) < 1e3
+
+
+def test_optimizer_offload_streams_one_unit() -> None:
+    kwargs = {"logprob_chunk_tokens": 1024}
+    plain = memory.train_memory(QWEN3_8B, L(8), A2, **kwargs)
+    off = memory.train_memory(QWEN3_8B, L(8, offload_optimizer=True), A2, **kwargs)
+    # The largest unit is the root (embedding + head, 1.2B parameters of 8.2B).
+    assert 0 < off.items["optimizer"] < plain.items["optimizer"] / 5
+    assert abs(off.host_gib_per_node - plain.items["optimizer"] * 8) < 1e-6
 
 
 def test_logits_are_chunked_not_full_vocab_per_token() -> None:
-    small = memory.train_memory(QWEN3_8B, TrainLayout(8, micro_batch_tokens=65536), A2, logprob_chunk_tokens=1024)
+    small = memory.train_memory(QWEN3_8B, L(8, micro_batch_tokens=65536), A2, logprob_chunk_tokens=1024)
     assert abs(small.items["logits"] - 1024 * 151936 * 4 * 3 / GIB) < 1e-6
-    big = memory.train_memory(QWEN3_8B, TrainLayout(8, micro_batch_tokens=65536), A2, logprob_chunk_tokens=65536)
+    big = memory.train_memory(QWEN3_8B, L(8, micro_batch_tokens=65536), A2, logprob_chunk_tokens=65536)
     assert big.items["logits"] > 100
 
 
 def test_recompute_cp_and_offload_reduce_memory() -> None:
-    base = TrainLayout(8, micro_batch_tokens=32768)
+    base = L(8, micro_batch_tokens=32768)
     kwargs = {"logprob_chunk_tokens": 1024}
     none = memory.train_memory(QWEN3_8B, base, A2, **kwargs).items["activations"]
-    full = memory.train_memory(QWEN3_8B, TrainLayout(8, recompute="full", micro_batch_tokens=32768), A2, **kwargs)
-    cp2 = memory.train_memory(QWEN3_8B, TrainLayout(8, cp=2, micro_batch_tokens=32768), A2, **kwargs)
+    full = memory.train_memory(QWEN3_8B, L(8, recompute="full", micro_batch_tokens=32768), A2, **kwargs)
+    cp2 = memory.train_memory(QWEN3_8B, L(8, cp=2, micro_batch_tokens=32768), A2, **kwargs)
     assert full.items["activations"] < none / 5
     assert abs(cp2.items["activations"] - none / 2) < 1e-6
-    off = memory.train_memory(QWEN3_8B, TrainLayout(8, offload_params=True, offload_optimizer=True), A2, **kwargs)
-    assert off.items["weights"] == off.items["optimizer"] == 0.0
+    off = memory.train_memory(QWEN3_8B, L(8, offload_params=True, offload_optimizer=True), A2, **kwargs)
+    assert off.items["weights"] == off.items["grads"] == off.items["optimizer"] == 0.0
     assert off.host_gib_per_node > 0
+    ring = memory.train_memory(QWEN3_8B, L(8, cp=2, cp_kind="ring", micro_batch_tokens=32768), A2, **kwargs)
+    assert ring.items["activations"] == cp2.items["activations"]
 
 
 def test_megatron_shards_by_tp_pp_and_distributed_optimizer() -> None:
-    layout = TrainLayout(16, "megatron", tp=4, pp=2, micro_batch_tokens=4096)
+    layout = L(16, "megatron", tp=4, pp=2, micro_batch_tokens=4096)
     dense, expert = memory.train_param_shard(QWEN3_8B, layout)
     assert expert == 0
     assert QWEN3_8B.total / 8 < dense < QWEN3_8B.total / 8 * 1.2
@@ -59,7 +93,7 @@ def test_megatron_shards_by_tp_pp_and_distributed_optimizer() -> None:
 
 
 def test_lora_only_adapters_carry_states() -> None:
-    m = memory.train_memory(QWEN3_8B, TrainLayout(4), A2, logprob_chunk_tokens=1024, lora_rank=64)
+    m = memory.train_memory(QWEN3_8B, L(4), A2, logprob_chunk_tokens=1024, lora_rank=64)
     assert m.items["grads"] == m.items["optimizer"] == 0.0
     adapters = memory.lora_params(QWEN3_8B.arch, 64, "all-linear")
     assert 0.1e9 < adapters < 0.25e9  # research notes §7.4: ≈ 0.17B for all-linear r=64
@@ -69,7 +103,7 @@ def test_lora_only_adapters_carry_states() -> None:
 def test_cpu_target_is_fp32() -> None:
     cpu = load_target("cpu")
     tiny = memory.model_sizes(load_arch("rlc-tiny"))
-    m = memory.train_memory(tiny, TrainLayout(2), cpu, logprob_chunk_tokens=64)
+    m = memory.train_memory(tiny, TrainLayout(world_size=2), cpu, logprob_chunk_tokens=64)
     assert abs(m.items["weights"] - 4 * tiny.total / 2 / GIB) < 1e-9
     assert memory.dtype_bytes(cpu) == 4
 

@@ -66,8 +66,9 @@ def test_colocated_npu_sleeps_and_offloads() -> None:
     assert {s.what for s in plan.schedule.offload} >= {"params", "optimizer", "kv_cache"}
 
 
-def test_colocated_weight_moves_cost_host_memory_on_one_node_and_files_across_nodes() -> None:
-    """The runtime moves colocated weights through rank 0's /dev/shm on one node, else through run-dir files."""
+def test_colocated_weight_moves_cost_host_memory_on_every_node() -> None:
+    """Colocated weights go through each node's host memory; across nodes the gather to every node's leader
+    rank crosses the scale-out link."""
     from rlc.compiler import cost
     from rlc.compiler.memory import model_sizes
     from rlc.schemas.registry import load_arch, load_target
@@ -77,9 +78,10 @@ def test_colocated_weight_moves_cost_host_memory_on_one_node_and_files_across_no
     assert one is not None and two is not None
     sizes, a2 = model_sizes(load_arch("qwen3-8b")), load_target("a2")
     shm = cost.weight_sync_s(sizes, a2, "inplace", cross_node=False)
-    files = cost.weight_sync_s(sizes, a2, "disk", cross_node=True)
+    across = cost.weight_sync_s(sizes, a2, "inplace", cross_node=True)
     assert one.estimates.weight_sync_s == pytest.approx(shm, abs=1e-3)
-    assert two.estimates.weight_sync_s == pytest.approx(files, abs=1e-3)
+    assert two.estimates.weight_sync_s == pytest.approx(across, abs=1e-3)
+    assert shm < across < cost.weight_sync_s(sizes, a2, "disk", cross_node=True)
 
 
 def test_mtp_and_lora_engine_args() -> None:
@@ -136,7 +138,7 @@ def test_64k_context_on_32g_without_cp_is_refused() -> None:
         model: {name: qwen3-8b, path: /m}
         rollout: {max_prompt_len: 1024, max_response_len: 64512}
         placement:
-          train: {backend: fsdp2, cp: 1}
+          train: {backend: fsdp2, cp: 1, tp: 1}
     """,
         "a2-32g",
     )

@@ -62,7 +62,7 @@ def test_pins_are_honoured() -> None:
     best = search.search(p).best
     assert best is not None
     t, r = best.train.layout, best.rollout.layout
-    assert (t.devices, t.backend, t.tp, t.pp, t.recompute) == (8, "megatron", 4, 2, "full")
+    assert (t.world_size, t.backend, t.tp, t.pp, t.recompute) == (8, "megatron", 4, 2, "full")
     assert (r.devices, r.tp, r.memory_fraction) == (8, 2, 0.8)
 
 
@@ -70,7 +70,7 @@ def test_topology_tp_inside_node_and_a3_pairs() -> None:
     p = problem("model: {name: qwen3-8b, path: /m}\nmode: disaggregated\n", "a3")
     result = search.search(p)
     for c in result.ranked:
-        assert c.train.layout.devices % 2 == 0 and c.rollout.layout.devices % 2 == 0
+        assert c.train.layout.world_size % 2 == 0 and c.rollout.layout.devices % 2 == 0
         assert c.rollout.layout.tp <= 16
     assert not search._groups_in_nodes(6, 4, 4, 8)
     assert search._groups_in_nodes(8, 8, 4, 8)
@@ -122,7 +122,7 @@ def test_more_pools_than_nodes_split_nodes_in_device_groups() -> None:
     result = search.search_context(ctx)
     assert result.best is not None and len(result.best.teachers) == 2
     best = result.best
-    pools = [(0, best.train.layout.devices), (best.rollout_start, best.rollout.layout.devices)]
+    pools = [(0, best.train.layout.world_size), (best.rollout_start, best.rollout.layout.devices)]
     pools += [(s, t.layout.devices) for s, t in zip(best.teacher_starts, best.teachers, strict=True)]
     pools.sort()
     for (s1, n1), (s2, _n2) in itertools.pairwise(pools):

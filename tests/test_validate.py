@@ -174,13 +174,13 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_rule_paths_are_not_expanded(line: str, path: str) -> None:
     key = line.split(":", 1)[0]
     text = "\n".join(x for x in GOOD.splitlines() if not x.startswith(f"{key}:")) + f"\n{line}\n"
-    d = only(check(text), "RLC215")
+    d = only(check(text), "RLC217")
     assert d.path == path and "would be used literally" in d.message and "absolute path" in d.hint
     assert check(GOOD + "output: {dir: /data/runs/x$}\n").ok  # a lone $ is just a character
 
 
 def test_rule_cluster_within_the_search() -> None:
-    d = only(check(GOOD.replace("nodes: 2", "nodes: 1024, devices_per_node: 64")), "RLC214")
+    d = only(check(GOOD.replace("nodes: 2", "nodes: 1024, devices_per_node: 64")), "RLC216")
     assert d.path == "cluster.nodes"
     assert "65,536 devices" in d.message and "8,192" in d.message
     assert "128 nodes" in d.hint
@@ -298,6 +298,31 @@ def test_rule_pinned_ep_divides_experts() -> None:
     spec = GOOD.replace("qwen3-8b", "qwen3-30b-a3b")
     d = only(check(spec + "placement: {train: {ep: 3}}\n"), "RLC207")
     assert "128 experts" in d.message
+
+
+def test_rule_ulysses_cp_needs_heads_ring_does_not() -> None:
+    """Qwen3-8B has 32 heads: TP 8 · CP 8 Ulysses cannot split them; ring CP has no head constraint."""
+    pins = "placement: {train: {devices: 64, tp: 8, cp: 8, cp_kind: ulysses}}\n"
+    d = only(check(GOOD.replace("nodes: 2", "nodes: 16") + pins), "RLC207")
+    assert "TP(8)·CP(8)=64 does not divide" in d.message and d.path == "placement.train.cp_kind"
+    assert "ring" in d.hint
+    ring = check(GOOD.replace("nodes: 2", "nodes: 16") + pins.replace("ulysses", "ring"))
+    assert "RLC207" not in codes(ring)
+
+
+def test_rule_device_memory_budget() -> None:
+    d = only(check(GOOD.replace("nodes: 2}", "nodes: 2, device_memory_gib: 80}")), "RLC214")
+    assert "exceeds the 60.96 GiB" in d.message
+    assert "RLC214" not in codes(check(GOOD.replace("nodes: 2}", "nodes: 2, device_memory_gib: 50}")))
+    d = only(check(GOOD.replace("nodes: 2}", "nodes: 2, device_memory_gib: 0.5}")), "RLC214")
+    assert "reserve" in d.message
+
+
+def test_rule_fsdp2_has_no_selective_recompute_or_pipeline() -> None:
+    report = check(GOOD + "train: {backend: fsdp2, recompute: selective}\nplacement: {train: {pp: 2}}\n")
+    found = [d for d in report.diagnostics if d.code == "RLC215"]
+    assert {d.path for d in found} == {"train.recompute", "placement.train.pp"}
+    assert "whole decoder layers" in found[0].message or "whole decoder layers" in found[1].message
 
 
 def test_rule_tp_inside_node() -> None:

@@ -1,14 +1,17 @@
-"""A data-parallel group of ``TrainerWorker`` Ray actors, driven as one trainer.
+"""A group of ``TrainerWorker`` Ray actors (one per device) driven as one trainer with the plan's layout.
 
 The group finds a rendezvous address on the node that will host rank 0 (a probe task scheduled
-exactly like rank 0), starts one actor per rank, splits batches across ranks, and gathers results.
-Every trainer method is collective, so the group always calls all ranks.
+exactly like rank 0), starts one actor per rank, splits batches across the data-parallel ranks (ranks that
+differ only in their context- or tensor-parallel coordinate get the same share), and gathers results from
+one rank per data-parallel share. Every trainer method is collective, so the group always calls all ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from rlc.schemas.layout import TrainLayout
 
 from ..platform import Platform, get_platform
 from ..rollout.weight_sync import TensorMeta
@@ -51,6 +54,7 @@ class TrainerGroup:
         platform: str | Platform = "cpu",
         train_cfg: Mapping[str, Any] | None = None,
         *,
+        layout: TrainLayout | None = None,
         placement_group: Any = None,
         bundle_indices: Sequence[int] | None = None,
         num_cpus: float = 1,
@@ -61,9 +65,16 @@ class TrainerGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .trainer import TrainerWorker
+        from .trainer import TrainerWorker, default_layout
 
         self.world_size = world_size
+        self.layout = layout or default_layout(world_size, dict(train_cfg or {}))
+        if self.layout.world_size != world_size:
+            raise ValueError(f"layout for {self.layout.world_size} ranks given to a group of {world_size}")
+        coords = [self.layout.coordinates(r) for r in range(world_size)]
+        self._share_of = [c["dp"] for c in coords]
+        # One rank per data-parallel share answers for it: the one at cp 0, tp 0.
+        self._speakers = [r for r, c in enumerate(coords) if c["cp"] == 0 and c["tp"] == 0]
         self.platform = get_platform(platform)
         if bundle_indices is not None and len(bundle_indices) != world_size:
             raise ValueError(f"{len(bundle_indices)} bundle indices for {world_size} ranks")
@@ -86,7 +97,7 @@ class TrainerGroup:
         actor_cls = ray.remote(TrainerWorker)
         self.workers = [
             actor_cls.options(**options(rank)).remote(
-                rank, world_size, self.master_addr, self.master_port, model_path, self.platform, train_cfg
+                rank, world_size, self.master_addr, self.master_port, model_path, self.platform, train_cfg, self.layout
             )
             for rank in range(world_size)
         ]
@@ -104,17 +115,24 @@ class TrainerGroup:
         """Per-token log-probs of every sequence, in batch order (``adapters=False``: LoRA base model)."""
         import ray
 
-        shares = split_batch(batch, self.world_size)
-        parts = ray.get([w.compute_logprobs.remote(s, adapters) for w, s in zip(self.workers, shares, strict=True)])
-        return [row for part in parts for row in part]
+        shares = split_batch(batch, self.layout.dp)
+        refs = [
+            w.compute_logprobs.remote(shares[d], adapters) for w, d in zip(self.workers, self._share_of, strict=True)
+        ]
+        parts = ray.get(refs)
+        return [row for r in self._speakers for row in parts[r]]
 
     def train_step(self, batch: Mapping[str, Any], loss_fn_cfg: Mapping[str, Any] | None = None) -> dict[str, float]:
         """One optimizer step over the whole batch; returns the group-wide stats (rank 0's)."""
         import ray
 
-        shares = split_batch(batch, self.world_size)
-        stats = ray.get([w.train_step.remote(s, loss_fn_cfg) for w, s in zip(self.workers, shares, strict=True)])
-        return stats[0]
+        shares = split_batch(batch, self.layout.dp)
+        refs = [w.train_step.remote(shares[d], loss_fn_cfg) for w, d in zip(self.workers, self._share_of, strict=True)]
+        return ray.get(refs)[0]
+
+    def built_layouts(self) -> list[dict[str, Any]]:
+        """Every rank's built layout and measured peak memory per phase (``TrainerWorker.built_layout``)."""
+        return self._all("built_layout")
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate on every rank."""

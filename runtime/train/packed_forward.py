@@ -98,11 +98,20 @@ def register_varlen_attention() -> str:
     return VARLEN_SDPA
 
 
-def attn_implementation_for(platform: Platform, packing: bool, packed_attention: PackedAttention) -> str | None:
+def attn_implementation_for(
+    platform: Platform, packing: bool, packed_attention: PackedAttention, cp: int = 1
+) -> str | None:
     """The attention implementation to load the model with; None keeps transformers' default (sdpa).
 
-    The choice is made at load time because transformers reads it from the config on every call.
+    The choice is made at load time because transformers reads it from the config on every call. Context
+    parallelism has its own (``context_parallel.CP_ATTENTION``), which runs Ulysses or ring per micro-batch.
     """
+    if cp > 1:
+        from .context_parallel import register_cp_attention
+
+        if platform.name == "cpu":
+            register_varlen_attention()  # Ulysses' full-row step on cpu
+        return register_cp_attention()
     if not packing:
         return None
     if packed_attention == "mask":
@@ -156,16 +165,21 @@ def _token_logprobs(
     body_kwargs: dict[str, Any],
     temperature: float,
     chunk_tokens: int,
+    labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Body → final hidden states → chunked log-probs and entropy of the next token, shifted right.
+    """Body → final hidden states → chunked log-probs and entropy of the next token.
 
-    Returns fp32 ``[B, T]`` tensors aligned with ``input_ids``: entry t is about token t given the
-    tokens before it; entry 0 is 0 (callers also zero each packed sequence's first entry).
+    Without `labels`: fp32 ``[B, T]`` tensors aligned with ``input_ids`` (entry t is about token t given the
+    tokens before it; entry 0 is 0; callers also zero each packed sequence's first entry). With `labels` (a
+    context-parallel slice, whose next tokens lie partly on the next rank): one entry per position, the
+    log-prob of ``labels`` there.
     """
     hidden = model.model(input_ids=input_ids, **body_kwargs).last_hidden_state
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise NotImplementedError("chunked log-probs assume a bias-free lm head")
+    if labels is not None:
+        return chunked_logprobs_entropy(hidden, head.weight, labels, temperature, chunk_tokens)
     logp, ent = chunked_logprobs_entropy(hidden[:, :-1], head.weight, input_ids[:, 1:], temperature, chunk_tokens)
     return F.pad(logp, (1, 0)), F.pad(ent, (1, 0))
 

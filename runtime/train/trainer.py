@@ -1,48 +1,45 @@
-"""One rank of the FSDP2 policy trainer: log-probs, a policy-gradient step, state dicts, checkpoints.
+"""One rank of the FSDP2 policy trainer: it builds the plan's layout, computes log-probs and takes steps.
 
-A ``TrainerWorker`` is one process (a Ray actor per device). ``TrainerGroup`` creates ``world_size``
-of them and fans calls out; every public method here is collective, so all ranks must be called.
+A ``TrainerWorker`` is one process (a Ray actor per device). ``TrainerGroup`` creates ``world_size`` of
+them and fans calls out; every public method here is collective, so all ranks must be called.
 
-Batches are dicts of per-sequence lists. ``input_ids`` holds full sequences (prompt + response)
-and ``loss_mask`` marks the response tokens. Per-token arrays (``behaviour_logprobs``,
-``proximal_logprobs``, ``ref_logprobs``, ``teacher_logprobs``, ``advantages``) are aligned with
-``input_ids``: entry ``t`` is about token ``t``, i.e. log p(x_t | x_<t); entry 0 is unused.
-``advantages`` may also be one number per sequence (GRPO).
+The layout (``schemas/layout.TrainLayout``) decides the device mesh (dp × cp × tp), precision, recompute and
+offload (``parallelize``); micro-batches are built by ``micro_batches`` (packed, padded, or this rank's
+context-parallel slice), the optimizer by ``optimizer``; weights out, checkpoints and colocated phase moves
+are mixins in their own files. After construction ``built_layout()`` reports what was really built and the
+peak memory of each phase (``memory_probe``), which ``rlc run`` compares with the plan.
 
-With ``packing`` (the plans' default) a rank's sequences are bin-packed into micro-batches of at
-most ``micro_batch_tokens`` tokens, each run as one ``[1, L]`` row with per-sequence boundaries
-(``packed_forward``); otherwise ``micro_batch_size`` sequences are right-padded into ``[B, W]``.
-Both paths compute log-probs ``logprob_chunk_tokens`` at a time from the final hidden states, so
-``[T, V]`` logits never materialise, and both hand back the same per-sequence rows.
+Batches are dicts of per-sequence lists. ``input_ids`` holds full sequences (prompt + response) and
+``loss_mask`` marks the response tokens. Per-token arrays (``behaviour_logprobs``, ``proximal_logprobs``,
+``ref_logprobs``, ``teacher_logprobs``, ``advantages``) are aligned with ``input_ids``: entry ``t`` is about
+token ``t``, i.e. log p(x_t | x_<t); entry 0 is unused. ``advantages`` may also be one number per sequence.
+Ranks that differ only in their cp or tp coordinate receive the same share of a batch.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..packing import PackedBatch, pack_sequences
-from ..platform import Platform, get_platform
-from ..rollout.weight_sync import SyncSender, TensorMeta, tensor_meta, write_safetensors
-from . import lora as lora_lib
-from .packed_forward import (
-    LOGPROB_METHOD,
-    attn_implementation_for,
-    install_logprob_forward,
-    pack_rank_sequences,
-    packed_attention_inputs,
-)
+from rlc.schemas.layout import TrainLayout
 
-__all__ = ["DEFAULT_TRAIN_CFG", "TrainerWorker"]
+from ..platform import Platform, get_platform
+from ..rollout.weight_sync import SyncSender
+from . import lora as lora_lib
+from .checkpoints import TrainerCheckpoints
+from .memory_probe import PeakMemory, measured
+from .micro_batches import MicroBatch, MicroBatcher
+from .optimizer import UnitOptimizer, clip_grad_norm
+from .packed_forward import LOGPROB_METHOD, attn_implementation_for, install_logprob_forward, pack_rank_sequences
+from .parallelize import apply_layout, build_mesh, describe_built, sum_partial_grads
+from .phases import PhaseMoves
+from .weights_out import WeightExport
+
+__all__ = ["DEFAULT_TRAIN_CFG", "TrainerWorker", "default_layout"]
 
 DEFAULT_TRAIN_CFG: dict[str, Any] = {
     "lr": 1e-5,
@@ -51,16 +48,12 @@ DEFAULT_TRAIN_CFG: dict[str, Any] = {
     "eps": 1e-8,
     "max_grad_norm": 1.0,
     "packing": True,  # token-budget packed micro-batches; False = padded batches of micro_batch_size
-    "micro_batch_tokens": 4096,  # packed: tokens per micro-batch (the plan's schedule.micro_batch_tokens)
     "micro_batch_size": 8,  # padded: sequences per forward
     "logprob_chunk_tokens": 1024,  # tokens per chunk of the log-prob head (both paths)
     "packing_algorithm": "ffd",  # "ffd" (fewest bins) or "kk" (balanced bins), see runtime/packing.py
     "packed_attention": "varlen",  # "varlen" (per-sequence kernels) or "mask" (O(L²) CPU reference)
     "temperature": 1.0,  # log-probs are of softmax(logits / T), matching the engines' sampling
     "seed": 0,
-    "gradient_checkpointing": False,
-    "master_dtype": "float32",  # optimizer and master weights
-    "param_dtype": None,  # compute dtype under FSDP2 mixed precision; None = master_dtype
     "local_rank": 0,  # device index inside this process's visible devices
     "lora": None,  # the plan's lora block (rank, alpha, dropout, target_modules, rollout): train adapters only
 }
@@ -75,18 +68,17 @@ _PER_TOKEN_KEYS = (
 )
 
 
-@dataclass
-class _MicroBatch:
-    """One forward's sequences and the model inputs built from them (packed or padded)."""
+def default_layout(world_size: int, cfg: Mapping[str, Any]) -> TrainLayout:
+    """Plain fp32 FSDP2 data parallelism, for trainers built without a plan (tests, benchmarks)."""
+    return TrainLayout(
+        world_size=world_size,
+        micro_batch_tokens=int(cfg.get("micro_batch_tokens", 4096)),
+        recompute="full" if cfg.get("gradient_checkpointing") else "none",
+    )
 
-    seqs: list[list[int]]
-    input_ids: torch.Tensor  # [1, L] packed or [B, W] padded
-    body_kwargs: dict[str, Any]  # attention inputs for the model body
-    packed: PackedBatch | None  # None on the padded path
 
-
-class TrainerWorker:
-    """One FSDP2 rank holding a shard of the policy and of its AdamW state."""
+class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
+    """One rank of the policy trainer, holding its shard of the model and of the optimizer state."""
 
     def __init__(
         self,
@@ -97,14 +89,19 @@ class TrainerWorker:
         model_path: str,
         platform: str | Platform = "cpu",
         train_cfg: Mapping[str, Any] | None = None,
+        layout: TrainLayout | Mapping[str, Any] | None = None,
     ) -> None:
-        """Join the trainer process group, load the HF model, shard it, build the optimizer."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        """Join the trainer process group, load the HF model, build the layout, make the optimizer."""
         from transformers import AutoModelForCausalLM
 
         self.rank, self.world_size = rank, world_size
         self.platform = get_platform(platform)
         self.cfg = {**DEFAULT_TRAIN_CFG, **dict(train_cfg or {})}
+        if layout is None:
+            layout = default_layout(world_size, self.cfg)
+        self.layout = layout if isinstance(layout, TrainLayout) else TrainLayout.model_validate(dict(layout))
+        self.memory = PeakMemory(self.platform)  # baseline before anything is loaded
+        self.memory.start()
         self.model_path = str(model_path)
         self.device = self.platform.set_device(int(self.cfg["local_rank"]))
         if not dist.is_initialized():
@@ -115,16 +112,16 @@ class TrainerWorker:
                 world_size=world_size,
                 device_id=None if self.platform.name == "cpu" else self.device,
             )
+        self.mesh = build_mesh(self.layout, self.platform, rank)
         torch.manual_seed(int(self.cfg["seed"]))
 
-        master = getattr(torch, self.cfg["master_dtype"])
         self.packing = bool(self.cfg["packing"])
-        attn = attn_implementation_for(self.platform, self.packing, self.cfg["packed_attention"])
+        attn = attn_implementation_for(self.platform, self.packing, self.cfg["packed_attention"], self.layout.cp)
         model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=master, **({"attn_implementation": attn} if attn else {})
+            self.model_path,
+            dtype=getattr(torch, self.layout.precision.param_dtype),
+            **({"attn_implementation": attn} if attn else {}),
         )
-        if self.cfg["gradient_checkpointing"]:
-            model.gradient_checkpointing_enable()
         model.config.use_cache = False
         for name, param in model.named_parameters():  # a speculative-decoding head stays frozen
             if lora_lib.is_draft_key(name):
@@ -136,89 +133,87 @@ class TrainerWorker:
         if self.lora:
             from peft import get_peft_model
 
+            if self.layout.tp > 1:
+                raise ValueError("LoRA with tensor parallelism is not implemented on the fsdp2 backend")
             self.peft = get_peft_model(model, lora_lib.lora_config(self.lora))
             self.lora_scaling = float(self.lora["alpha"]) / float(self.lora["rank"])
         model.to(self.device)
-        param_dtype = getattr(torch, self.cfg["param_dtype"]) if self.cfg["param_dtype"] else master
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        # One FSDP unit per decoder layer overlaps each layer's all-gather with the previous compute;
-        # the root unit holds embeddings, final norm and (tied) lm_head.
-        for layer in _decoder_layers(model):
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+        self._partial_grads = apply_layout(model, self.mesh, self.platform)
         install_logprob_forward(model)  # body + chunked head inside the root FSDP unit
         self.model = model
         self.pad_id = _pad_id(model.config)
         self._dummy = [self.pad_id, self.pad_id]  # the sequence of a dummy micro-batch
-        self.optimizer = torch.optim.AdamW(
-            self._trainable(),
+        coords = self.mesh.coords
+        self.batcher = MicroBatcher(
+            self.platform,
+            self.device,
+            self.pad_id,
+            self.packing,
+            self.cfg["packed_attention"],
+            cp_group=self.mesh.cp_group if self.layout.cp > 1 else None,
+            cp_rank=coords["cp"],
+            cp_size=self.layout.cp,
+            cp_kind=self.layout.cp_kind,
+        )
+        self.optimizer = UnitOptimizer(
+            _fsdp_units(model),
             lr=float(self.cfg["lr"]),
-            betas=tuple(self.cfg["betas"]),
+            betas=tuple(self.cfg["betas"]),  # type: ignore[arg-type]
             eps=float(self.cfg["eps"]),
             weight_decay=float(self.cfg["weight_decay"]),
+            device=self.device,
+            offload=self.layout.offload_optimizer,
         )
         self.step = 0
         self._offloaded: set[str] = set()
         self._sender: SyncSender | None = None
         self._sender_key: tuple[str, int, int] | None = None
+        self._compute_dtype_seen: torch.dtype | None = None
+        self._watch_compute_dtype()
+        self.memory.stop("load")
+
+    # ---------------------------------------------------------------- the layout, as built
+
+    def _watch_compute_dtype(self) -> None:
+        """Record the dtype of a projection weight while a forward runs: FSDP2's all-gathered compute copy."""
+        proj = _decoder_layers(self.model)[0].get_submodule("mlp.down_proj")
+
+        def seen(module: torch.nn.Module, args: Any) -> None:
+            weight = module.weight
+            self._compute_dtype_seen = (weight.to_local() if hasattr(weight, "to_local") else weight).dtype
+
+        proj.register_forward_pre_hook(seen)
+
+    def built_layout(self) -> dict[str, Any]:
+        """What this rank built (read back from the model and mesh) and its measured peak memory per phase."""
+        built = describe_built(
+            self.model,
+            self.mesh,
+            self.rank,
+            self.layout.cp_kind if self.layout.cp > 1 else None,
+            self.optimizer.offload,
+            self._compute_dtype_seen,
+        )
+        return {"built": vars(built), "memory": self.memory.report(), "platform": self.platform.name}
 
     # ---------------------------------------------------------------- forward
 
-    def _ids_and_attention(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded token ids and the matching attention mask."""
-        attn = self._pad(seqs, [[1.0] * len(s) for s in seqs]).long()
-        return self._pad(seqs), attn
-
-    def _pad(self, seqs: Sequence[Sequence[int]], rows: Sequence[Sequence[float]] | None = None) -> torch.Tensor:
-        width = max(len(s) for s in seqs)
-        if rows is None:
-            out = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-            for i, s in enumerate(seqs):
-                out[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-        else:
-            out = torch.zeros((len(seqs), width), dtype=torch.float32)
-            for i, r in enumerate(rows):
-                out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
-        return out.to(self.device)
-
-    def _micro_batch(self, seqs: Sequence[Sequence[int]]) -> _MicroBatch:
-        """The model inputs for one forward: one packed ``[1, L]`` row, or a padded ``[B, W]`` batch."""
-        if self.packing:
-            packed = pack_sequences(seqs)
-            kwargs = packed_attention_inputs(packed, self.platform, self.device, self.cfg["packed_attention"])
-            return _MicroBatch([list(s) for s in seqs], packed.input_ids.to(self.device), kwargs, packed)
-        ids, attn = self._ids_and_attention(seqs)
-        return _MicroBatch([list(s) for s in seqs], ids, {"attention_mask": attn}, None)
-
-    def _to_layout(self, mb: _MicroBatch, rows: Sequence[Sequence[float]]) -> torch.Tensor:
-        """Per-sequence per-token rows in the micro-batch's layout (missing entries are 0, as when padding)."""
-        if mb.packed is None:
-            return self._pad(mb.seqs, rows)
-        parts = []
-        for r, s in zip(rows, mb.seqs, strict=True):
-            t = torch.zeros(len(s), dtype=torch.float32)
-            t[: len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
-            parts.append(t)
-        return mb.packed.pack(parts).to(self.device)
-
-    def _from_layout(self, mb: _MicroBatch, t: torch.Tensor) -> list[torch.Tensor]:
-        """Per-sequence rows back out of the micro-batch's layout, each as long as its sequence."""
-        if mb.packed is None:
-            return [t[i, : len(s)] for i, s in enumerate(mb.seqs)]
-        return mb.packed.unpack(t)
-
     def _forward_logprobs(
-        self, mb: _MicroBatch, with_entropy: bool, entropy_grad: bool = False
+        self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log p(x_t | x_<t) in ``mb``'s layout (each sequence's first entry is 0), and entropy.
+        """Log-probs (and entropy) aligned with ``mb.local``: the whole row, or this rank's CP slice.
 
-        Log-probs come from the final hidden states ``logprob_chunk_tokens`` tokens at a time, inside
-        the root FSDP unit, so full ``[T, V]`` logits are never held.
+        Log-probs come from the final hidden states ``logprob_chunk_tokens`` tokens at a time, inside the root
+        FSDP unit, so full ``[T, V]`` logits are never held.
         """
         lp, ent = getattr(self.model, LOGPROB_METHOD)(
-            mb.input_ids, mb.body_kwargs, float(self.cfg["temperature"]), int(self.cfg["logprob_chunk_tokens"])
+            mb.input_ids,
+            mb.body_kwargs,
+            float(self.cfg["temperature"]),
+            int(self.cfg["logprob_chunk_tokens"]),
+            mb.labels,
         )
-        if mb.packed is not None:  # a sequence's first token was "predicted" from the previous sequence
+        if mb.packed is not None and mb.cp is None:  # a sequence's first token was "predicted" from the previous
             starts = mb.packed.cu_seqlens[:-1].to(device=lp.device, dtype=torch.long)
             lp, ent = lp.index_fill(1, starts, 0.0), ent.index_fill(1, starts, 0.0)
         if not with_entropy:
@@ -228,14 +223,14 @@ class TrainerWorker:
     def _micro_batches(self, seqs: Sequence[Sequence[int]]) -> list[list[int]]:
         """This rank's micro-batches as sequence-index lists, padded with empty ones to the group's count.
 
-        Packed: bins of at most ``micro_batch_tokens`` tokens; padded: runs of ``micro_batch_size``
-        sequences. FSDP2 all-gathers inside every forward, so all ranks must run the same number of
-        them; an empty list stands for a dummy micro-batch that contributes nothing.
+        Packed: bins of at most ``micro_batch_tokens`` tokens (the layout's budget, before the CP split);
+        padded: runs of ``micro_batch_size`` sequences. FSDP2 all-gathers inside every forward, so all ranks
+        must run the same number of them; an empty list stands for a dummy micro-batch that contributes nothing.
         """
         n = len(seqs)
         if self.packing:
             mine = pack_rank_sequences(
-                [len(s) for s in seqs], int(self.cfg["micro_batch_tokens"]), str(self.cfg["packing_algorithm"])
+                [len(s) for s in seqs], self.layout.micro_batch_tokens, str(self.cfg["packing_algorithm"])
             )
         else:
             mbs = max(1, int(self.cfg["micro_batch_size"]))
@@ -247,6 +242,7 @@ class TrainerWorker:
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    @measured("logprobs")
     @torch.no_grad()
     def compute_logprobs(self, batch: Mapping[str, Any], adapters: bool = True) -> list[list[float]]:
         """Log-probs of each sequence's tokens under the current weights (proximal or reference).
@@ -265,14 +261,15 @@ class TrainerWorker:
         seqs = batch["input_ids"]
         out: list[list[float]] = [[] for _ in seqs]
         for idx in self._micro_batches(seqs):
-            mb = self._micro_batch([seqs[i] for i in idx] or [self._dummy])  # a dummy keeps collectives in step
+            mb = self.batcher.build([seqs[i] for i in idx] or [self._dummy])  # a dummy keeps collectives in step
             lp, _ = self._forward_logprobs(mb, with_entropy=False)
-            for i, row in zip(idx, self._from_layout(mb, lp), strict=False):
+            for i, row in zip(idx, mb.split(mb.gather_logprobs(lp)), strict=False):
                 out[i] = row.float().cpu().tolist()
         return out
 
     # ---------------------------------------------------------------- training
 
+    @measured("train")
     def train_step(self, batch: Mapping[str, Any], loss_fn_cfg: Mapping[str, Any] | None = None) -> dict[str, float]:
         """One optimizer step on this rank's share of a batch; returns group-wide stats.
 
@@ -295,26 +292,26 @@ class TrainerWorker:
         self.model.train()
         seqs = batch["input_ids"]
         masks = batch["loss_mask"]
-        local_tokens = sum(sum(1 for m in row[1:] if m) for row in masks)
+        # Statistics and the token count are sums over the dp·cp ranks: TP peers hold the same tokens.
+        group = self.mesh.shard_group
+        local_tokens = sum(sum(1 for m in row[1:] if m) for row in masks) if self.mesh.coords["cp"] == 0 else 0
         total = torch.tensor([float(local_tokens)])
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=group)
         global_tokens = max(float(total.item()), 1.0)
-        # FSDP2 averages gradients over ranks; scaling by world size turns that into a global sum,
+        # FSDP2 averages gradients over its dp·cp ranks; scaling by their number turns that into a global sum,
         # so the gradient is that of the token mean over every rank's tokens.
-        scale = float(self.world_size)
+        scale = float(self.layout.shard_group)
 
         sums: dict[str, float] = {}
         maxima: dict[str, float] = {}
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         for idx in self._micro_batches(seqs):
             real = bool(idx)
-            mb = self._micro_batch([seqs[i] for i in idx] if real else [self._dummy])
+            mb = self.batcher.build([seqs[i] for i in idx] if real else [self._dummy])
             # Entry 0 of each sequence has no prediction; a dummy micro-batch masks everything.
-            mask = self._to_layout(mb, [[0.0, *masks[i][1:]] for i in idx] if real else [[0.0] * len(self._dummy)]) > 0
+            mask = mb.local([[0.0, *masks[i][1:]] for i in idx] if real else [[0.0] * len(self._dummy)]) > 0
             lp, ent = self._forward_logprobs(mb, with_entropy=True, entropy_grad=bool(entropy_coef))
-            tok = {
-                k: self._to_layout(mb, self._per_token(batch, k, idx, mb.seqs)) for k in _PER_TOKEN_KEYS if k in batch
-            }
+            tok = {k: mb.local(self._per_token(batch, k, idx, mb.seqs)) for k in _PER_TOKEN_KEYS if k in batch}
             if kind == "ppo":
                 behaviour = tok["behaviour_logprobs"]
                 loss, stats = L.decoupled_ppo_loss(
@@ -353,15 +350,14 @@ class TrainerWorker:
                 else:
                     sums[k] = sums.get(k, 0.0) + float(v) * n  # token-weighted across micro-batches/ranks
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._trainable(), float(self.cfg["max_grad_norm"]))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        sum_partial_grads(self._partial_grads, self.mesh)
+        grad_norm = clip_grad_norm(self._trainable(), float(self.cfg["max_grad_norm"]))
         self.optimizer.step()
         self.step += 1
 
         keys = sorted(sums)
         vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(vec)
+        dist.all_reduce(vec, group=group)
         out = {k: float(v) for k, v in zip(keys, vec.tolist(), strict=True)}
         result = {"loss": out.pop("loss")}
         for k, v in out.items():
@@ -375,7 +371,7 @@ class TrainerWorker:
             grad_norm=float(grad_norm),
             n_tokens=global_tokens,
             step=float(self.step),
-            lr=float(self.optimizer.param_groups[0]["lr"]),
+            lr=self.optimizer.lr,
             time_s=time.perf_counter() - t0,
         )
         return result
@@ -393,176 +389,9 @@ class TrainerWorker:
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate (the controller owns the schedule)."""
-        for g in self.optimizer.param_groups:
-            g["lr"] = float(lr)
+        self.optimizer.set_lr(lr)
 
-    # ---------------------------------------------------------------- weights out
-
-    def weight_meta(self, dtype: str | None = None) -> list[TensorMeta]:
-        """Names, global shapes and dtypes of what a sync sends (``sync_state_dict``), without gathering."""
-        sd = self.model.state_dict()  # DTensor shapes are global
-        meta = [(k, tuple(v.shape), (dtype or str(v.dtype)).removeprefix("torch.")) for k, v in sd.items()]
-        if self.lora:
-            meta = lora_lib.merged_meta(meta)
-        return [m for m in meta if not lora_lib.is_draft_key(m[0])]
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded weights in model names, on CPU, on rank 0 (None elsewhere). Collective."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return sd if self.rank == 0 else None
-
-    def sync_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """What engines load, in HF names, on rank 0. Collective.
-
-        LoRA adapters are merged into (copies of) the base weights, and a speculative-decoding head (MTP
-        or draft keys) is left out: it stays frozen and the engines keep the one they loaded.
-        """
-        sd = self.full_state_dict()
-        if sd is None:
-            return None
-        if self.lora:
-            sd = lora_lib.merged_state_dict(sd, self.lora_scaling)
-        return {k: v for k, v in sd.items() if not lora_lib.is_draft_key(k)}
-
-    def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The LoRA factors, unsharded, in model names, on rank 0. Collective (gathers only the adapters)."""
-        if not self.lora:
-            raise RuntimeError("adapter_state_dict without lora")
-        out = {}
-        for name, param in self.model.named_parameters():
-            if ".lora_" in name:
-                full = param.full_tensor() if hasattr(param, "full_tensor") else param
-                out[name] = full.detach().to("cpu")
-        return out if self.rank == 0 else None
-
-    def save_adapter(self, out_dir: str) -> str | None:
-        """The LoRA adapter in PEFT format (what vLLM's LoRARequest and PeftModel load). Collective."""
-        tensors = self.adapter_state_dict()
-        if self.rank != 0:
-            return None
-        config = self.peft.peft_config[lora_lib.ADAPTER_NAME]
-        return str(lora_lib.write_adapter(tensors, config, out_dir, self.model_path))
-
-    def save_weights(self, out_dir: str) -> str | None:
-        """HF-format folder an engine can load or reload from (weights, config, tokenizer). Collective."""
-        sd = self.sync_state_dict()
-        if self.rank != 0:
-            return None
-        out = Path(out_dir)
-        path = write_safetensors(sd, out)
-        self.model.config.save_pretrained(out)
-        _copy_tokenizer(self.model_path, out)
-        return str(path)
-
-    def sync_weights_broadcast(
-        self, host: str, port: int, world_size: int, meta: Sequence[TensorMeta] | None = None
-    ) -> float:
-        """Gather the full weights and broadcast them from rank 0 to the engines. Collective.
-
-        Rank 0 joins the stateless sync group on first use (engines join concurrently with
-        ``init_sync_group``) and reuses it afterwards. Returns seconds taken.
-        """
-        t0 = time.perf_counter()
-        sd = self.sync_state_dict()
-        if self.rank == 0:
-            key = (host, int(port), int(world_size))
-            if self._sender_key != key:
-                self.close_weight_sync()
-                self._sender = SyncSender(host, port, world_size, backend=self.platform.dist_backend)
-                self._sender_key = key
-            self._sender.broadcast(sd, meta if meta is not None else tensor_meta(sd), device=self.device)
-        return time.perf_counter() - t0
-
-    def close_weight_sync(self) -> None:
-        """Leave the weight-sync group, if this rank joined one."""
-        if self._sender is not None:
-            self._sender.close()
-        self._sender, self._sender_key = None, None
-
-    # ---------------------------------------------------------------- checkpoints
-
-    def save_checkpoint(self, ckpt_dir: str) -> str:
-        """Weights as an HF folder (rank 0) and sharded optimizer state (every rank). Collective."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        root = Path(ckpt_dir)
-        if self.lora:  # the base never changes: the adapter is the checkpoint (`rlc export --merged` folds it in)
-            self.save_adapter(str(root / "adapter"))
-        else:
-            self.save_weights(str(root / "hf"))
-        optim = get_optimizer_state_dict(self.model, self.optimizer)
-        dcp.save({"optim": optim}, checkpoint_id=str(root / "optim"))
-        if self.rank == 0:
-            (root / "trainer_state.json").write_text(json.dumps({"step": self.step}, sort_keys=True))
-        dist.barrier()
-        return str(root)
-
-    def load_checkpoint(self, ckpt_dir: str) -> int:
-        """Restore weights, optimizer state and step from ``save_checkpoint``'s folder. Collective."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        from ..rollout.weight_sync import iter_safetensors
-
-        root = Path(ckpt_dir)
-        if self.lora:
-            full, _ = lora_lib.read_adapter(root / "adapter")
-        else:
-            full = dict(iter_safetensors(root / "hf"))
-        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
-        optim = get_optimizer_state_dict(self.model, self.optimizer)
-        state = {"optim": optim}
-        dcp.load(state, checkpoint_id=str(root / "optim"))
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        self.step = int(json.loads((root / "trainer_state.json").read_text())["step"])
-        return self.step
-
-    # ---------------------------------------------------------------- colocated phases
-
-    def offload(self, what: Sequence[str]) -> float:
-        """Move ``params`` / ``grads`` / ``optimizer`` state to host memory; returns seconds taken.
-
-        On cpu everything already lives in host memory, so this is a no-op that returns 0.0.
-        """
-        if self.platform.name == "cpu":
-            return 0.0
-        t0 = time.perf_counter()
-        self._move(what, torch.device("cpu"))
-        self._offloaded |= set(what)
-        self.platform.synchronize()
-        self.platform.empty_cache()
-        return time.perf_counter() - t0
-
-    def onload(self, what: Sequence[str]) -> float:
-        """Bring back what ``offload`` moved to host memory; returns seconds taken (0.0 on cpu)."""
-        if self.platform.name == "cpu":
-            return 0.0
-        t0 = time.perf_counter()
-        self._move([w for w in what if w in self._offloaded], self.device)
-        self._offloaded -= set(what)
-        self.platform.synchronize()
-        return time.perf_counter() - t0
-
-    def _move(self, what: Sequence[str], device: torch.device) -> None:
-        if "grads" in what:
-            self.optimizer.zero_grad(set_to_none=True)  # gradients are dead between steps
-        if "params" in what:
-            self.model.to(device)  # FSDP2 moves the local shards of its DTensor parameters
-        if "optimizer" in what:
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if torch.is_tensor(value) and key != "step":
-                        state[key] = value.to(device, non_blocking=True)
-
-    # ---------------------------------------------------------------- misc
+    # ---------------------------------------------------------------- host helpers
 
     def sync_address(self) -> tuple[str, int]:
         """This rank's IP and a port free on its node, for a weight-sync group rank 0 will host."""
@@ -578,12 +407,13 @@ class TrainerWorker:
     def host_info(self) -> dict[str, Any]:
         """This rank's Ray node id and the free bytes of its /dev/shm (0 if absent): where weights can go."""
         import shutil
+        from pathlib import Path
 
         import ray
 
         shm = Path("/dev/shm")
         free = shutil.disk_usage(shm).free if shm.is_dir() else 0
-        return {"node_id": ray.get_runtime_context().get_node_id(), "shm_free": free}
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "shm_free": free}
 
     def remove_dir(self, path: str) -> None:
         """Delete a folder on this rank's node (the weights it wrote to /dev/shm)."""
@@ -606,6 +436,18 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def _fsdp_units(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+    """Trainable parameters per FSDP unit: each decoder layer, then the root's rest (embeddings, norm, head)."""
+    seen: set[int] = set()
+    units = []
+    for layer in _decoder_layers(model):
+        params = [p for p in layer.parameters() if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        units.append(params)
+    units.append([p for p in model.parameters() if p.requires_grad and id(p) not in seen])
+    return units
+
+
 def _pad_id(config: Any) -> int:
     for attr in ("pad_token_id", "eos_token_id"):
         v = getattr(config, attr, None)
@@ -614,10 +456,3 @@ def _pad_id(config: Any) -> int:
         if v is not None:
             return int(v)
     return 0
-
-
-def _copy_tokenizer(src: str, dst: Path) -> None:
-    """Copy tokenizer and generation files so ``dst`` is a complete model folder for vLLM."""
-    for name in os.listdir(src):
-        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config", "chat_template")):
-            shutil.copy2(os.path.join(src, name), dst / name)

@@ -1,0 +1,155 @@
+"""Micro-batches: the model inputs of one forward and the per-token rows aligned with its predictions.
+
+Three shapes, one interface:
+- packed (the plans' default): one ``[1, L]`` row of several sequences with per-sequence boundaries;
+- padded: ``[B, W]`` right-padded sequences with an attention mask;
+- packed under context parallelism: the row padded to a multiple of cp and this rank's slice of it
+  (``context_parallel``), whose predictions are for the tokens one to the right of its positions.
+
+Per-token rows (advantages, behaviour log-probs, masks...) are aligned with ``input_ids``: entry t is about
+token t. `MicroBatch.local(rows)` turns them into the tensor the loss needs next to the model's log-probs:
+the whole row, or under CP the slice of tokens this rank predicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..packing import PackedBatch, pack_sequences
+from ..platform import Platform
+from .context_parallel import CpShard, cp_micro_batch
+from .packed_forward import packed_attention_inputs
+
+__all__ = ["MicroBatch", "MicroBatcher"]
+
+
+@dataclass
+class MicroBatch:
+    """One forward's sequences, the model inputs built from them, and how its predictions line up."""
+
+    seqs: list[list[int]]
+    input_ids: torch.Tensor  # model input: [1, L] packed, [B, W] padded, [1, c] a CP slice
+    body_kwargs: dict[str, Any]  # attention inputs for the model body
+    packed: PackedBatch | None  # None on the padded path; under CP the padded row (pad segment last)
+    device: torch.device
+    cp: CpShard | None = None
+    pad: int = 0  # pad tokens appended for the CP split
+    labels: torch.Tensor | None = None  # CP: the next token of each of this slice's positions
+
+    def _row(self, rows: Sequence[Sequence[float]]) -> torch.Tensor:
+        """Per-sequence rows in the micro-batch's layout (missing entries are 0, as when padding)."""
+        if self.packed is None:
+            width = max(len(s) for s in self.seqs)
+            out = torch.zeros((len(self.seqs), width), dtype=torch.float32)
+            for i, r in enumerate(rows):
+                out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
+            return out
+        parts = []
+        for r, s in zip(rows, self.seqs, strict=True):
+            t = torch.zeros(len(s), dtype=torch.float32)
+            t[: len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
+            parts.append(t)
+        if self.pad:
+            parts.append(torch.zeros(self.pad, dtype=torch.float32))
+        return self.packed.pack(parts)
+
+    def local(self, rows: Sequence[Sequence[float]]) -> torch.Tensor:
+        """Rows as the tensor aligned with this rank's log-probs (the slice it predicts under CP)."""
+        row = self._row(rows)
+        if self.cp is not None:
+            row = F.pad(row, (0, 1))[:, self.cp.start + 1 : self.cp.end + 1]
+        return row.to(self.device)
+
+    def split(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Per-sequence rows back out of a whole-row tensor (``gather_logprobs`` under CP), each as long as its
+        sequence."""
+        if self.packed is None:
+            return [values[i, : len(s)] for i, s in enumerate(self.seqs)]
+        parts = self.packed.unpack(values)
+        return parts[: len(self.seqs)]
+
+    def gather_logprobs(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole row's log-probs aligned with its tokens, from this rank's slice (identity without CP).
+
+        Under CP every rank predicts the tokens right of its slice's positions; gathering the slices gives
+        predictions for tokens 1..L, and token 0 has none (0). A sequence's first token was "predicted" from
+        the previous sequence: zeroed here, as on the packed path.
+        """
+        if self.cp is None:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.cp.size)]
+        dist.all_gather(parts, local.contiguous(), group=self.cp.group)
+        row = F.pad(torch.cat(parts, dim=1), (1, 0))[:, : self.packed.num_tokens]  # type: ignore[union-attr]
+        starts = self.packed.cu_seqlens[:-1].to(device=row.device, dtype=torch.long)  # type: ignore[union-attr]
+        return row.index_fill(1, starts, 0.0)
+
+
+class MicroBatcher:
+    """Builds micro-batches for one trainer rank: packed, padded, or this rank's slice of a CP row."""
+
+    def __init__(
+        self,
+        platform: Platform,
+        device: torch.device,
+        pad_id: int,
+        packing: bool,
+        packed_attention: str,
+        cp_group: Any = None,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        cp_kind: str = "ulysses",
+    ) -> None:
+        self.platform, self.device, self.pad_id = platform, device, pad_id
+        self.packing, self.packed_attention = packing, packed_attention
+        self.cp_group, self.cp_rank, self.cp_size, self.cp_kind = cp_group, cp_rank, cp_size, cp_kind
+        if cp_size > 1 and not packing:
+            raise ValueError("context parallelism splits packed micro-batches; the plan must enable packing")
+
+    def build(self, seqs: Sequence[Sequence[int]]) -> MicroBatch:
+        seqs = [list(s) for s in seqs]
+        if self.cp_size > 1:
+            return self._cp(seqs)
+        if self.packing:
+            packed = pack_sequences(seqs)
+            kwargs = packed_attention_inputs(packed, self.platform, self.device, self.packed_attention)
+            return MicroBatch(seqs, packed.input_ids.to(self.device), kwargs, packed, self.device)
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+            attn[i, : len(s)] = 1
+        return MicroBatch(seqs, ids.to(self.device), {"attention_mask": attn.to(self.device)}, None, self.device)
+
+    def _cp(self, seqs: list[list[int]]) -> MicroBatch:
+        packed, pad = cp_micro_batch(seqs, self.pad_id, self.cp_size)
+        chunk = packed.num_tokens // self.cp_size
+        shard = CpShard(
+            group=self.cp_group,
+            rank=self.cp_rank,
+            size=self.cp_size,
+            kind=self.cp_kind,
+            cu_seqlens=packed.cu_seqlens,
+            max_seqlen=packed.max_seqlen,
+            chunk=chunk,
+            inner="varlen" if self.platform.name == "cpu" else "flash_attention_2",
+        )
+        sl = slice(shard.start, shard.end)
+        labels = F.pad(packed.input_ids, (0, 1), value=self.pad_id)[:, shard.start + 1 : shard.end + 1]
+        kwargs = {"position_ids": packed.position_ids[:, sl].to(self.device), "rlc_cp": shard}
+        return MicroBatch(
+            seqs,
+            packed.input_ids[:, sl].to(self.device),
+            kwargs,
+            packed,
+            self.device,
+            shard,
+            pad,
+            labels.to(self.device),
+        )

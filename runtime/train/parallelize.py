@@ -1,0 +1,210 @@
+"""Build the plan's trainer layout on a loaded HF model: device mesh, tensor parallelism, recompute, FSDP2.
+
+The order is torchtitan's: tensor parallelism first (DTensor, per decoder layer), then activation
+checkpointing, then FSDP2 over the flattened dp·cp ranks with the layout's mixed precision and offload
+policies. `describe_built` reads the result back from the objects themselves (mesh shape, parameter
+placements and dtypes, FSDP policies, checkpointing flags), so `layout.json` records what was built, not
+what was asked for, and `rlc run` can compare the two.
+
+Tensor parallelism on Qwen-style layers: q/k/v and gate/up are split column-wise (by heads / FFN width),
+o and down row-wise, so each layer does one all-reduce after attention and one after the FFN; embeddings,
+norms and the LM head stay whole (sharded by FSDP only). Qwen3's per-head q/k RMSNorm then sees only local
+heads, so the gradients of its (shared) weights are partial per TP rank and are summed over the TP group
+after backward (`sum_partial_grads`). Expert and pipeline parallelism are not built on this backend
+(`schemas/layout.runtime_gaps` refuses such plans before anything starts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlc.schemas.layout import TrainLayout
+
+from ..platform import Platform
+
+__all__ = ["TrainerMesh", "apply_layout", "build_mesh", "describe_built", "sum_partial_grads"]
+
+#: Column-wise (output-split) and row-wise (input-split) projections of a Qwen/Llama decoder layer.
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+#: Per-head norms whose weights are shared by all heads: partial gradients under tensor parallelism.
+PER_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+
+
+@dataclass
+class TrainerMesh:
+    """The device mesh of one trainer rank and the process groups the trainer talks over."""
+
+    layout: TrainLayout
+    world: Any  # DeviceMesh with dims (dp, cp, tp)
+    shard: Any  # DeviceMesh FSDP2 shards over: dp·cp flattened
+    coords: dict[str, int]
+
+    @property
+    def tp_group(self) -> Any:
+        return self.world.get_group("tp")
+
+    @property
+    def cp_group(self) -> Any:
+        return self.world.get_group("cp")
+
+    @property
+    def shard_group(self) -> Any:
+        return self.shard.get_group()
+
+    @property
+    def tp_mesh(self) -> Any:
+        return self.world["tp"]
+
+
+def build_mesh(layout: TrainLayout, platform: Platform, rank: int) -> TrainerMesh:
+    """The (dp, cp, tp) mesh over every trainer rank, tp innermost, and the flattened dp·cp shard mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.get_world_size() != layout.world_size:
+        raise RuntimeError(f"the trainer group has {dist.get_world_size()} ranks, the layout {layout.world_size}")
+    world = init_device_mesh(platform.device_type, (layout.dp, layout.cp, layout.tp), mesh_dim_names=("dp", "cp", "tp"))
+    shard = world["dp", "cp"]._flatten("dp_cp")
+    return TrainerMesh(layout, world, shard, layout.coordinates(rank))
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find decoder layers on {type(model).__name__}")
+    return list(layers)
+
+
+def _apply_tensor_parallel(model: torch.nn.Module, mesh: TrainerMesh) -> set[str]:
+    """Split every decoder layer's projections over the TP mesh; returns the per-head norm weights' names."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    cfg = model.config
+    tp = mesh.layout.tp
+    kv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    if cfg.num_attention_heads % tp or kv % tp:
+        raise ValueError(
+            f"tensor parallel {tp} needs the {cfg.num_attention_heads} attention heads and {kv} KV heads divisible"
+        )
+    for layer in _decoder_layers(model):
+        plan: dict[str, Any] = {name: ColwiseParallel() for name in COLWISE}
+        plan.update({name: RowwiseParallel() for name in ROWWISE})
+        parallelize_module(layer, mesh.tp_mesh, plan)
+    return {
+        name
+        for name, p in model.named_parameters()
+        if p.requires_grad and any(f"{norm}." in name for norm in PER_HEAD_NORMS)
+    }
+
+
+def apply_layout(model: torch.nn.Module, mesh: TrainerMesh, platform: Platform) -> list[torch.nn.Parameter]:
+    """TP, recompute and FSDP2 per the layout, in place. Returns parameters whose grads are partial per TP rank.
+
+    One FSDP unit per decoder layer overlaps each layer's all-gather with the previous compute; the root unit
+    holds embeddings, final norm and (tied) LM head.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    layout = mesh.layout
+    partial = _apply_tensor_parallel(model, mesh) if layout.tp > 1 else set()
+    if layout.recompute == "full":
+        # Whole decoder layers are recomputed in backward (non-reentrant checkpointing works under FSDP2).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif layout.recompute != "none":
+        raise ValueError(f"recompute={layout.recompute} is not implemented on the fsdp2 backend")
+    precision = layout.precision
+    mp = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, precision.compute_dtype), reduce_dtype=getattr(torch, precision.reduce_dtype)
+    )
+    # pin_memory needs an accelerator; on cpu the host *is* the device.
+    offload = CPUOffloadPolicy(pin_memory=platform.name != "cpu") if layout.offload_params else OffloadPolicy()
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh.shard, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh.shard, mp_policy=mp, offload_policy=offload)
+    # FSDP2 replaced the parameters with sharded ones: look the partial ones up again by name.
+    return [p for name, p in model.named_parameters() if name in partial]
+
+
+def sum_partial_grads(params: list[torch.nn.Parameter], mesh: TrainerMesh) -> None:
+    """Sum the per-head norms' gradient shards over the TP group (each TP rank saw only its heads)."""
+    if mesh.layout.tp == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            continue
+        local = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+        dist.all_reduce(local, group=mesh.tp_group)
+
+
+@dataclass
+class BuiltLayout:
+    """What one rank really built, read back from its model and mesh (`layout.json`)."""
+
+    rank: int
+    coords: dict[str, int]
+    mesh: dict[str, int]
+    tp: int
+    shard_group: int
+    cp: int
+    cp_kind: str | None
+    param_dtype: str
+    compute_dtype: str
+    reduce_dtype: str
+    recompute: str
+    offload_params: bool
+    offload_optimizer: bool
+    attention: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+
+
+def describe_built(
+    model: torch.nn.Module,
+    mesh: TrainerMesh,
+    rank: int,
+    cp_kind: str | None,
+    offload_optimizer: bool,
+    compute_dtype_seen: torch.dtype | None,
+) -> BuiltLayout:
+    """Read the layout back from the objects: mesh, a projection's placements, FSDP policies, checkpointing.
+
+    `compute_dtype_seen` is the dtype a decoder layer's weight had during a forward (the all-gathered copy);
+    None means no forward has run yet, and the FSDP policy's dtype is reported instead.
+    """
+    layer = _decoder_layers(model)[0]
+    weight = layer.get_submodule("self_attn.q_proj").weight
+    placements = getattr(weight, "placements", ())
+    weight_mesh = getattr(weight, "device_mesh", None)
+    names = list(getattr(weight_mesh, "mesh_dim_names", None) or ())
+    tp = weight_mesh.size(names.index("tp")) if "tp" in names else 1
+    shard = weight_mesh.size(names.index("dp_cp")) if "dp_cp" in names else (weight_mesh.size() if weight_mesh else 1)
+    group = model._get_fsdp_state()._fsdp_param_group  # the root FSDP unit's policies
+    mp, offload = group.mp_policy, group.offload_policy
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    world = mesh.world
+    return BuiltLayout(
+        rank=rank,
+        coords=dict(mesh.coords),
+        mesh={n: int(s) for n, s in zip(world.mesh_dim_names, world.mesh.shape, strict=True)},
+        tp=int(tp),
+        shard_group=int(shard),
+        cp=int(world.size(world.mesh_dim_names.index("cp"))),
+        cp_kind=cp_kind,
+        param_dtype=_dtype_name(weight.dtype),
+        compute_dtype=_dtype_name(compute_dtype_seen or mp.param_dtype or weight.dtype),
+        reduce_dtype=_dtype_name(mp.reduce_dtype or weight.dtype),
+        recompute="full" if getattr(layer, "gradient_checkpointing", False) else "none",
+        offload_params=isinstance(offload, CPUOffloadPolicy),
+        offload_optimizer=offload_optimizer,
+        attention=str(model.config._attn_implementation),
+        extra={"q_proj_placements": [str(p) for p in placements]},
+    )

@@ -1,0 +1,155 @@
+"""Weights out of the trainer: what engines load (gathered, LoRA merged, draft head left out) and how.
+
+Every method is collective (FSDP2 gathers shards, TP gathers DTensor slices); only the ranks that write or
+send keep the result. Engines receive weights three ways, chosen by the plan: a broadcast from rank 0 over a
+stateless process group, safetensors files rank 0 writes (disk or LoRA adapters), or, colocated, files each
+node's leader rank writes into its own node's host memory for the engines on that node.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..rollout.weight_sync import SyncSender, TensorMeta, tensor_meta, write_safetensors
+from . import lora as lora_lib
+from .memory_probe import measured
+
+__all__ = ["WeightExport"]
+
+
+class WeightExport:
+    """Mixin of `TrainerWorker`: gathered weights, adapters, HF folders, the broadcast sender."""
+
+    rank: int
+    model: Any
+    lora: dict[str, Any] | None
+    lora_scaling: float
+    peft: Any
+    model_path: str
+    platform: Any
+    device: torch.device
+    _sender: SyncSender | None
+    _sender_key: tuple[str, int, int] | None
+
+    def weight_meta(self, dtype: str | None = None) -> list[TensorMeta]:
+        """Names, global shapes and dtypes of what a sync sends (``sync_state_dict``), without gathering."""
+        sd = self.model.state_dict()  # DTensor shapes are global
+        meta = [(k, tuple(v.shape), (dtype or str(v.dtype)).removeprefix("torch.")) for k, v in sd.items()]
+        if self.lora:
+            meta = lora_lib.merged_meta(meta)
+        return [m for m in meta if not lora_lib.is_draft_key(m[0])]
+
+    def full_state_dict(self, keep: bool | None = None) -> dict[str, torch.Tensor] | None:
+        """The unsharded weights in model names, on CPU, where `keep` (default: rank 0); None elsewhere.
+
+        Collective. Only rank 0 keeping is the cheap path (shards stream to it); several keepers (one per
+        node) have every rank assemble the full tensors and the keepers copy them to host memory.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        keep = self.rank == 0 if keep is None else keep
+        if not getattr(self, "_many_keepers", False):
+            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return sd if self.rank == 0 else None
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().to("cpu") for k, v in sd.items()} if keep else None
+
+    def sync_state_dict(self, keep: bool | None = None) -> dict[str, torch.Tensor] | None:
+        """What engines load, in HF names, where `keep` (default rank 0). Collective.
+
+        LoRA adapters are merged into (copies of) the base weights, and a speculative-decoding head (MTP
+        or draft keys) is left out: it stays frozen and the engines keep the one they loaded.
+        """
+        sd = self.full_state_dict(keep)
+        if sd is None:
+            return None
+        if self.lora:
+            sd = lora_lib.merged_state_dict(sd, self.lora_scaling)
+        return {k: v for k, v in sd.items() if not lora_lib.is_draft_key(k)}
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The LoRA factors, unsharded, in model names, on rank 0. Collective (gathers only the adapters)."""
+        if not self.lora:
+            raise RuntimeError("adapter_state_dict without lora")
+        out = {}
+        for name, param in self.model.named_parameters():
+            if ".lora_" in name:
+                full = param.full_tensor() if hasattr(param, "full_tensor") else param
+                out[name] = full.detach().to("cpu")
+        return out if self.rank == 0 else None
+
+    def save_adapter(self, out_dir: str) -> str | None:
+        """The LoRA adapter in PEFT format (what vLLM's LoRARequest and PeftModel load). Collective."""
+        tensors = self.adapter_state_dict()
+        if self.rank != 0:
+            return None
+        config = self.peft.peft_config[lora_lib.ADAPTER_NAME]
+        return str(lora_lib.write_adapter(tensors, config, out_dir, self.model_path))
+
+    def _write_hf(self, sd: dict[str, torch.Tensor], out_dir: str) -> str:
+        out = Path(out_dir)
+        path = write_safetensors(sd, out)
+        self.model.config.save_pretrained(out)
+        _copy_tokenizer(self.model_path, out)
+        return str(path)
+
+    @measured("sync")
+    def save_weights(self, out_dir: str) -> str | None:
+        """HF-format folder an engine can load or reload from (weights, config, tokenizer). Collective."""
+        sd = self.sync_state_dict()
+        return self._write_hf(sd, out_dir) if self.rank == 0 and sd is not None else None
+
+    @measured("sync")
+    def save_weights_per_node(self, out_dirs: dict[int, str]) -> dict[int, str]:
+        """Each rank in `out_dirs` (a node's leader) writes the weights to its folder (its node's host memory).
+
+        Collective; returns {rank: safetensors path} for the ranks that wrote (only this rank's entry here).
+        """
+        self._many_keepers = len(out_dirs) > 1
+        try:
+            sd = self.sync_state_dict(keep=self.rank in out_dirs)
+        finally:
+            self._many_keepers = False
+        if self.rank not in out_dirs or sd is None:
+            return {}
+        return {self.rank: self._write_hf(sd, out_dirs[self.rank])}
+
+    @measured("sync")
+    def sync_weights_broadcast(
+        self, host: str, port: int, world_size: int, meta: Sequence[TensorMeta] | None = None
+    ) -> float:
+        """Gather the full weights and broadcast them from rank 0 to the engines. Collective.
+
+        Rank 0 joins the stateless sync group on first use (engines join concurrently with
+        ``init_sync_group``) and reuses it afterwards. Returns seconds taken.
+        """
+        t0 = time.perf_counter()
+        sd = self.sync_state_dict()
+        if self.rank == 0:
+            key = (host, int(port), int(world_size))
+            if self._sender_key != key:
+                self.close_weight_sync()
+                self._sender = SyncSender(host, port, world_size, backend=self.platform.dist_backend)
+                self._sender_key = key
+            self._sender.broadcast(sd, meta if meta is not None else tensor_meta(sd), device=self.device)
+        return time.perf_counter() - t0
+
+    def close_weight_sync(self) -> None:
+        """Leave the weight-sync group, if this rank joined one."""
+        if self._sender is not None:
+            self._sender.close()
+        self._sender, self._sender_key = None, None
+
+
+def _copy_tokenizer(src: str, dst: Path) -> None:
+    """Copy tokenizer and generation files so ``dst`` is a complete model folder for vLLM."""
+    for name in os.listdir(src):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config", "chat_template")):
+            shutil.copy2(os.path.join(src, name), dst / name)

@@ -1,0 +1,272 @@
+"""The trainer's parallel layout: one typed contract from the planner to the trainer that builds it.
+
+The planner searches over `TrainLayout`s, prices them (memory, time), writes the winner into the plan, and the
+trainer builds exactly that layout: a device mesh with these degrees, this precision, recompute and offload.
+After start-up the trainer reports the layout it really built and the run stops if the two differ.
+
+The shape follows torchtitan's ParallelDims: `world_size = dp · cp · tp · pp` with the mesh laid out
+``(pp, dp, cp, tp)``, tp innermost (so tensor-parallel peers are neighbouring devices, inside one node).
+FSDP2 shards parameters over the flattened ``dp × cp`` ranks (context-parallel ranks hold different tokens
+of the same sequences, so their gradients are summed like data-parallel ones).
+
+The divisibility and topology rules live here once: the spec rules (`compiler/rules.py`), the search and the
+memory model call the same functions, so a layout the search proposes is one the rules accept.
+`runtime_gaps` is the capability table: what the runtime can execute per backend and platform.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from rlc.schemas.arch import ModelArch
+
+Backend = Literal["fsdp2", "megatron"]
+CpKind = Literal["ulysses", "ring"]
+Recompute = Literal["none", "selective", "full"]
+DType = Literal["float32", "bfloat16"]
+PlatformName = Literal["cpu", "cuda", "npu"]
+
+#: Bytes per element of each dtype the layout can name.
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
+
+#: Mesh dimension names, outermost first; tensor parallelism is innermost (neighbouring devices).
+MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+
+
+class Precision(BaseModel):
+    """Which dtype each kind of training tensor is held in.
+
+    FSDP2 keeps the sharded parameters in `param_dtype` (they are the optimizer's master weights, and AdamW's
+    moments share their dtype), all-gathers them in `compute_dtype` for forward and backward (its
+    MixedPrecisionPolicy), and reduce-scatters gradients in `reduce_dtype`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    param_dtype: DType = Field("float32", description="Sharded parameters, master weights and optimizer state.")
+    compute_dtype: DType = Field("float32", description="All-gathered weights and activations in forward/backward.")
+    reduce_dtype: DType = Field("float32", description="Gradient reduction across data/context-parallel ranks.")
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def reduce_bytes(self) -> int:
+        return DTYPE_BYTES[self.reduce_dtype]
+
+    def summary(self) -> str:
+        """`bf16` when only the compute dtype differs from fp32 params, else every dtype."""
+        short = {"float32": "fp32", "bfloat16": "bf16"}
+        if self.param_dtype == self.reduce_dtype == "float32":
+            return short[self.compute_dtype]
+        return f"{short[self.param_dtype]}/{short[self.compute_dtype]}/{short[self.reduce_dtype]}"
+
+
+FP32 = Precision()
+BF16 = Precision(compute_dtype="bfloat16")
+
+
+class TrainLayout(BaseModel):
+    """A trainer layout: devices, parallel degrees, backend, precision, recompute, offload and token budget."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    world_size: int = Field(ge=1, description="Training devices (one process each).")
+    backend: Backend = Field("fsdp2", description="fsdp2 (PyTorch FSDP2 + DTensor) or megatron.")
+    tp: int = Field(1, ge=1, description="Tensor parallel degree (innermost mesh dimension, inside a node).")
+    pp: int = Field(1, ge=1, description="Pipeline parallel degree.")
+    cp: int = Field(1, ge=1, description="Context parallel degree: a micro-batch's tokens split over cp ranks.")
+    cp_kind: CpKind = Field(
+        "ulysses",
+        description="ulysses: all-to-all of attention heads (needs heads divisible by tp·cp); ring: K/V blocks "
+        "passed around the cp ranks with an online softmax (no head constraint).",
+    )
+    ep: int = Field(1, ge=1, description="Expert parallel degree (MoE).")
+    recompute: Recompute = Field("none", description="Activation recomputation granularity.")
+    offload_params: bool = Field(False, description="Parameters and gradients live in host memory (FSDP2 offload).")
+    offload_optimizer: bool = Field(False, description="Optimizer state lives in host memory between steps.")
+    micro_batch_tokens: int = Field(4096, ge=1, description="Tokens of one packed micro-batch, before the CP split.")
+    precision: Precision = Field(default_factory=Precision, description="Dtypes of parameters, compute, reduction.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainLayout:
+        group = self.tp * self.pp * self.cp
+        if self.world_size % group:
+            raise ValueError(f"tp({self.tp})·pp({self.pp})·cp({self.cp})={group} does not divide {self.world_size}")
+        return self
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: world_size / (tp · pp · cp)."""
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks FSDP2 shards parameters over: dp · cp (torchtitan's dp_shard_cp)."""
+        return self.dp * self.cp
+
+    @property
+    def etp(self) -> int:
+        """Expert tensor parallel: experts also split over TP when EP·TP fits in one stage's ranks.
+
+        Megatron's default (ETP = TP) and MindSpeed's moe_tp_extend_ep both split each expert group over
+        tp·ep ranks, which needs ep | cp·dp; otherwise verl/Megatron recipes set ETP = 1 and EP carves the
+        tp·cp·dp ranks of a stage (e.g. Qwen3-235B TP2·CP8·EP16).
+        """
+        if self.ep > 1 and (self.cp * self.dp) % self.ep:
+            return 1
+        return self.tp
+
+    @property
+    def expert_shards(self) -> int:
+        return self.ep * self.etp
+
+    def mesh_shape(self) -> dict[str, int]:
+        """Mesh dimensions, outermost first: {pp, dp, cp, tp}."""
+        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """A rank's position in the mesh (row-major over MESH_DIMS, tp fastest)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size}")
+        out: dict[str, int] = {}
+        rest = rank
+        for name in reversed(MESH_DIMS):
+            size = self.mesh_shape()[name]
+            out[name] = rest % size
+            rest //= size
+        return {name: out[name] for name in MESH_DIMS}
+
+    def summary(self) -> str:
+        """Every choice that tells two trainer layouts apart: `fsdp2 tp2 pp1 cp2(ring) dp1 recompute=full ...`."""
+        cp = f"cp{self.cp}" + (f"({self.cp_kind})" if self.cp > 1 and self.cp_kind != "ulysses" else "")
+        text = f"{self.backend} tp{self.tp} pp{self.pp} {cp} dp{self.dp}"
+        text += f" ep{self.ep}" if self.ep > 1 else ""
+        text += f" recompute={self.recompute} mbt={self.micro_batch_tokens}"
+        off = "+".join(n for n, on in (("params", self.offload_params), ("opt", self.offload_optimizer)) if on)
+        text += f" offload={off}" if off else ""
+        return text + (f" {self.precision.summary()}" if self.precision != FP32 else "")
+
+
+# --------------------------------------------------------------------------------------------- rules
+
+
+def tp_problem(arch: ModelArch, tp: int) -> str | None:
+    """TP splits attention heads: it must divide them, and KV heads must split or replicate evenly."""
+    heads, kv = arch.num_attention_heads, arch.num_kv_heads
+    if heads % tp:
+        return f"TP({tp}) does not divide {arch.id}'s {heads} attention heads"
+    if kv % tp and tp % kv:
+        return f"TP({tp}) and {kv} KV heads: neither divides the other, so KV heads cannot be split or replicated"
+    return None
+
+
+def cp_problem(arch: ModelArch, tp: int, cp: int, kind: CpKind) -> str | None:
+    """Ulysses CP moves heads between ranks, so tp·cp must divide the heads; ring CP has no head constraint."""
+    if cp == 1 or kind == "ring":
+        return None
+    heads = arch.num_attention_heads
+    if heads % (tp * cp):
+        return (
+            f"TP({tp})·CP({cp})={tp * cp} does not divide {arch.id}'s {heads} attention heads "
+            "(Ulysses context parallelism splits heads; ring context parallelism does not)"
+        )
+    return None
+
+
+def pp_problem(arch: ModelArch, pp: int) -> str | None:
+    if pp > arch.num_layers:
+        return f"PP({pp}) exceeds {arch.id}'s {arch.num_layers} layers"
+    return None
+
+
+def ep_problem(arch: ModelArch, ep: int) -> str | None:
+    if ep == 1:
+        return None
+    if arch.moe is None:
+        return f"EP({ep}) on dense model {arch.id}: expert parallelism needs a mixture-of-experts model"
+    if arch.moe.num_experts % ep:
+        return f"EP({ep}) does not divide {arch.id}'s {arch.moe.num_experts} experts"
+    return None
+
+
+def group_problem(world_size: int, tp: int, pp: int, cp: int) -> str | None:
+    group = tp * pp * cp
+    if world_size % group:
+        return f"TP({tp})·PP({pp})·CP({cp})={group} does not divide {world_size} training devices"
+    return None
+
+
+def tp_topology_problem(tp: int, devices_per_node: int) -> str | None:
+    if tp > devices_per_node:
+        return f"TP({tp}) spans more than one node ({devices_per_node} devices per node)"
+    return None
+
+
+def default_cp_kind(arch: ModelArch, tp: int, cp: int) -> CpKind:
+    """Ulysses where the heads allow it (fewer, larger collectives), else ring."""
+    return "ulysses" if cp_problem(arch, tp, cp, "ulysses") is None else "ring"
+
+
+def layout_problems(layout: TrainLayout, arch: ModelArch, devices_per_node: int) -> list[str]:
+    """Every rule `layout` breaks for `arch` on nodes of `devices_per_node` devices (empty: valid)."""
+    checks = (
+        tp_problem(arch, layout.tp),
+        cp_problem(arch, layout.tp, layout.cp, layout.cp_kind),
+        pp_problem(arch, layout.pp),
+        ep_problem(arch, layout.ep),
+        tp_topology_problem(layout.tp, devices_per_node),
+    )
+    found = [c for c in checks if c]
+    if layout.ep > 1 and (layout.tp * layout.cp * layout.dp) % layout.ep:
+        found.append(f"EP({layout.ep}) does not divide the tp·cp·dp={layout.tp * layout.cp * layout.dp} ranks")
+    return found
+
+
+# --------------------------------------------------------------------------------------------- capabilities
+
+#: What the FSDP2 runtime builds, per dimension. Anything else in a plan is a gap (`runtime_gaps`).
+FSDP2_RECOMPUTE: tuple[str, ...] = ("none", "full")
+
+
+def backend_recomputes(backend: str) -> tuple[str, ...]:
+    """Recompute granularities a backend implements: FSDP2 checkpoints whole decoder layers (full) or none;
+    Megatron also recomputes selectively (attention core only)."""
+    return FSDP2_RECOMPUTE if backend == "fsdp2" else ("none", "selective", "full")
+
+
+def runtime_gaps(layout: TrainLayout, platform: PlatformName) -> list[str]:
+    """What `rlc run` cannot execute about this layout on `platform`, one sentence each (empty: it runs).
+
+    The capability table: FSDP2 runs data, tensor (DTensor) and context parallelism (Ulysses everywhere;
+    ring on cpu), full or no recompute, parameter and optimizer offload, fp32 or bf16 compute. The Megatron
+    backend is planned (its memory and time models are used to size MoE and very large dense runs) but not
+    executed yet.
+    """
+    gaps: list[str] = []
+    if layout.backend == "megatron":
+        gaps.append(
+            "the megatron backend is planned but not executed: rlc's trainer runs FSDP2 only "
+            f"(this layout: {layout.summary()})"
+        )
+        return gaps
+    if layout.pp > 1:
+        gaps.append(f"pipeline parallelism (PP {layout.pp}) is not implemented on the fsdp2 backend")
+    if layout.ep > 1:
+        gaps.append(f"expert parallelism (EP {layout.ep}) is not implemented on the fsdp2 backend")
+    if layout.recompute not in FSDP2_RECOMPUTE:
+        gaps.append(f"recompute={layout.recompute}: the fsdp2 backend recomputes whole layers (full) or nothing")
+    if layout.cp > 1 and layout.cp_kind == "ring" and platform != "cpu":
+        gaps.append(
+            f"ring context parallelism on {platform}: rlc's ring attention is a plain-torch blockwise kernel "
+            "(for cpu); accelerators need a fused kernel that returns its log-sum-exp, not wired yet"
+        )
+    return gaps
