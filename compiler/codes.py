@@ -15,6 +15,7 @@ CODES: dict[str, str] = {
     "RLC004": "The file is not YAML text (binary, not UTF-8, too large)",
     "RLC005": "A key appears more than once",
     "RLC006": "A --set override is malformed",
+    "RLC007": "The YAML expands too far: recursive aliases, alias bombs or nesting too deep",
     "RLC101": "Unknown key",
     "RLC102": "A value has the wrong type or structure",
     "RLC103": "A required key is missing",
@@ -39,6 +40,8 @@ CODES: dict[str, str] = {
     "RLC214": "cluster.device_memory_gib must be a budget the devices can give",
     "RLC215": "Training choices the pinned backend does not implement",
     "RLC216": "group_size 1 leaves GRPO nothing to learn from unless a teacher distils",
+    "RLC217": "The cluster must be within what the planner searches",
+    "RLC218": "Paths are taken literally: no ~ or $VARIABLE expansion",
     "RLC301": "A role does not fit device memory, or cannot be placed, on this cluster",
     "RLC302": "A pinned vLLM memory share above the planner's cap with long contexts",
     "RLC303": "The runtime cannot execute this plan yet",
@@ -49,7 +52,8 @@ CODES: dict[str, str] = {
     "RLC704": "A plan file is missing",
     "RLC705": "A plan file changed after compile",
     "RLC706": "A file that is not part of the plan",
-    "RLC707": "The runtime cannot execute this plan's layout (rlc run refuses it before anything starts)",
+    "RLC707": "plan.json cannot be read (a hand edit broke it)",
+    "RLC708": "The runtime cannot execute this plan's layout (rlc run refuses it before anything starts)",
 }
 
 

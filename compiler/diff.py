@@ -174,6 +174,15 @@ def _delta(old: Any, new: Any) -> str:
     return ""
 
 
+def change_text(c: Change) -> str:
+    """One change as `~ path: old → new`, `+ path: new` or `- path: old`."""
+    if c.op == "change":
+        return f"~ {c.path}: {_show(c.old)} → {_show(c.new)}{_delta(c.old, c.new)}"
+    if c.op == "add":
+        return f"+ {c.path}: {_show(c.new)}"
+    return f"- {c.path}: {_show(c.old)}"
+
+
 def render_diff(changes: list[Change]) -> str:
     """Terraform-style text: `~ path: old → new`, settings first, then the consequences they caused."""
     if not changes:
@@ -185,13 +194,7 @@ def render_diff(changes: list[Change]) -> str:
         if not group:
             continue
         lines.append(f"{title}:")
-        for c in group:
-            if c.op == "change":
-                lines.append(f"  ~ {c.path}: {_show(c.old)} → {_show(c.new)}{_delta(c.old, c.new)}")
-            elif c.op == "add":
-                lines.append(f"  + {c.path}: {_show(c.new)}")
-            else:
-                lines.append(f"  - {c.path}: {_show(c.old)}")
+        lines.extend(f"  {change_text(c)}" for c in group)
     counts = {op: sum(c.op == op for c in changes) for op in ("change", "add", "remove")}
     lines.append(
         f"{len(settings)} setting(s) and {len(derived)} derived value(s) differ "
@@ -211,7 +214,15 @@ def plan_from_path(
         found = verify_plan_dir(path, allow_modified=True)
         if any(d.severity == "error" for d in found):
             return None, found
-        return load_plan(path), found
+        try:
+            return load_plan(path), found
+        except (OSError, ValueError) as exc:  # a hand-edited plan.json (modified files are only warned about)
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            where = str(path / "plan.json")
+            unreadable = Diagnostic(
+                "RLC707", f"plan.json cannot be read: {reason}", where, hint="recompile the plan", file=where
+            )
+            return None, [*found, unreadable]
     from rlc.compiler.pipeline import compile_file  # the planner is only needed when a side is a spec
 
     compiled = compile_file(path, target=target, overrides=overrides)

@@ -21,6 +21,10 @@ from rlc.schemas.spec import Spec
 
 Loc = tuple[str | int, ...]
 MAX_SPEC_BYTES = 1 << 20
+#: Values a spec may expand to (aliases counted once per use); real specs have a few hundred.
+MAX_NODES = 10_000
+#: Nesting levels a spec may have; the deepest real one has six.
+MAX_DEPTH = 32
 
 
 @dataclass
@@ -28,11 +32,23 @@ class LineMap:
     """Maps dotted spec paths to the 1-based line where the key (or item) appears in the YAML source."""
 
     lines: dict[Loc, int] = field(default_factory=dict)
+    #: Paths set on the command line → the `--set` text that set them (their file lines no longer apply).
+    overrides: dict[Loc, str] = field(default_factory=dict)
+
+    @staticmethod
+    def _loc(loc: Loc | str) -> Loc:
+        return tuple(int(p) if p.isdigit() else p for p in loc.split(".") if p) if isinstance(loc, str) else loc
+
+    def override_for(self, loc: Loc | str) -> str | None:
+        """The `--set` that set `loc` or one of its ancestors, if any."""
+        loc = self._loc(loc)
+        return next((text for path, text in self.overrides.items() if loc[: len(path)] == path), None)
 
     def line_for(self, loc: Loc | str) -> int | None:
-        """The line of `loc`, or of its nearest ancestor that appears in the file."""
-        if isinstance(loc, str):
-            loc = tuple(int(p) if p.isdigit() else p for p in loc.split(".") if p)
+        """The line of `loc`, or of its nearest ancestor that appears in the file; None for a `--set` value."""
+        loc = self._loc(loc)
+        if self.override_for(loc) is not None:
+            return None
         while loc:
             if loc in self.lines:
                 return self.lines[loc]
@@ -51,27 +67,94 @@ class LoadResult:
     repaired: Spec | None = None
 
 
-class _KeyTrackingLoader(yaml.SafeLoader):
-    """SafeLoader that records each mapping key's line and refuses duplicate keys."""
+class YamlShapeError(ValueError):
+    """A YAML document whose shape no spec has: recursive aliases, nesting too deep, alias expansion too large."""
 
 
-def _walk_nodes(node: yaml.Node, loc: Loc, lines: dict[Loc, int], duplicates: list[tuple[Loc, int]]) -> None:
+class _DepthLimitedLoader(yaml.SafeLoader):
+    """The pure-Python loader, for PyYAML without libyaml: its composer recurses once per level, so it stops
+    at MAX_DEPTH (libyaml refuses past 1,000 levels by itself, and the node walk stops at MAX_DEPTH)."""
+
+    _depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise YamlShapeError(f"nesting is deeper than {MAX_DEPTH} levels")
+            return super().compose_node(parent, index)  # type: ignore[misc]
+        finally:
+            self._depth -= 1
+
+
+#: libyaml's parser where PyYAML has it: the Python scanner is quadratic on deeply nested flow collections.
+_Loader: type = getattr(yaml, "CSafeLoader", _DepthLimitedLoader)
+
+
+def _walk_nodes(
+    node: yaml.Node,
+    loc: Loc,
+    lines: dict[Loc, int],
+    duplicates: list[tuple[Loc, int]],
+    budget: list[int],
+    on_path: set[int],
+) -> None:
+    """Record each key's line and duplicate keys, expanding aliases as the constructed data will.
+
+    Every visit spends one unit of `budget` (an alias is visited once per reference, so "billion laughs"
+    documents run it out in microseconds instead of expanding exponentially); a node met again on its own
+    path is a recursive alias; nesting deeper than MAX_DEPTH is refused.
+    """
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise YamlShapeError(
+            f"the document expands to more than {MAX_NODES:,} values (aliases `*name` repeat what they point to)"
+        )
+    if len(loc) > MAX_DEPTH:
+        raise YamlShapeError(f"nesting is deeper than {MAX_DEPTH} levels")
+    if id(node) in on_path:
+        raise YamlShapeError(f"the alias at line {node.start_mark.line + 1} refers to a value that contains it")
     lines.setdefault(loc, node.start_mark.line + 1)
+    if not isinstance(node, yaml.MappingNode | yaml.SequenceNode):
+        return
+    on_path.add(id(node))
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key_node, value_node in node.value:
-            key = str(key_node.value)
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else f"<{type(key_node).__name__}>"
             child = (*loc, key)
             if key in seen:
                 duplicates.append((child, key_node.start_mark.line + 1))
             seen.add(key)
             lines[child] = key_node.start_mark.line + 1
-            _walk_nodes(value_node, child, lines, duplicates)
-    elif isinstance(node, yaml.SequenceNode):
+            if not isinstance(key_node, yaml.ScalarNode):
+                _walk_nodes(key_node, child, {}, [], budget, on_path)
+            _walk_nodes(value_node, child, lines, duplicates, budget, on_path)
+    else:
         for index, item in enumerate(node.value):
             child = (*loc, index)
             lines[child] = item.start_mark.line + 1
-            _walk_nodes(item, child, lines, duplicates)
+            _walk_nodes(item, child, lines, duplicates, budget, on_path)
+    on_path.discard(id(node))
+
+
+def _bounded_yaml(text: str) -> tuple[Any, dict[Loc, int], list[tuple[Loc, int]]]:
+    """Parse YAML into data, line numbers and duplicate keys, refusing shapes no spec has (YamlShapeError).
+
+    The node tree is checked before anything is constructed, so an alias bomb or a recursive alias costs
+    no more than MAX_NODES steps. Raises yaml.YAMLError for malformed text.
+    """
+    loader = _Loader(text)
+    try:
+        root = loader.get_single_node()
+        lines: dict[Loc, int] = {}
+        duplicates: list[tuple[Loc, int]] = []
+        if root is None:
+            return None, lines, duplicates
+        _walk_nodes(root, (), lines, duplicates, [MAX_NODES], set())
+        return loader.construct_document(root), lines, duplicates
+    finally:
+        loader.dispose()
 
 
 def dotted(loc: Loc) -> str:
@@ -86,9 +169,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
         raise ValueError(f"--set has an empty key in {text!r}")
+    if "\x00" in text:
+        raise ValueError(f"--set {key.strip()}: the value holds a NUL byte")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = _bounded_yaml(raw)[0] if raw.strip() else ""
+    except YamlShapeError as exc:
+        raise ValueError(f"--set {key.strip()}: {exc}") from None
+    except (yaml.YAMLError, RecursionError):
         value = raw
     return parts, value
 
@@ -163,9 +250,38 @@ def _error_to_diagnostic(error: dict[str, Any], lines: LineMap, file: str) -> Di
     message = error["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
-    shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
+    shown = "" if isinstance(value, dict | list) or value is None else f" (got {_short(value)})"
     code = "RLC102" if kind.endswith("_type") or kind.endswith("_parsing") else "RLC104"
-    return Diagnostic(code, f"{message}{shown}", path, line=line, file=file)
+    via = lines.override_for(loc)
+    if via is not None:
+        shown += f" from `--set {_short_text(via)}`"
+    return Diagnostic(code, f"{message}{shown}", path, hint=_range_hint(loc), line=line, file=file)
+
+
+def _short_text(text: str) -> str:
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def _short(value: Any) -> str:
+    return _short_text(repr(value))
+
+
+def _range_hint(loc: Loc) -> str:
+    """`allowed: 1 ≤ value ≤ 1024` for a bounded numeric field (empty for anything else)."""
+    parent = _model_at(loc[:-1]) if loc else None
+    info = parent.model_fields.get(loc[-1]) if parent is not None and isinstance(loc[-1], str) else None
+    if info is None:
+        return ""
+    constraints = list(info.metadata)
+    for arg in typing.get_args(info.annotation):
+        if typing.get_origin(arg) is typing.Annotated:
+            for meta in arg.__metadata__:
+                constraints.extend(getattr(meta, "metadata", [meta]))
+    low = next((f"{m.ge:g} ≤ " for m in constraints if getattr(m, "ge", None) is not None), "")
+    low = low or next((f"{m.gt:g} < " for m in constraints if getattr(m, "gt", None) is not None), "")
+    high = next((f" ≤ {m.le:g}" for m in constraints if getattr(m, "le", None) is not None), "")
+    high = high or next((f" < {m.lt:g}" for m in constraints if getattr(m, "lt", None) is not None), "")
+    return f"allowed: {low}value{high}" if low or high else ""
 
 
 def load_spec_text(
@@ -191,9 +307,11 @@ def load_spec_text(
             return LoadResult(None, report, lines)
     if text.startswith("\ufeff"):
         text = text[1:]
+    if len(text) > MAX_SPEC_BYTES:
+        report.add(Diagnostic("RLC004", f"spec is larger than {MAX_SPEC_BYTES} bytes; not a spec", file=file))
+        return LoadResult(None, report, lines)
     try:
-        root = yaml.compose(text, Loader=_KeyTrackingLoader)
-        data = yaml.load(text, Loader=_KeyTrackingLoader)
+        data, lines.lines, duplicates = _bounded_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
@@ -207,23 +325,23 @@ def load_spec_text(
             )
         )
         return LoadResult(None, report, lines)
+    except YamlShapeError as exc:
+        report.add(Diagnostic("RLC007", f"spec refused: {exc}", file=file, hint="write the values out plainly"))
+        return LoadResult(None, report, lines)
     except RecursionError:
         report.add(Diagnostic("RLC001", "malformed YAML: nesting is too deep", file=file))
         return LoadResult(None, report, lines)
-    if root is not None:
-        duplicates: list[tuple[Loc, int]] = []
-        _walk_nodes(root, (), lines.lines, duplicates)
-        for loc, line in duplicates:
-            report.add(
-                Diagnostic(
-                    "RLC005",
-                    f"key `{loc[-1]}` appears more than once; YAML keeps only the last",
-                    dotted(loc),
-                    line=line,
-                    file=file,
-                    hint="remove the duplicate",
-                )
+    for loc, line in duplicates:
+        report.add(
+            Diagnostic(
+                "RLC005",
+                f"key `{loc[-1]}` appears more than once; YAML keeps only the last",
+                dotted(loc),
+                line=line,
+                file=file,
+                hint="remove the duplicate",
             )
+        )
     if data is None:
         report.add(Diagnostic("RLC002", "spec is empty", file=file, hint="run `rlc init` for a starter spec"))
         return LoadResult(None, report, lines)
@@ -241,6 +359,7 @@ def load_spec_text(
     data = {str(k): v for k, v in data.items()}
     try:
         apply_overrides(data, overrides or [])
+        lines.overrides = {tuple(parse_override(text)[0]): text for text in overrides or []}
     except (ValueError, AttributeError) as exc:
         report.add(Diagnostic("RLC006", f"bad override: {exc}", file=file))
         return LoadResult(None, report, lines, data)

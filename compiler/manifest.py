@@ -45,8 +45,11 @@ def sha256_file(path: Path) -> str:
 
 
 def dumps_json(data: Any) -> str:
-    """Canonical JSON text: sorted keys, two-space indent, UTF-8 kept readable, trailing newline."""
-    return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+    """Canonical JSON text: sorted keys, two-space indent, UTF-8 kept readable, trailing newline.
+
+    Strict JSON: a NaN or infinity raises ValueError instead of writing `NaN`, which other parsers refuse.
+    """
+    return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
 def major_minor(version: str) -> tuple[str, str]:
@@ -55,14 +58,21 @@ def major_minor(version: str) -> tuple[str, str]:
 
 
 def build_manifest(files: dict[str, bytes], *, spec_hash: str, plan_hash: str, format_version: int) -> dict[str, Any]:
-    """The manifest for a plan directory whose other files (relative path → content) are `files`."""
-    return {
+    """The manifest for a plan directory whose other files (relative path → content) are `files`.
+
+    It keeps a copy of the compiled plan (what `rlc run` reads), so `--allow-modified` can show exactly which
+    values a hand edit changed.
+    """
+    manifest: dict[str, Any] = {
         "plan_format": format_version,
         "rlc_version": __version__,
         "spec_hash": spec_hash,
         "plan_hash": plan_hash,
         "files": {name: sha256_bytes(content) for name, content in sorted(files.items())},
     }
+    if PLAN_FILE in files:
+        manifest["compiled_plan"] = json.loads(files[PLAN_FILE])
+    return manifest
 
 
 def read_manifest(plan_dir: Path) -> dict[str, Any] | None:

@@ -24,6 +24,8 @@ PLAN_VOLUME = "rlc-plan"
 #: The container image is cluster-specific; users replace this (e.g. with kustomize `images:`).
 IMAGE_PLACEHOLDER = "rlc-runtime:{version}-{kind}"
 ANNOTATION_PREFIX = "rlc.dev"
+#: The Ray release the runtime image must carry; KubeRay reads it to enable token authentication (Ray >= 2.52).
+RAY_VERSION = "2.60.0"
 
 
 def k8s_name(*parts: str, limit: int = 63) -> str:
@@ -101,6 +103,10 @@ def build_rayjob(plan: Plan, setup: NodeSetup, *, plan_hash: str, files: list[st
     common = ray_start_resources(setup)
     head_params = {"dashboard-host": "0.0.0.0", "disable-usage-stats": "true", **common}
     cluster: dict[str, Any] = {
+        # KubeRay (>= 1.5.1) creates a random token in a Secret and sets RAY_AUTH_MODE / RAY_AUTH_TOKEN in every
+        # pod and in the job submitter, so only holders of that Secret reach the dashboard, job API or GCS.
+        "authOptions": {"mode": "token"},
+        "rayVersion": RAY_VERSION,
         "headGroupSpec": {
             "rayStartParams": head_params,
             "template": _pod_template("ray-head", plan, setup, image, files, cm),
@@ -159,7 +165,9 @@ def render_rayjob(plan: Plan, setup: NodeSetup, *, plan_hash: str, files: list[s
         f"#   {configmap_command(plan, plan_hash, files)}",
         "#   kubectl apply -f rayjob.yaml",
         f"# Replace the image {json.dumps(image_of(job))} with your rlc runtime image "
-        f"(torch_npu/vLLM-Ascend matching CANN on npu).",
+        f"(torch_npu/vLLM-Ascend matching CANN on npu; Ray {RAY_VERSION}).",
+        "# Ray token authentication is on (authOptions, KubeRay >= 1.5.1): the operator keeps the token in a Secret",
+        "# and hands it to every pod; `kubectl get secret` shows it for clients outside the cluster.",
     ]
     body = yaml.safe_dump(job, sort_keys=True, default_flow_style=False, allow_unicode=True, width=10_000)
     return "\n".join(header) + "\n" + body

@@ -6,6 +6,7 @@ Rules live in a registry; each one looks at the resolved problem and yields diag
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -26,6 +27,9 @@ class RuleContext:
     file: str
 
     def diag(self, code: str, path: str, message: str, hint: str = "", severity: Severity = "error") -> Diagnostic:
+        via = self.lines.override_for(path)
+        if via is not None:  # the value came from the command line, not from the line the path is on
+            message += f" (from `--set {via}`)"
         return Diagnostic(code, message, path, severity, hint, self.lines.line_for(path), self.file)
 
 
@@ -579,4 +583,40 @@ def check_group_size(ctx: RuleContext) -> Iterator[Diagnostic]:
             "group_size 1: the GRPO term is 0 (no group baseline); the distillation term alone trains",
             "this is on-policy distillation; use group_size >= 2 to add the RL term",
             "info",
+        )
+
+
+@rule("RLC217", "The cluster must be within what the planner searches")
+def check_cluster_size(ctx: RuleContext) -> Iterator[Diagnostic]:
+    from rlc.schemas.spec import MAX_DEVICES
+
+    problem = ctx.problem
+    if problem.total_devices > MAX_DEVICES:
+        yield ctx.diag(
+            "RLC217",
+            "cluster.nodes",
+            f"{problem.spec.cluster.nodes} node(s) × {problem.devices_per_node} devices = {problem.total_devices:,} "
+            f"devices; the planner searches layouts for up to {MAX_DEVICES:,}",
+            f"plan one job of at most {MAX_DEVICES // problem.devices_per_node} nodes per run",
+        )
+
+
+_SHELL_VARIABLE = re.compile(r"\$\{?[A-Za-z_]")
+
+
+@rule("RLC218", "Paths are taken literally: no ~ or $VARIABLE expansion")
+def check_unexpanded_paths(ctx: RuleContext) -> Iterator[Diagnostic]:
+    spec = ctx.problem.spec
+    paths = {"model.path": spec.model.path, "data.train": spec.data.train, "output.dir": spec.output.dir}
+    for index, teacher in enumerate(spec.distill.teachers if spec.distill else []):
+        paths[f"distill.teachers.{index}.model.path"] = teacher.model.path
+    for where, value in paths.items():
+        if value is None or not (value.startswith("~") or _SHELL_VARIABLE.search(value)):
+            continue
+        yield ctx.diag(
+            "RLC218",
+            where,
+            f"`{value}` would be used literally (a directory named `{value.split('/')[0]}`): rlc expands neither "
+            "`~` nor environment variables, since the plan must mean the same path on every node",
+            f'write the absolute path, or pass it at compile time: --set {where}="$HOME/..." (your shell expands it)',
         )

@@ -199,7 +199,8 @@ def explain(
         except (OSError, ValueError) as exc:
             raise _usage_error(f"cannot read plan {source}: {exc}") from None
     else:
-        _, plan, _ = _plan_spec(source, target, set_ or [], targets=targets)
+        as_json = OutputFormat.json if output_format == ExplainFormat.json else None
+        _, plan, _ = _plan_spec(source, target, set_ or [], as_json, targets=targets)
     shown = None
     if measured:
         from rlc.compiler.calibrate import CalibrationError, measured_phases
@@ -255,6 +256,10 @@ def run(
     plan_dir: Annotated[Path, typer.Argument(help="Plan directory from `rlc compile`.", show_default=False)],
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Where metrics and checkpoints go.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest complete checkpoint.")] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Start over an earlier run, moving it aside to RUN.old-N (never deleted)."),
+    ] = False,
     allow_modified: Annotated[
         bool, typer.Option("--allow-modified", help="Run a plan whose files no longer match its manifest.")
     ] = False,
@@ -272,20 +277,28 @@ def run(
 
     if not plan_dir.is_dir():
         raise _usage_error(f"{plan_dir} is not a plan directory; create one with `rlc compile SPEC -o {plan_dir}`")
+    if resume and overwrite:
+        raise _usage_error("--resume continues the earlier run and --overwrite moves it aside: pass one of them")
     report = Report(str(plan_dir))
     report.extend(verify_plan_dir(plan_dir, allow_modified=allow_modified))
     if report.diagnostics:
         typer.echo(render_text([report]), err=True)
     if not report.ok:
         raise typer.Exit(EXIT_FINDINGS)
+    if allow_modified and report.diagnostics:
+        from rlc.compiler.plan_changes import describe_modifications
+
+        changed = describe_modifications(plan_dir)
+        if changed:
+            typer.echo("rlc run: --allow-modified: running a plan that differs from the compiled one:", err=True)
+            typer.echo("\n".join(f"    {line}" for line in changed), err=True)
     try:
         plan = load_plan(plan_dir)
     except (OSError, ValueError) as exc:
         raise _usage_error(f"cannot read plan {plan_dir}: {exc}") from None
-    from rlc.runtime.launch import RunError, RuntimeGapError, refuse_gaps, run_plan
     from rlc.runtime.launch_request import launch_request, render_request
 
-    if dry_run:
+    if dry_run:  # the plan alone: no runtime needed
         try:
             request = launch_request(plan)
         except ValueError as exc:
@@ -295,12 +308,16 @@ def run(
         else:
             typer.echo(render_request(request))
         raise typer.Exit(EXIT_USAGE if request.refusals else EXIT_OK)
+    _require_runtime()
+    from rlc.runtime.errors import RunError, RuntimeGapError, RunUsageError
+    from rlc.runtime.launch import refuse_gaps, run_plan
+
     try:
         refuse_gaps(plan)
-        run_plan(plan, run_dir, resume=resume)
+        run_plan(plan, run_dir, resume=resume, overwrite=overwrite)
     except RuntimeGapError as exc:
         lines = "\n".join(f"    - {gap}" for gap in exc.gaps)
-        code = "RLC707"
+        code = "RLC708"
         typer.echo(
             f"rlc run: error[{code}]: this runtime cannot execute plan {plan.name}:\n{lines}\n"
             "    hint: recompile with a layout it runs (e.g. pin train.backend: fsdp2 for a dense model); "
@@ -308,9 +325,30 @@ def run(
             err=True,
         )
         raise typer.Exit(EXIT_USAGE) from None
+    except RunUsageError as exc:
+        typer.echo(f"rlc run: error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
     except RunError as exc:
         typer.echo(f"rlc run: error: {exc}", err=True)
         raise typer.Exit(EXIT_FINDINGS) from None
+
+
+#: What `rlc run` imports; the light install (`pip install rlc`) has none of them.
+RUNTIME_MODULES = ("torch", "ray", "vllm", "transformers", "safetensors")
+
+
+def _require_runtime() -> None:
+    """Refuse `rlc run` on the light install with the extra to install, not a ModuleNotFoundError."""
+    from importlib.util import find_spec
+
+    missing = [name for name in RUNTIME_MODULES if find_spec(name) is None]
+    if missing:
+        typer.echo(
+            f"rlc run: error: the runtime is not installed (missing: {', '.join(missing)}): "
+            "install `rlc[cpu]` here, or `rlc[npu]` on Ascend hosts",
+            err=True,
+        )
+        raise typer.Exit(EXIT_USAGE)
 
 
 @app.command()
@@ -417,51 +455,112 @@ def init(
 
 
 @app.command()
-def models() -> None:
-    """List the model catalog."""
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory (holds metrics.jsonl).", show_default=False)],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Folder (default: RUNDIR/report).")] = None,
+) -> None:
+    """A self-contained HTML page and PNGs of a run's metrics, next to the plan's predictions."""
+    from rlc.runtime.errors import RunError, RunUsageError
+    from rlc.runtime.report import write_report
+
+    if not run_dir.is_dir():
+        raise _usage_error(f"{run_dir} is not a run directory")
+    try:
+        written = write_report(run_dir, output)
+    except RunUsageError as exc:
+        raise _usage_error(str(exc)) from None
+    except RunError as exc:
+        typer.echo(f"rlc report: error: {exc}", err=True)
+        raise typer.Exit(EXIT_FINDINGS) from None
+    except OSError as exc:
+        raise _usage_error(f"cannot write the report: {exc.strerror or exc} ({exc.filename})") from None
+    typer.echo(f"wrote {written.html} ({len(written.pngs)} charts)")
+
+
+@app.command()
+def doctor(
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="Where runs will write (its disk is checked).")] = Path(),
+    output_format: Annotated[ExplainFormat, typer.Option("--format", "-f", help="text or json.")] = ExplainFormat.text,
+) -> None:
+    """What is installed, which devices are seen, Ray, /dev/shm and disk (exit 0 ok, 1 a run would fail here)."""
+    import json
+
+    from rlc.runtime.doctor import run_checks
+
+    checks = run_checks(run_dir)
+    failed = any(c.status == "fail" for c in checks)
+    if output_format == ExplainFormat.json:
+        typer.echo(json.dumps({"ok": not failed, "checks": [c.to_json() for c in checks]}, indent=2, sort_keys=True))
+    else:
+        width = max(len(c.name) for c in checks)
+        for c in checks:
+            typer.echo(f"{c.status:4s}  {c.name:{width}s}  {c.detail}")
+        typer.echo("doctor: " + ("a run would fail here (see fail above)" if failed else "ready"))
+    raise typer.Exit(EXIT_FINDINGS if failed else EXIT_OK)
+
+
+def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A rich table on a terminal; tab-separated lines when piped, so nothing is truncated for grep or cut."""
+    if not sys.stdout.isatty():
+        for row in (header, *rows):
+            typer.echo("\t".join(row))
+        return
     from rich.console import Console
     from rich.table import Table
 
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+@app.command()
+def models() -> None:
+    """List the model catalog (head counts are what TP, CP and EP degrees must divide)."""
     from rlc.schemas.registry import load_arch, model_ids
 
-    table = Table("id", "params (B)", "active (B)", "layers", "hidden", "attention", "MoE", "MTP")
+    rows = []
     for model_id in model_ids():
         arch = load_arch(model_id)
         moe = f"{arch.moe.num_experts}x top-{arch.moe.experts_per_token}" if arch.moe else "-"
-        table.add_row(
-            arch.id,
-            f"{arch.params_b:g}",
-            f"{arch.active_params_b:g}",
-            str(arch.num_layers),
-            str(arch.hidden_size),
-            arch.attention.kind,
-            moe,
-            str(arch.mtp_layers),
+        rows.append(
+            (
+                arch.id,
+                f"{arch.params_b:g}",
+                f"{arch.active_params_b:g}",
+                str(arch.num_layers),
+                str(arch.hidden_size),
+                str(arch.num_attention_heads),
+                str(arch.num_kv_heads),
+                arch.attention.kind,
+                moe,
+                str(arch.mtp_layers),
+            )
         )
-    Console().print(table)
+    header = ("id", "params (B)", "active (B)", "layers", "hidden", "heads", "kv heads", "attention", "MoE", "MTP")
+    _print_table(header, rows)
 
 
 @app.command()
 def targets() -> None:
     """List the hardware targets."""
-    from rich.console import Console
-    from rich.table import Table
-
     from rlc.schemas.registry import load_target, target_ids
 
-    table = Table("id", "chip", "devices/node", "HBM GiB", "usable GiB", "bf16 TFLOPS", "HBM GB/s")
+    rows = []
     for target_id in target_ids():
         t = load_target(target_id)
-        table.add_row(
-            t.id,
-            t.chip,
-            str(t.devices_per_node),
-            f"{t.hbm_gib:g}",
-            f"{t.usable_hbm_gib:g}",
-            f"{t.bf16_tflops:g}",
-            f"{t.hbm_bandwidth_gbps:g}",
+        rows.append(
+            (
+                t.id,
+                t.chip,
+                str(t.devices_per_node),
+                f"{t.hbm_gib:g}",
+                f"{t.usable_hbm_gib:g}",
+                f"{t.bf16_tflops:g}",
+                f"{t.hbm_bandwidth_gbps:g}",
+            )
         )
-    Console().print(table)
+    _print_table(("id", "chip", "devices/node", "HBM GiB", "usable GiB", "bf16 TFLOPS", "HBM GB/s"), rows)
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ from rlc.runtime.prompts import PromptItem, PromptStream
 from rlc.runtime.rollout.failures import engine_is_dead
 from rlc.runtime.spec_decode import SpecDecodeDelta
 from rlc.runtime.staleness import StalenessGate
+from rlc.runtime.tasks.rewards import RewardGuard
 from rlc.schemas.plan import Plan
 
 
@@ -181,6 +182,7 @@ class Controller:
         self._step_started = time.perf_counter()
         self._rollout_tokens = 0
         self.logger = MetricsLogger(run_dir, plan.loggers, plan.schedule.steps, self.step)
+        self.scorer = RewardGuard(reward_fn, plan.data.reward, sched.batch_samples, self.logger.message)
         self.phases = PhaseSwitcher(plan, rollout, trainer, self.logger.message)
 
     # ------------------------------------------------------------------ rollout side
@@ -252,7 +254,7 @@ class Controller:
                     [int(s.version) for s in samples],
                 )
                 group.rewards = [
-                    float(self.reward_fn(self.tokenizer.decode(ids, skip_special_tokens=True), item.answer))
+                    self.scorer(self.tokenizer.decode(ids, skip_special_tokens=True), item.answer, prompt=item.prompt)
                     for ids in group.output_ids
                 ]
                 self._rollout_tokens += sum(len(ids) for ids in group.output_ids)
@@ -543,6 +545,7 @@ class Controller:
             "time/step_s": step_s,
             "throughput/rollout_tokens_per_s": self._rollout_tokens / step_s if step_s > 0 else 0.0,
             "rollout/engine_restarts": float(self.rollout.restarts),
+            "reward/failed": float(self.scorer.take_failed()),
             **self._spec_decode_metrics(),
         }
         self._step_started = now

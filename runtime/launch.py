@@ -1,7 +1,8 @@
 """`rlc run`: check what the plan needs, start Ray and the roles, run the controller, shut down cleanly.
 
-Everything that can be wrong with the inputs (model folder, dataset, reward function, a checkpoint from
-another plan) is checked before any actor starts, and reported as a `RunError` with a clear message.
+Everything that can be wrong with the inputs (run directory, model folder, dataset, reward function, a
+checkpoint from another plan, free disk) is checked before any actor starts, and reported as a `RunError`
+with a clear message. An earlier run in the run directory is never deleted (see `run_dir`).
 """
 
 from __future__ import annotations
@@ -9,29 +10,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
+import re
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from rlc.runtime.errors import RunError, RuntimeGapError, RunUsageError
 from rlc.runtime.host_moves import HostMovesError
 from rlc.runtime.launch_request import ActorRequest, LaunchRequest, launch_request
+from rlc.runtime.preflight import Weights, check_model_folder
 from rlc.schemas.plan import Plan, Role
 
+__all__ = ["RunError", "RunUsageError", "prepare_model", "run_plan"]
+
 PLACEMENT_TIMEOUT_S = 300
-
-
-class RunError(RuntimeError):
-    """A problem with the run's inputs or environment, reported to the user without a traceback."""
-
-
-class RuntimeGapError(RunError):
-    """The plan asks for something this runtime does not execute (RLC707): refused before anything starts."""
-
-    def __init__(self, gaps: list[str]) -> None:
-        self.gaps = gaps
-        super().__init__("this runtime cannot execute the plan: " + "; ".join(gaps))
 
 
 def _model_path(plan: Plan) -> Path:
@@ -40,28 +33,23 @@ def _model_path(plan: Plan) -> Path:
     return Path(plan.model.path)
 
 
-def prepare_model(plan: Plan, log) -> Path:  # type: ignore[no-untyped-def]
-    """Build the quickstart model when the plan asks for it; otherwise check the folder is a HF model."""
+def prepare_model(plan: Plan, log) -> tuple[Path, Weights]:  # type: ignore[no-untyped-def]
+    """Build the quickstart model when the plan asks for it; check every model folder is complete and sound."""
     path = _model_path(plan)
     if plan.model.build_tiny and not (path / "config.json").is_file():
         from rlc.runtime.tasks.tiny_model import build_tiny_model
 
         log(f"building the quickstart model in {path} (one-time, a few seconds)")
-        build_tiny_model(path, seed=plan.algorithm.seed, max_positions=plan.model.tiny_max_positions or 512)
-    if not path.is_dir():
-        raise RunError(f"model folder not found: {path} (model.path in the spec; it must exist on every node)")
-    if not (path / "config.json").is_file():
-        raise RunError(f"{path} is not a Hugging Face model folder: config.json is missing")
-    if not any(path.glob("*.safetensors")):
-        raise RunError(f"{path} has no *.safetensors weights")
+        try:
+            build_tiny_model(path, seed=plan.algorithm.seed, max_positions=plan.model.tiny_max_positions or 512)
+        except (OSError, ValueError) as exc:
+            raise RunError(f"cannot build the quickstart model in {path}: {exc}") from None
+    weights = check_model_folder(path, "model.path")
     for teacher in plan.distill.teachers if plan.distill else []:
-        where = Path(teacher.model.path or "")
-        if not (where / "config.json").is_file() or not any(where.glob("*.safetensors")):
-            raise RunError(
-                f"teacher {teacher.name}: no Hugging Face model at {teacher.model.path} (distill.teachers[].model.path "
-                "in the spec; it must exist on every node)"
-            )
-    return path
+        if not teacher.model.path:
+            raise RunError(f"teacher {teacher.name}: the plan has no model path (distill.teachers[].model.path)")
+        check_model_folder(Path(teacher.model.path), f"teacher {teacher.name}: distill.teachers[].model.path")
+    return path, weights
 
 
 def load_inputs(plan: Plan, model_path: Path) -> tuple[Any, Any]:
@@ -73,7 +61,8 @@ def load_inputs(plan: Plan, model_path: Path) -> tuple[Any, Any]:
     from rlc.runtime.tasks.rewards import RewardLoadError, load_reward
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        # Local files only: a folder missing a file must fail here, not wait on the Hugging Face Hub.
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise RunError(f"cannot load the tokenizer from {model_path}: {exc}") from None
     try:
@@ -320,14 +309,81 @@ def refuse_gaps(plan: Plan) -> None:
         raise RuntimeGapError(gaps)
 
 
-def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> int:
-    """Execute a verified plan; returns the number of steps trained in total."""
+def _preflight(plan: Plan, run_dir: Path, resume: bool, overwrite: bool, log) -> tuple[Path, Weights]:  # type: ignore[no-untyped-def]
+    """Run-directory and input checks that must pass before Ray or any actor starts."""
+    from rlc.runtime.preflight import check_free_disk, checkpoint_bytes
+    from rlc.runtime.run_dir import check_location, ensure_writable, guard_earlier_run
+
+    if resume and overwrite:
+        raise RunUsageError("--resume continues the earlier run and --overwrite moves it aside: pass one of them")
+    check_location(run_dir)
+    if not resume:
+        inputs = [plan.model.path, plan.data.train if not plan.data.builtin else None]
+        inputs += [t.model.path for t in plan.distill.teachers] if plan.distill else []
+        guard_earlier_run(run_dir, overwrite=overwrite, keep=inputs, log=log)
+    ensure_writable(run_dir)
+    model_path, weights = prepare_model(plan, log)
+    disk_sync = plan.schedule.weight_sync in ("disk", "inplace")
+    need = checkpoint_bytes(weights, lora=plan.lora is not None, disk_sync=disk_sync)
+    check_free_disk(run_dir, need, plan.schedule.keep_checkpoints, log)
+    return model_path, weights
+
+
+def _resumable(run_dir: Path) -> str:
+    from rlc.runtime.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        return "no checkpoint was completed, so a new run starts from the beginning (pass --overwrite)"
+    return f"the newest complete checkpoint is {found[0].name}: continue with `rlc run PLANDIR --resume`"
+
+
+def _run_controller(controller: Any, run_dir: Path) -> int:
+    """The training loop, with a dead actor or a failed write turned into a resumable message."""
+    from ray.exceptions import RayActorError
+
+    try:
+        return controller.run()
+    except RayActorError as exc:
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        named = re.search(r"class_name: (\S+)", text)
+        who = f"{named.group(1)}: " if named else ""
+        raise RunError(f"a Ray actor of the run died ({who}{first}); the run stopped: {_resumable(run_dir)}") from None
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise RunError(
+            f"writing the run's files failed: {exc.strerror or exc}{where}; the run stopped: {_resumable(run_dir)}"
+        ) from None
+
+
+def _write_report(run_dir: Path, log) -> None:  # type: ignore[no-untyped-def]
+    """The run's HTML report; a run never fails for want of it."""
+    from rlc.runtime.report import write_report
+
+    try:
+        written = write_report(run_dir)
+    except RunUsageError as exc:  # matplotlib is not installed
+        log(f"no report: {exc}")
+    except (RunError, OSError, ValueError) as exc:
+        log(f"warning: the report could not be written: {exc}")
+    else:
+        log(f"report: {written.html}")
+
+
+def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False, overwrite: bool = False) -> int:
+    """Execute a verified plan; returns the number of steps trained in total.
+
+    Without `resume`, a run directory holding an earlier run is refused (`RunUsageError`) unless
+    `overwrite`, which moves that run aside to `RUN.old-N/`.
+    """
     from rlc.runtime.checkpoint import latest_checkpoint
 
     refuse_gaps(plan)
     run_dir = Path(run_dir or plan.run_dir)
     log = lambda text: print(f"rlc: {text}", flush=True)  # noqa: E731
     start = None
+    model_path, _ = _preflight(plan, run_dir, resume, overwrite, log)
     if resume:
         found = latest_checkpoint(run_dir)
         if found is None:
@@ -341,11 +397,6 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> i
         if start.step >= plan.schedule.steps:
             log(f"{checkpoint.name} already reached step {start.step} of {plan.schedule.steps}; nothing to do")
             return start.step
-    elif (run_dir / "metrics.jsonl").exists() and (run_dir / "checkpoints").exists():
-        log(f"{run_dir} holds an earlier run; starting over (use --resume to continue it)")
-        shutil.rmtree(run_dir / "checkpoints")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    model_path = prepare_model(plan, log)
     tokenizer, reward_fn = load_inputs(plan, model_path)
     (run_dir / "plan.json").write_text(plan.model_dump_json(indent=2) + "\n")
 
@@ -387,8 +438,9 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> i
             signal.signal(signal.SIGINT, previous)
 
         signal.signal(signal.SIGINT, interrupt)
-        steps = controller.run()
+        steps = _run_controller(controller, run_dir)
         log(f"done: {steps} step(s); metrics in {run_dir / 'metrics.jsonl'}")
+        _write_report(run_dir, log)
         return steps
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -401,8 +453,9 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False) -> i
             if part is not None:
                 try:
                     part.shutdown()
-                except Exception as exc:
-                    print(f"rlc: warning: shutdown: {exc}", file=sys.stderr)
+                except Exception as exc:  # a dead actor: one line, not Ray's whole report again
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    print(f"rlc: warning: shutdown: {first}", file=sys.stderr)
         if started_ray:
             ray.shutdown()
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 TargetName = Literal["a2", "a2-32g", "a3", "cpu", "h100", "h800", "h20", "a800"]
 TARGET_NAMES: tuple[str, ...] = TargetName.__args__  # type: ignore[attr-defined]
@@ -18,19 +18,44 @@ TARGET_NAMES: tuple[str, ...] = TargetName.__args__  # type: ignore[attr-defined
 BUILTIN_TASKS: tuple[str, ...] = ("arithmetic",)
 BUILTIN_REWARDS: tuple[str, ...] = ("exact_match", "math_exact")
 
+# Upper bounds: the largest value real hardware, models or runs mean, so a typo or a hostile number is an
+# error with the range instead of a planner that searches for hours or overflows.
+MAX_NODES = 1024
+MAX_DEVICES_PER_NODE = 64
+#: Devices the planner searches at most (nodes × devices per node; checked by rule RLC217).
+MAX_DEVICES = 8192
+MAX_TOKENS = 1 << 24  # 16 Mi tokens: past any model's context window or a micro-batch budget
+MAX_STEPS = 100_000_000
+MAX_PATH = 4096  # PATH_MAX on Linux
+MAX_TEXT = 256
+
 PositiveInt = Annotated[int, Field(ge=1)]
 Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
+Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+Degree = Annotated[int, Field(ge=1, le=MAX_DEVICES)]
+Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
+
+
+def _no_nul(value: str) -> str:
+    """A NUL byte cannot be in a path, a name or a command-line argument; refuse it instead of losing it."""
+    if "\x00" in value:
+        raise ValueError("holds a NUL byte (\\0), which no path or name can contain")
+    return value
+
+
+Text = Annotated[str, Field(max_length=MAX_TEXT), AfterValidator(_no_nul)]
+PathText = Annotated[str, Field(max_length=MAX_PATH), AfterValidator(_no_nul)]
 
 
 class StrictModel(BaseModel):
     """Base for every spec section: unknown keys are errors, values are not coerced across types."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 class Cluster(StrictModel):
-    nodes: PositiveInt = Field(1, description="Number of nodes (hosts) in the cluster.")
-    devices_per_node: PositiveInt | None = Field(
+    nodes: Annotated[int, Field(ge=1, le=MAX_NODES)] = Field(1, description="Number of nodes (hosts) in the cluster.")
+    devices_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES_PER_NODE)] | None = Field(
         None,
         description="Accelerators per node. Defaults to the target's value (8 on a2, 16 dies on a3, 2 on cpu).",
     )
@@ -51,36 +76,44 @@ class Cluster(StrictModel):
 
 
 class MoeArch(StrictModel):
-    num_experts: PositiveInt = Field(description="Routed experts per MoE layer.")
-    experts_per_token: PositiveInt = Field(description="Routed experts activated per token (top-k).")
-    expert_intermediate_size: PositiveInt = Field(description="FFN width of one routed expert.")
-    num_shared_experts: int = Field(0, ge=0, description="Always-active shared experts per MoE layer.")
-    first_dense_layers: int = Field(0, ge=0, description="Leading layers that use a dense FFN instead.")
+    num_experts: Annotated[int, Field(ge=1, le=4096)] = Field(description="Routed experts per MoE layer.")
+    experts_per_token: Annotated[int, Field(ge=1, le=256)] = Field(
+        description="Routed experts activated per token (top-k)."
+    )
+    expert_intermediate_size: Annotated[int, Field(ge=1, le=1 << 20)] = Field(
+        description="FFN width of one routed expert."
+    )
+    num_shared_experts: int = Field(0, ge=0, le=64, description="Always-active shared experts per MoE layer.")
+    first_dense_layers: int = Field(0, ge=0, le=1024, description="Leading layers that use a dense FFN instead.")
 
 
 class InlineArch(StrictModel):
     """A model architecture given in the spec, for models the catalog does not know."""
 
-    num_layers: PositiveInt = Field(description="Decoder layers.")
-    hidden_size: PositiveInt = Field(description="Model width.")
-    num_attention_heads: PositiveInt = Field(description="Query heads.")
-    num_kv_heads: PositiveInt = Field(description="Key/value heads (GQA groups).")
-    head_dim: PositiveInt | None = Field(None, description="Per-head width; defaults to hidden / heads.")
-    intermediate_size: PositiveInt = Field(description="Dense FFN width.")
-    vocab_size: PositiveInt = Field(description="Vocabulary size.")
+    num_layers: Annotated[int, Field(ge=1, le=1024)] = Field(description="Decoder layers.")
+    hidden_size: Annotated[int, Field(ge=1, le=1 << 17)] = Field(description="Model width.")
+    num_attention_heads: Annotated[int, Field(ge=1, le=1024)] = Field(description="Query heads.")
+    num_kv_heads: Annotated[int, Field(ge=1, le=1024)] = Field(description="Key/value heads (GQA groups).")
+    head_dim: Annotated[int, Field(ge=1, le=4096)] | None = Field(
+        None, description="Per-head width; defaults to hidden / heads."
+    )
+    intermediate_size: Annotated[int, Field(ge=1, le=1 << 20)] = Field(description="Dense FFN width.")
+    vocab_size: Annotated[int, Field(ge=1, le=1 << 22)] = Field(description="Vocabulary size.")
     tie_word_embeddings: bool = Field(False, description="Whether the LM head shares the embedding matrix.")
-    max_position_embeddings: PositiveInt = Field(32768, description="Longest context the model was trained for.")
-    mtp_layers: int = Field(0, ge=0, description="Multi-token-prediction layers usable as a speculative drafter.")
+    max_position_embeddings: Tokens = Field(32768, description="Longest context the model was trained for.")
+    mtp_layers: int = Field(
+        0, ge=0, le=16, description="Multi-token-prediction layers usable as a speculative drafter."
+    )
     moe: MoeArch | None = Field(None, description="Mixture-of-experts settings; omit for a dense model.")
 
 
 class ModelRef(StrictModel):
-    name: str | None = Field(
+    name: Text | None = Field(
         None,
         description="Catalog id (e.g. qwen3-8b; case-insensitive, -instruct/-base suffixes allowed). "
         "Omit it and give `arch` for a model the catalog does not know.",
     )
-    path: str | None = Field(
+    path: PathText | None = Field(
         None,
         description="Local Hugging Face folder with config.json, tokenizer and safetensors weights. "
         "On the cpu target the tiny quickstart model is built here when missing.",
@@ -96,15 +129,16 @@ class ModelRef(StrictModel):
 
 class Algorithm(StrictModel):
     name: Literal["grpo"] = Field("grpo", description="RL algorithm. GRPO: group-normalised advantages, no critic.")
-    group_size: PositiveInt = Field(
+    group_size: Annotated[int, Field(ge=1, le=1024)] = Field(
         8,
         description="Samples per prompt (the GRPO group). 1 only with distill: a single sample has no group "
         "baseline, so the RL term is zero and the distillation term alone trains (on-policy distillation).",
     )
-    batch_prompts: PositiveInt = Field(64, description="Prompts per training step.")
+    batch_prompts: Annotated[int, Field(ge=1, le=1 << 20)] = Field(64, description="Prompts per training step.")
     max_staleness: int = Field(
         2,
         ge=0,
+        le=1024,
         description="How many policy versions a sample may lag behind the trainer (0 = synchronous).",
     )
     decoupled_loss: bool = Field(
@@ -112,25 +146,27 @@ class Algorithm(StrictModel):
     )
     clip: float = Field(0.2, gt=0.0, lt=1.0, description="PPO ratio clip epsilon.")
     behave_imp_weight_cap: float = Field(
-        5.0, gt=1.0, description="Tokens whose behaviour importance weight exceeds this are masked out."
+        5.0, gt=1.0, le=1e6, description="Tokens whose behaviour importance weight exceeds this are masked out."
     )
-    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL penalty to the reference policy (0 = none).")
+    kl_coef: float = Field(
+        0.0, ge=0.0, le=1e3, description="Weight of the KL penalty to the reference policy (0 = none)."
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the penalty.")
     normalize_std: bool = Field(True, description="Divide group-centred rewards by the group's std.")
     lr: float = Field(1.0e-6, gt=0.0, le=1.0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
-    grad_clip: float = Field(1.0, gt=0.0, description="Global gradient-norm clip.")
-    steps: PositiveInt = Field(200, description="Training steps (policy updates).")
-    seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0.0, le=1e6, description="Global gradient-norm clip.")
+    steps: Steps = Field(200, description="Training steps (policy updates).")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for data order, sampling and initialisation.")
 
 
 class Data(StrictModel):
-    train: str = Field(
+    train: PathText = Field(
         description="JSONL file with one object per line, or a built-in task name (arithmetic).",
     )
-    prompt_key: str = Field("prompt", description="JSONL key holding the prompt text.")
-    answer_key: str = Field("answer", description="JSONL key holding the reference answer for the reward.")
-    domain_key: str | None = Field(
+    prompt_key: Text = Field("prompt", description="JSONL key holding the prompt text.")
+    answer_key: Text = Field("answer", description="JSONL key holding the reference answer for the reward.")
+    domain_key: Text | None = Field(
         None, description="JSONL key naming each example's domain (used to route MOPD teachers)."
     )
     digits: Annotated[int, Field(ge=1, le=6)] = Field(
@@ -152,6 +188,7 @@ class Reward(StrictModel):
         "math_exact",
         description="Built-in reward (exact_match, math_exact) or a custom one as `package.module:function`.",
         pattern=r"^([A-Za-z_][A-Za-z0-9_]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$",
+        max_length=MAX_TEXT,
     )
 
 
@@ -177,8 +214,8 @@ class Mtp(StrictModel):
 
 
 class Rollout(StrictModel):
-    max_prompt_len: PositiveInt = Field(2048, description="Longest prompt in tokens.")
-    max_response_len: PositiveInt = Field(8192, description="Longest generated response in tokens.")
+    max_prompt_len: Tokens = Field(2048, description="Longest prompt in tokens.")
+    max_response_len: Tokens = Field(8192, description="Longest generated response in tokens.")
     temperature: float = Field(1.0, gt=0.0, le=4.0, description="Sampling temperature.")
     top_p: Fraction = Field(1.0, description="Nucleus sampling mass.")
     mtp: Mtp | None = Field(None, description="Speculative decoding in rollout (MTP layers or n-gram).")
@@ -208,10 +245,10 @@ class Train(StrictModel):
         "auto", description="Activation recomputation; auto lets the planner pick the cheapest that fits."
     )
     offload: Offload = Field(default_factory=Offload, description="Host offload of training state.")
-    micro_batch_tokens: PositiveInt | None = Field(
+    micro_batch_tokens: Tokens | None = Field(
         None, description="Tokens per packed micro-batch; the planner picks one when omitted."
     )
-    logprob_chunk_tokens: PositiveInt = Field(
+    logprob_chunk_tokens: Tokens = Field(
         1024, description="Tokens per chunk when computing log-probs, so full-vocab logits never materialise."
     )
     precision: Literal["auto", "bfloat16", "float32"] = Field(
@@ -222,10 +259,10 @@ class Train(StrictModel):
 
 
 class Lora(StrictModel):
-    rank: PositiveInt = Field(32, description="LoRA rank r.")
-    alpha: float = Field(64.0, gt=0.0, description="LoRA scaling alpha (effective scale alpha / r).")
+    rank: Annotated[int, Field(ge=1, le=1 << 17)] = Field(32, description="LoRA rank r (at most the widest model).")
+    alpha: float = Field(64.0, gt=0.0, le=1e6, description="LoRA scaling alpha (effective scale alpha / r).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
-    target_modules: Literal["all-linear"] | list[str] = Field(
+    target_modules: Literal["all-linear"] | Annotated[list[Text], Field(max_length=64)] = Field(
         "all-linear", description="Which linear layers get adapters: all-linear or a list of module names."
     )
     rollout: Literal["auto", "adapter", "merged"] = Field(
@@ -236,19 +273,23 @@ class Lora(StrictModel):
 
 
 class Teacher(StrictModel):
-    name: str = Field(description="Teacher name, used in metrics (distill/<name>/...).", pattern=r"^[a-z0-9_-]+$")
+    name: str = Field(
+        description="Teacher name, used in metrics (distill/<name>/...).", pattern=r"^[a-z0-9_-]+$", max_length=63
+    )
     model: ModelRef = Field(description="The teacher model (catalog id or inline arch, plus local path).")
-    domain: str | None = Field(None, description="Dataset domain this teacher serves (routing: domain).")
-    weight: float = Field(1.0, gt=0.0, description="Mixture weight (routing: mixture).")
+    domain: Text | None = Field(None, description="Dataset domain this teacher serves (routing: domain).")
+    weight: float = Field(1.0, gt=0.0, le=1e6, description="Mixture weight (routing: mixture).")
 
 
 class Distill(StrictModel):
-    teachers: list[Teacher] = Field(min_length=1, description="Teachers for multi-teacher on-policy distillation.")
+    teachers: list[Teacher] = Field(
+        min_length=1, max_length=16, description="Teachers for multi-teacher on-policy distillation."
+    )
     routing: Literal["domain", "mixture"] = Field(
         "domain", description="domain: each trajectory goes to its domain's teacher; mixture: all, by weight."
     )
     loss: Literal["reverse_kl"] = Field("reverse_kl", description="Per-token distillation loss.")
-    coef: float = Field(1.0, ge=0.0, description="Weight of the distillation term next to the RL loss.")
+    coef: float = Field(1.0, ge=0.0, le=1e3, description="Weight of the distillation term next to the RL loss.")
 
     @model_validator(mode="after")
     def _unique_names(self) -> Distill:
@@ -260,49 +301,53 @@ class Distill(StrictModel):
 
 
 class TrainPin(StrictModel):
-    devices: PositiveInt | None = Field(None, description="Devices for the trainer.")
+    devices: Degree | None = Field(None, description="Devices for the trainer.")
     backend: Literal["fsdp2", "megatron"] | None = Field(None, description="Training backend.")
-    tp: PositiveInt | None = Field(None, description="Tensor parallel degree.")
-    pp: PositiveInt | None = Field(None, description="Pipeline parallel degree.")
-    cp: PositiveInt | None = Field(None, description="Context parallel degree.")
+    tp: Degree | None = Field(None, description="Tensor parallel degree.")
+    pp: Degree | None = Field(None, description="Pipeline parallel degree.")
+    cp: Degree | None = Field(None, description="Context parallel degree.")
     cp_kind: Literal["ulysses", "ring"] | None = Field(
         None,
         description="Context parallel kind: ulysses (all-to-all of heads; tp·cp must divide the heads) or ring "
         "(K/V blocks passed around the ranks). Default: ulysses where the heads allow it, else ring.",
     )
-    ep: PositiveInt | None = Field(None, description="Expert parallel degree.")
+    ep: Degree | None = Field(None, description="Expert parallel degree.")
     recompute: Literal["none", "selective", "full"] | None = Field(None, description="Activation recompute.")
     offload: Offload | None = Field(None, description="Host offload of training state.")
-    micro_batch_tokens: PositiveInt | None = Field(None, description="Tokens per micro-batch.")
+    micro_batch_tokens: Tokens | None = Field(None, description="Tokens per micro-batch.")
 
 
 class RolloutPin(StrictModel):
-    devices: PositiveInt | None = Field(None, description="Devices for rollout engines.")
-    tp: PositiveInt | None = Field(None, description="Tensor parallel degree per engine.")
-    ep: PositiveInt | None = Field(None, description="Expert parallel degree per engine (MoE).")
+    devices: Degree | None = Field(None, description="Devices for rollout engines.")
+    tp: Degree | None = Field(None, description="Tensor parallel degree per engine.")
+    ep: Degree | None = Field(None, description="Expert parallel degree per engine (MoE).")
     memory_fraction: Fraction | None = Field(None, description="Share of device memory vLLM may use.")
-    max_num_seqs: PositiveInt | None = Field(None, description="Concurrent sequences per engine.")
+    max_num_seqs: Annotated[int, Field(ge=1, le=65536)] | None = Field(
+        None, description="Concurrent sequences per engine."
+    )
 
 
 class TeacherPin(StrictModel):
-    devices: PositiveInt | None = Field(None, description="Devices for this teacher's engines.")
-    tp: PositiveInt | None = Field(None, description="Tensor parallel degree per teacher engine.")
+    devices: Degree | None = Field(None, description="Devices for this teacher's engines.")
+    tp: Degree | None = Field(None, description="Tensor parallel degree per teacher engine.")
     memory_fraction: Fraction | None = Field(None, description="Share of device memory the teacher may use.")
 
 
 class Placement(StrictModel):
     train: TrainPin = Field(default_factory=TrainPin, description="Pins for the trainer.")
     rollout: RolloutPin = Field(default_factory=RolloutPin, description="Pins for the rollout engines.")
-    teachers: dict[str, TeacherPin] = Field(default_factory=dict, description="Pins per teacher name.")
+    teachers: dict[Text, TeacherPin] = Field(default_factory=dict, max_length=16, description="Pins per teacher name.")
 
 
 class Output(StrictModel):
-    dir: str | None = Field(None, description="Run directory; defaults to runs/<name>.")
+    dir: PathText | None = Field(None, description="Run directory; defaults to runs/<name>.")
     loggers: list[Literal["jsonl", "tensorboard"]] = Field(
         default_factory=lambda: ["jsonl", "tensorboard"], description="Metric sinks."
     )
-    checkpoint_every: PositiveInt = Field(50, description="Save a checkpoint every N steps (and at the end).")
-    keep_checkpoints: PositiveInt = Field(2, description="How many recent checkpoints to keep.")
+    checkpoint_every: Steps = Field(50, description="Save a checkpoint every N steps (and at the end).")
+    keep_checkpoints: Annotated[int, Field(ge=1, le=1000)] = Field(
+        2, description="How many recent checkpoints to keep."
+    )
 
 
 class Spec(StrictModel):

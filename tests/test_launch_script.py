@@ -31,6 +31,7 @@ SHIM = """#!/usr/bin/env bash
 # Records its name and argv (NUL-separated, one record per call) and plays a tiny part of the real tool.
 { printf '%s\\0' "$(basename "$0")" "$@"; printf '\\036\\0'; } >>"$RLC_SHIM_LOG"
 name="$(basename "$0")"
+printf '%s %s %s\\n' "$name" "${RAY_AUTH_MODE:--}" "${RAY_AUTH_TOKEN_PATH:--}" >>"$RLC_SHIM_LOG.env"
 case "$name" in
   python3)
     if [[ "${2:-}" == *cluster_resources* ]]; then echo "${RLC_SHIM_CLUSTER:-1 2}"; fi
@@ -236,7 +237,7 @@ def test_cpu_head_timeout_message(tmp_path: Path, shims) -> None:
 
 def test_worker_retries_then_joins(tmp_path: Path, shims) -> None:
     emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
-    env = {"RLC_HEAD_ADDR": "10.0.0.1", "RLC_JOIN_BACKOFF": "0", "RLC_SHIM_FAIL_JOINS": "2"}
+    env = {"RLC_HEAD_ADDR": "10.0.0.1", "RLC_JOIN_BACKOFF": "0", "RLC_SHIM_FAIL_JOINS": "2", "RAY_AUTH_TOKEN": "t"}
     result = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, **env)
     assert result.returncode == 0, result.stderr
     joins = [c for c in _calls(shims[1]) if c[:2] == ["ray", "start"]]
@@ -247,10 +248,10 @@ def test_worker_retries_then_joins(tmp_path: Path, shims) -> None:
 def test_worker_gives_up_after_attempts(tmp_path: Path, shims) -> None:
     emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
     env = {"RLC_HEAD_ADDR": "10.0.0.1", "RLC_JOIN_BACKOFF": "0", "RLC_SHIM_FAIL_JOINS": "99", "RLC_JOIN_ATTEMPTS": "3"}
-    result = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, **env)
+    result = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, RAY_AUTH_TOKEN="t", **env)
     assert result.returncode == 1
     assert "could not join the Ray head at 10.0.0.1:6379 after 3 attempts" in result.stderr
-    missing = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path)
+    missing = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, RAY_AUTH_TOKEN="t")
     assert missing.returncode == 1 and "RLC_HEAD_ADDR" in missing.stderr
 
 
@@ -262,3 +263,86 @@ def test_hostile_environment_values_are_data(tmp_path: Path, shims) -> None:
     assert result.returncode == 0 and _canaries(tmp_path) == []
     assert _exported(result.stdout, "RLC_TEST_VALUE", tmp_path) == plan.env["RLC_TEST_VALUE"]
     assert _canaries(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------- authentication
+
+
+def _auth_env(log: Path) -> list[list[str]]:
+    """name, RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH as each shimmed command saw them."""
+    path = Path(f"{log}.env")
+    return [line.split(" ") for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_head_generates_a_fresh_private_token_per_start_and_uses_it(tmp_path: Path, shims) -> None:
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    result = _run_script(tmp_path / "plan", ["head"], shims, tmp_path)
+    assert result.returncode == 0, result.stderr
+    tokens = list((tmp_path / ".rlc").glob("ray-token-rlc-quickstart-*"))
+    assert len(tokens) == 1
+    token_file = tokens[0]
+    first = token_file.read_text()
+    assert len(first) == 64 and int(first, 16) >= 0  # 256 random bits, hex
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert f"this run's token is in {token_file}" in result.stderr and "RLC_RAY_TOKEN_FILE" in result.stderr
+    # Every Ray command (start, the readiness probe, job submit, stop) ran with token auth and that file.
+    seen = _auth_env(shims[1])
+    assert [name for name, _, _ in seen] == ["python3", "ray", "python3", "ray", "ray"]
+    assert all(mode == "token" and path == str(token_file) for _, mode, path in seen), seen
+    head = _calls(shims[1])[1]
+    assert "--dashboard-host=127.0.0.1" in head
+    again = _run_script(tmp_path / "plan", ["head"], shims, tmp_path)
+    assert again.returncode == 0 and token_file.read_text() != first
+
+
+def test_given_token_file_is_used_and_workers_need_one(tmp_path: Path, shims) -> None:
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    secret = tmp_path / "secret-token"
+    secret.write_text("f" * 64)
+    env = {"RLC_RAY_TOKEN_FILE": str(secret), "RLC_HEAD_ADDR": "10.0.0.1"}
+    worker = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, **env)
+    assert worker.returncode == 0, worker.stderr
+    assert {(mode, path) for _, mode, path in _auth_env(shims[1])} == {("token", str(secret))}
+    assert not (tmp_path / ".rlc").exists()  # nothing generated when a token is given
+    refused = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, RLC_HEAD_ADDR="10.0.0.1")
+    assert refused.returncode == 1 and "needs the head's Ray token" in refused.stderr
+    empty = tmp_path / "empty-token"
+    empty.write_text("")
+    bad = _run_script(tmp_path / "plan", ["head"], shims, tmp_path, RLC_RAY_TOKEN_FILE=str(empty))
+    assert bad.returncode == 1 and "is missing or empty" in bad.stderr
+
+
+def test_worker_finds_the_token_in_a_shared_home(tmp_path: Path, shims) -> None:
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    assert _run_script(tmp_path / "plan", ["head"], shims, tmp_path).returncode == 0
+    (token_file,) = (tmp_path / ".rlc").glob("ray-token-*")
+    worker = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, RLC_HEAD_ADDR="10.0.0.1")
+    assert worker.returncode == 0, worker.stderr
+    assert _auth_env(shims[1])[-1] == ["ray", "token", str(token_file)]
+
+
+def test_dashboard_host_no_submit_and_opting_out(tmp_path: Path, shims) -> None:
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    result = _run_script(tmp_path / "plan", ["head", "--no-submit"], shims, tmp_path, RLC_DASHBOARD_HOST="0.0.0.0")
+    assert result.returncode == 0, result.stderr
+    calls = _calls(shims[1])
+    assert [c[0] for c in calls] == ["python3", "ray", "python3"]  # no job submitted, Ray left running
+    assert "--dashboard-host=0.0.0.0" in calls[1]
+    assert "ray job submit --address=http://127.0.0.1:8265" in result.stderr
+    off = _run_script(tmp_path / "plan", ["head", "--dry-run"], shims, tmp_path, RLC_RAY_AUTH="disabled")
+    assert off.returncode == 0 and "authentication is off" in off.stderr
+    assert _exported(off.stdout, "RAY_AUTH_MODE", tmp_path) == "disabled"
+    typo = _run_script(tmp_path / "plan", ["head"], shims, tmp_path, RLC_RAY_AUTH="tokn")
+    assert typo.returncode == 1 and "must be token or disabled" in typo.stderr
+
+
+def test_dry_run_shows_auth_without_writing_a_token(tmp_path: Path, shims) -> None:
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    result = _run_script(tmp_path / "plan", ["head", "--dry-run"], shims, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert _exported(result.stdout, "RAY_AUTH_MODE", tmp_path) == "token"
+    assert "write a new random token" in result.stdout
+    assert not list((tmp_path / ".rlc").glob("ray-token-*"))
+    worker = _run_script(tmp_path / "plan", ["worker", "--dry-run"], shims, tmp_path)
+    assert worker.returncode == 0
+    assert _exported(worker.stdout, "RAY_AUTH_TOKEN_PATH", tmp_path) == "<RLC_RAY_TOKEN_FILE>"

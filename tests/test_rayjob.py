@@ -103,7 +103,13 @@ class WorkerGroup(Crd):
     template: PodTemplate
 
 
+class AuthOptions(Crd):
+    mode: Literal["token", "disabled"]
+
+
 class ClusterSpec(Crd):
+    authOptions: AuthOptions
+    rayVersion: str
     headGroupSpec: HeadGroup
     workerGroupSpecs: list[WorkerGroup]
 
@@ -158,6 +164,8 @@ def test_a3_two_nodes(tmp_path: Path) -> None:
     assert job.metadata.annotations["rlc.dev/plan-hash"] == manifest["plan_hash"]
     assert job.spec.metadata["rlc_plan_hash"] == manifest["plan_hash"]
     assert job.spec.shutdownAfterJobFinishes is True
+    assert cluster.authOptions.mode == "token"  # KubeRay makes the token Secret and hands it to every pod
+    assert tuple(int(x) for x in cluster.rayVersion.split(".")[:2]) >= (2, 52)  # token auth needs Ray 2.52+
     assert shlex.split(job.spec.entrypoint) == ["rlc", "run", PLAN_MOUNT]
     assert _resources_param(cluster.headGroupSpec.rayStartParams["resources"]) == {"NPU": 16}
     (workers,) = cluster.workerGroupSpecs

@@ -70,6 +70,7 @@ def test_interrupt_then_resume_continues_numbering(tmp_path: Path) -> None:
         assert all(key in r for r in rows), f"missing {key}"
     assert all(r["staleness/max"] <= 1 for r in rows)  # the quickstart's max_staleness
     assert (run_dir / "tensorboard").is_dir()
+    assert "report: " in result.stdout and (run_dir / "report" / "reward.png").is_file()  # written at the end
 
 
 def test_rollout_engine_killed_mid_run_is_restarted(tmp_path: Path) -> None:

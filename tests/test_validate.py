@@ -162,6 +162,45 @@ def test_missing_file(tmp_path: Path) -> None:
 # ----------------------------------------------------------------- semantic rules, one test each
 
 
+@pytest.mark.parametrize(
+    ("line", "path"),
+    [
+        ("output: {dir: ~/runs/x}", "output.dir"),
+        ("output: {dir: $HOME/runs/x}", "output.dir"),
+        ('output: {dir: "runs/${USER}/x"}', "output.dir"),
+        ("data: {train: ~/data/math.jsonl}", "data.train"),
+    ],
+)
+def test_rule_paths_are_not_expanded(line: str, path: str) -> None:
+    key = line.split(":", 1)[0]
+    text = "\n".join(x for x in GOOD.splitlines() if not x.startswith(f"{key}:")) + f"\n{line}\n"
+    d = only(check(text), "RLC218")
+    assert d.path == path and "would be used literally" in d.message and "absolute path" in d.hint
+    assert check(GOOD + "output: {dir: /data/runs/x$}\n").ok  # a lone $ is just a character
+
+
+def test_rule_cluster_within_the_search() -> None:
+    d = only(check(GOOD.replace("nodes: 2", "nodes: 1024, devices_per_node: 64")), "RLC217")
+    assert d.path == "cluster.nodes"
+    assert "65,536 devices" in d.message and "8,192" in d.message
+    assert "128 nodes" in d.hint
+
+
+def test_errors_on_overridden_values_point_at_the_set() -> None:
+    loaded = check_text(GOOD, "spec.yaml")  # baseline: the rule's line is the file's
+    assert loaded.report.ok
+    from rlc.compiler.load import load_spec_text
+    from rlc.compiler.validate import check_loaded
+
+    report = check_loaded(load_spec_text(GOOD, "spec.yaml", overrides=["placement.train.tp=3"])).report
+    d = only(report, "RLC207")
+    assert d.line is None and "(from `--set placement.train.tp=3`)" in d.message
+    report = check_loaded(load_spec_text(GOOD, "spec.yaml", overrides=["cluster.nodes=0"])).report
+    d = only(report, "RLC104")
+    assert d.line is None and "from `--set cluster.nodes=0`" in d.message
+    assert d.hint == "allowed: 1 ≤ value ≤ 1024"
+
+
 def test_rule_mtp_needs_mtp_layers() -> None:
     d = only(check(GOOD + "rollout: {mtp: {num_speculative_tokens: 2}}\n"), "RLC201")
     assert "no MTP layers" in d.message

@@ -2,18 +2,32 @@
 
 A reward function takes the decoded completion and the reference answer (plus keyword extras such
 as the prompt) and returns a float. Spec files name them by import path, so a typo must fail at
-start-up with a message that says what was wrong, not as an AttributeError mid-run.
+start-up with a message that says what was wrong, not as an AttributeError mid-run; and one that raises
+or returns something other than a finite number mid-run is handled by `RewardGuard`'s stated policy.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import math
 import re
+from collections import deque
 from collections.abc import Callable
 from fractions import Fraction
 
-__all__ = ["BUILTIN_REWARDS", "RewardFn", "RewardLoadError", "exact_match", "load_reward", "math_exact"]
+from rlc.runtime.errors import RunError
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "MAX_FAILED_SHARE",
+    "RewardFn",
+    "RewardGuard",
+    "RewardLoadError",
+    "exact_match",
+    "load_reward",
+    "math_exact",
+]
 
 RewardFn = Callable[..., float]
 
@@ -127,3 +141,78 @@ def load_reward(path: str) -> RewardFn:
     if not callable(obj):
         raise RewardLoadError(f"reward {path!r} is a {type(obj).__name__}, not a callable")
     return obj  # type: ignore[return-value]
+
+
+#: Share of a batch's samples (over the last batch-worth scored) whose reward may fail before the run stops.
+#: A failed sample (the function raised, or returned None, NaN, an infinity or a non-number) scores 0.
+MAX_FAILED_SHARE = 0.05
+
+
+def _clip(text: object, limit: int = 120) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else f"{shown[: limit - 20]}...' ({len(str(text))} chars)"
+
+
+def _not_a_score(value: object) -> str | None:
+    """Why `value` cannot be a reward, or None when it can (ints, floats, bools, numpy/torch scalars)."""
+    if value is None:
+        return "returned None"
+    if isinstance(value, str | bytes):
+        return f"returned the string {_clip(value, 60)}, not a number"
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return f"returned a {type(value).__name__}, not a number"
+    if not math.isfinite(number):
+        return f"returned {number}"
+    return None
+
+
+class RewardGuard:
+    """Scores samples with the user's reward function, under a stated policy for the ones it cannot score.
+
+    A sample whose reward raises or is not a finite number scores 0 and is counted (the first is reported
+    with its prompt and completion); when more than MAX_FAILED_SHARE of the last `window` samples (one
+    batch) failed, the run stops with a RunError naming the reward, the last failed sample and the reason.
+    """
+
+    def __init__(self, fn: RewardFn, name: str, window: int, log: Callable[[str], None]) -> None:
+        self.fn, self.name, self.window, self.log = fn, name, max(1, window), log
+        self.allowed = int(MAX_FAILED_SHARE * self.window)
+        self.recent: deque[bool] = deque(maxlen=self.window)
+        self.failed_since_step = 0
+        self.reported = False
+
+    def __call__(self, completion: str, answer: str, *, prompt: str = "") -> float:
+        try:
+            value = self.fn(completion, answer)
+        except Exception as exc:  # the user's code: any failure is the sample's, reported below
+            problem = f"raised {type(exc).__name__}: {exc}"
+        else:
+            problem = _not_a_score(value)
+            if problem is None:
+                self.recent.append(False)
+                return float(value)  # type: ignore[arg-type]
+        self.recent.append(True)
+        self.failed_since_step += 1
+        sample = f"(prompt {_clip(prompt)}, completion {_clip(completion)}, answer {_clip(answer)})"
+        failed = sum(self.recent)
+        if failed > self.allowed:
+            raise RunError(
+                f"reward {self.name!r} {problem} {sample}; {failed} of the last {len(self.recent)} samples "
+                f"failed, and the run stops past {self.allowed} ({MAX_FAILED_SHARE:.0%} of a batch of "
+                f"{self.window}) scored 0: fix the reward function (checkpoints so far are kept; `--resume` "
+                "continues)"
+            )
+        if not self.reported:
+            self.reported = True
+            self.log(
+                f"warning: reward {self.name!r} {problem} {sample}; scored 0 (up to {self.allowed} such "
+                f"sample(s) per {self.window} before the run stops; `reward/failed` counts them)"
+            )
+        return 0.0
+
+    def take_failed(self) -> int:
+        """Failed samples since the last call (the step's `reward/failed` metric)."""
+        count, self.failed_since_step = self.failed_since_step, 0
+        return count

@@ -8,12 +8,19 @@ set -euo pipefail
 
 usage() {
   cat <<'USAGE'
-Usage: launch.sh head|worker [--dry-run]
+Usage: launch.sh head|worker [--dry-run] [--no-submit]
 
   head     start the Ray head on this node, wait until every node of the plan has joined,
            then submit `rlc run <this plan dir>` as a Ray job and wait for it
   worker   join the head at $RLC_HEAD_ADDR (retries with exponential backoff)
-  --dry-run  print every command instead of running it
+  --dry-run    print every command instead of running it
+  --no-submit  head only: start the cluster, wait for every node, and leave it running (submit by hand)
+
+Security: Ray starts with token authentication (RAY_AUTH_MODE=token), so only holders of the cluster's
+token can submit jobs or join. The head writes a fresh random token on every start to
+$HOME/.rlc/ray-token-<plan> (mode 600) unless RLC_RAY_TOKEN_FILE or RAY_AUTH_TOKEN gives one; copy
+that file to every worker (scp, or a shared home) and point RLC_RAY_TOKEN_FILE at it there. The
+dashboard and job API listen on 127.0.0.1 only unless RLC_DASHBOARD_HOST says otherwise.
 
 Environment (all optional except RLC_HEAD_ADDR on workers):
   RLC_HEAD_ADDR       head node address (workers)
@@ -29,6 +36,10 @@ Environment (all optional except RLC_HEAD_ADDR on workers):
   RLC_ASCEND_HOME     Ascend install root holding ascend-toolkit/set_env.sh (default /usr/local/Ascend)
   RLC_SUBMISSION_ID   Ray job submission id (default derived from the plan hash)
   RLC_KEEP_CLUSTER=1  leave Ray running on the head after the job ends
+  RLC_RAY_TOKEN_FILE  file holding the cluster's Ray token (head: optional, worker: required unless
+                      RAY_AUTH_TOKEN is set or the head's default token file is at the same path here)
+  RLC_DASHBOARD_HOST  address the dashboard and job API listen on (default 127.0.0.1)
+  RLC_RAY_AUTH        token (default) or disabled: without a token anyone who reaches the Ray ports runs code
 USAGE
 }
 
@@ -69,14 +80,19 @@ JOIN_ATTEMPTS="${RLC_JOIN_ATTEMPTS:-8}"
 JOIN_BACKOFF="${RLC_JOIN_BACKOFF:-2}"
 PYTHON="${RLC_PYTHON:-python3}"
 ASCEND_HOME="${RLC_ASCEND_HOME:-/usr/local/Ascend}"
+RAY_AUTH="${RLC_RAY_AUTH:-token}"
+DASHBOARD_HOST="${RLC_DASHBOARD_HOST:-127.0.0.1}"
+DEFAULT_TOKEN_FILE="${HOME:-.}/.rlc/ray-token-$DEFAULT_SUBMISSION_ID"
 PLAN_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)"
 
 ROLE=""
 DRY_RUN=0
+NO_SUBMIT=0
 for arg in "$@"; do
   case "$arg" in
     head | worker) ROLE="$arg" ;;
     --dry-run) DRY_RUN=1 ;;
+    --no-submit) NO_SUBMIT=1 ;;
     -h | --help)
       usage
       exit 0
@@ -249,6 +265,57 @@ alive = sum(1 for node in ray.nodes() if node.get("Alive"))
 print(alive, int(ray.cluster_resources().get(sys.argv[1], 0)))
 '
 
+# A fresh 256-bit token, written with mode 600 and renamed into place (never a half-written file).
+new_token() {
+  local file="$1"
+  run mkdir -p "$(dirname -- "$file")"
+  if [[ "$DRY_RUN" == 1 ]]; then
+    printf '# write a new random token to %q (mode 600)\n' "$file"
+    return 0
+  fi
+  (
+    umask 077
+    head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$file.tmp"
+  ) || die "cannot write a Ray token to $(printf '%q' "$file")"
+  mv -f -- "$file.tmp" "$file"
+}
+
+# Token authentication for every Ray process and client started from here (Ray reads RAY_AUTH_TOKEN,
+# else the file named by RAY_AUTH_TOKEN_PATH).
+setup_auth() {
+  case "$RAY_AUTH" in
+    token) ;;
+    disabled)
+      log "warning: Ray token authentication is off (RLC_RAY_AUTH=disabled): anyone who can reach this node's Ray ports can run commands on it"
+      setenv RAY_AUTH_MODE disabled
+      return 0
+      ;;
+    *) die "RLC_RAY_AUTH must be token or disabled, got $(printf '%q' "$RAY_AUTH")" ;;
+  esac
+  setenv RAY_AUTH_MODE token
+  if [[ -n "${RAY_AUTH_TOKEN:-}" ]]; then
+    log "Ray token authentication: using the token in RAY_AUTH_TOKEN"
+    return 0
+  fi
+  local file="${RLC_RAY_TOKEN_FILE:-}"
+  if [[ -z "$file" && "$ROLE" == head ]]; then
+    file="$DEFAULT_TOKEN_FILE"
+    new_token "$file"
+    log "Ray token authentication: this run's token is in $(printf '%q' "$file") (mode 600); copy it to every worker and start each with RLC_RAY_TOKEN_FILE=<its path there> RLC_HEAD_ADDR=<this node> launch.sh worker"
+  elif [[ -z "$file" && -s "$DEFAULT_TOKEN_FILE" ]]; then
+    file="$DEFAULT_TOKEN_FILE" # a home directory shared with the head
+  elif [[ -z "$file" ]]; then
+    if [[ "$DRY_RUN" != 1 ]]; then
+      die "this worker needs the head's Ray token: copy the file \`launch.sh head\` named to this node and set RLC_RAY_TOKEN_FILE=<path> (or RAY_AUTH_TOKEN)"
+    fi
+    file='<RLC_RAY_TOKEN_FILE>'
+  fi
+  if [[ "$DRY_RUN" != 1 && ! -s "$file" ]]; then
+    die "the Ray token file $(printf '%q' "$file") is missing or empty (RLC_RAY_TOKEN_FILE)"
+  fi
+  setenv RAY_AUTH_TOKEN_PATH "$file"
+}
+
 preflight() {
   log "preflight: target $TARGET, $DEVICES_PER_NODE $RAY_RESOURCE per node"
   check_devices
@@ -257,11 +324,11 @@ preflight() {
 }
 
 start_head() {
-  local args=(start --head --port="$RAY_PORT" --dashboard-host=0.0.0.0 --dashboard-port="$DASHBOARD_PORT"
+  local args=(start --head --port="$RAY_PORT" --dashboard-host="$DASHBOARD_HOST" --dashboard-port="$DASHBOARD_PORT"
     --ray-client-server-port=10001 "${NODE_PORT_ARGS[@]}" "${RESOURCE_ARGS[@]}"
     --disable-usage-stats)
   if [[ -n "${RLC_NODE_IP:-}" ]]; then args+=(--node-ip-address="$RLC_NODE_IP"); fi
-  log "starting the Ray head (GCS port $RAY_PORT, dashboard $DASHBOARD_PORT)"
+  log "starting the Ray head (GCS port $RAY_PORT, dashboard $DASHBOARD_HOST:$DASHBOARD_PORT, auth $RAY_AUTH)"
   run ray "${args[@]}"
 }
 
@@ -326,6 +393,7 @@ submit_job() {
 main() {
   log "rlc $RLC_VERSION plan $RLC_PLAN_HASH: $ROLE"
   setup_env
+  setup_auth
   preflight
   if [[ "$ROLE" == worker ]]; then
     join_cluster
@@ -333,6 +401,10 @@ main() {
   fi
   start_head
   wait_for_cluster
+  if [[ "$NO_SUBMIT" == 1 ]]; then
+    log "the cluster is up and stays up; submit with: ray job submit --address=http://127.0.0.1:$DASHBOARD_PORT -- rlc run $(printf '%q' "$PLAN_DIR") (this shell's RAY_AUTH_* settings are needed), stop with \`ray stop\`"
+    return 0
+  fi
   local status=0
   submit_job || status=$?
   if [[ "${RLC_KEEP_CLUSTER:-0}" != 1 ]]; then
