@@ -11,7 +11,7 @@ import hashlib
 import json
 
 import rlc
-from rlc.compiler import cost, memory, refusal, search
+from rlc.compiler import agent_plan, cost, memory, refusal, search
 from rlc.compiler.candidates import loser_term
 from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
@@ -229,7 +229,9 @@ def build_plan(
     lines = lines or LineMap()
     ctx = search.make_context(problem, exhaustive)
     result = search.search_context(ctx)
-    diags = _warnings(problem, lines, file)
+    diags = _warnings(problem, lines, file) + agent_plan.environments_fit(problem, lines, file)
+    if any(d.severity == "error" for d in diags):
+        return None, diags
     if result.best is None:
         return None, diags + refusal.infeasible(problem, result, lines, file)
     diags += thin_headroom(problem, result.best, lines, file)
@@ -530,6 +532,8 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
     teachers, teacher_settings = _teacher_roles(problem, best, placements)
     roles = [_actor_role(problem, best, placements), _rollout_role(problem, best, placements, model.path or "")]
     roles += teachers
+    environments = agent_plan.environments_role(problem, best)
+    roles += [environments] if environments else []
     schedule = _schedule(problem, ctx, best)
     algo = spec.algorithm
     step = best.step
@@ -597,6 +601,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
         )
         if spec.distill
         else None,
+        agent=agent_plan.agent_settings(problem, best, model.id),
         run_dir=spec.run_dir,
         loggers=list(spec.output.loggers),
         env=dict(sorted(target.env.items())),

@@ -620,3 +620,7 @@ def check_unexpanded_paths(ctx: RuleContext) -> Iterator[Diagnostic]:
             "`~` nor environment variables, since the plan must mean the same path on every node",
             f'write the absolute path, or pass it at compile time: --set {where}="$HOME/..." (your shell expands it)',
         )
+
+
+# Rules of their own modules register on import (after everything above exists).
+from rlc.compiler import agent_rules  # noqa: E402,F401

@@ -62,6 +62,8 @@ def lora_rollout_mode(problem: Problem) -> str:
         return "merged"
     if lora.rollout != "auto":
         return lora.rollout
+    if problem.spec.rollout.agent is not None:
+        return "merged"  # the agent endpoint serves the policy's own weights
     return "merged" if (problem.arch.is_moe and problem.target.kind == "npu") else "adapter"
 
 

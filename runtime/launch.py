@@ -41,7 +41,12 @@ def prepare_model(plan: Plan, log) -> tuple[Path, Weights]:  # type: ignore[no-u
 
         log(f"building the quickstart model in {path} (one-time, a few seconds)")
         try:
-            build_tiny_model(path, seed=plan.algorithm.seed, max_positions=plan.model.tiny_max_positions or 512)
+            build_tiny_model(
+                path,
+                seed=plan.algorithm.seed,
+                max_positions=plan.model.tiny_max_positions or 512,
+                task="calculator" if plan.model.id == "rlc-tiny-agent" else "addition",
+            )
         except (OSError, ValueError) as exc:
             raise RunError(f"cannot build the quickstart model in {path}: {exc}") from None
     weights = check_model_folder(path, "model.path")
@@ -171,6 +176,7 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
     """
     from rlc.runtime.controller import RolloutPool
     from rlc.runtime.rollout.engine import rollout_engine_actor
+    from rlc.runtime.rollout.served import served_engine_actor
     from rlc.runtime.train.group import TrainerGroup
 
     request = launch_request(plan)
@@ -210,15 +216,17 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
         generation = generations.get(index, 0)
         generations[index] = generation + 1
         spec = engines[index]
-        cls = rollout_engine_actor(
+        served = plan.agent is not None  # agents call vLLM's OpenAI server inside the actor
+        cls = (served_engine_actor if served else rollout_engine_actor)(
             name=spec.name + (f"-r{generation}" if generation else ""),
             num_cpus=0,
             resources=spec.resources,
             scheduling_strategy=_strategy(groups, spec),
             runtime_env={"env_vars": engine_env},
-            max_concurrency=1,
+            max_concurrency=1000 if served else 1,
         )
-        return cls.remote(engine_args, plan.platform, engine_env, version if stamp == 0 else stamp)
+        extra = (plan.agent.model_dump(), plan.sampling.model_dump()) if plan.agent is not None else ()
+        return cls.remote(engine_args, plan.platform, engine_env, version if stamp == 0 else stamp, *extra)
 
     pool = RolloutPool(plan, make_engine)
     teachers = build_teachers(plan, request, groups) if plan.distill else None
@@ -398,6 +406,10 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False, over
             log(f"{checkpoint.name} already reached step {start.step} of {plan.schedule.steps}; nothing to do")
             return start.step
     tokenizer, reward_fn = load_inputs(plan, model_path)
+    if plan.agent is not None:
+        from rlc.runtime.agent.launch import check_agent
+
+        check_agent(plan)
     (run_dir / "plan.json").write_text(plan.model_dump_json(indent=2) + "\n")
 
     import ray
@@ -406,7 +418,7 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False, over
 
     started_ray = start_ray(plan, log)
     placement_groups: list[Any] = []  # released at the end when Ray is not ours to shut down
-    trainer = pool = controller = teachers = reference = None
+    trainer = pool = controller = teachers = reference = runners = None
     previous = signal.getsignal(signal.SIGINT)
     try:
         log("starting trainer and rollout engines")
@@ -418,7 +430,16 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False, over
             raise RunError("the trainer did not build the plan's layout: " + "; ".join(mismatches))
         write_layout_record(run_dir, plan, trainer.built_layouts())
         log(f"trainer layout as planned: {plan.roles_of('train')[0].layout.summary()}")  # type: ignore[union-attr]
-        controller = Controller(plan, run_dir, tokenizer, reward_fn, pool, trainer, start=start)
+        if plan.agent is not None:
+            from rlc.runtime.agent.controller import AgentController
+            from rlc.runtime.agent.launch import build_runners
+
+            runners = build_runners(plan, launch_request(plan))
+            controller = AgentController(
+                plan, run_dir, tokenizer, reward_fn, pool, trainer, runners=runners.actors, start=start
+            )
+        else:
+            controller = Controller(plan, run_dir, tokenizer, reward_fn, pool, trainer, start=start)
         try:
             controller.prepare_weight_path()
         except HostMovesError as exc:
@@ -449,7 +470,7 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False, over
                 write_layout_record(run_dir, plan, trainer.built_layouts())
         if controller is not None:
             controller.close()
-        for part in (teachers, pool, reference, trainer):
+        for part in (runners, teachers, pool, reference, trainer):
             if part is not None:
                 try:
                     part.shutdown()

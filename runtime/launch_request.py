@@ -30,7 +30,7 @@ class ActorRequest:
 
     name: str
     role: str
-    kind: str  # trainer, reference, rollout, teacher
+    kind: str  # trainer, reference, rollout, teacher, environment
     placement_group: str
     bundle_index: int
     resources: dict[str, float]
@@ -66,6 +66,8 @@ def _groups(plan: Plan) -> list[PlacementGroupRequest]:
     out: dict[str, PlacementGroupRequest] = {}
     for role in plan.roles:
         ray = _placement(role)
+        if not ray.bundles:  # nothing to reserve (environment workers of an agent with its own sandbox)
+            continue
         group = PlacementGroupRequest(ray.placement_group, ray.strategy, [dict(b) for b in ray.bundles])
         held = out.setdefault(ray.placement_group, group)
         if held != group:
@@ -138,6 +140,20 @@ def launch_request(plan: Plan) -> LaunchRequest:
                             {"rank": rank, "mesh": layout.coordinates(rank), "forward_only": True},
                         )
                     )
+        elif role.kind == "environments":
+            for index in range(role.replicas):
+                bundle = ray.bundle_indices[index] if ray.bundles else -1
+                actors.append(
+                    ActorRequest(
+                        f"rlc-{role.name}-{index}",
+                        role.name,
+                        "environment",
+                        ray.placement_group,
+                        bundle,
+                        dict(ray.actor_resources),
+                        {"agent": plan.agent.run if plan.agent else ""},
+                    )
+                )
         else:
             kind = "rollout" if role.kind == "rollout" else "teacher"
             for index, bundle in enumerate(ray.bundle_indices):
@@ -184,9 +200,10 @@ def render_request(req: LaunchRequest) -> str:
         if a.kind in ("trainer", "reference"):
             mesh = " ".join(f"{k}{v}" for k, v in a.detail["mesh"].items())
             extra = f"  mesh [{mesh}]"
-        lines.append(
-            f"  {a.name:<24} {a.kind:<9} {a.placement_group}[{a.bundle_index}]  {_resources(a.resources)}{extra}"
-        )
+        where = f"{a.placement_group}[{a.bundle_index}]" if a.placement_group else "(no placement group)"
+        if a.kind == "environment":
+            extra = f"  runs {a.detail['agent']}"
+        lines.append(f"  {a.name:<24} {a.kind:<9} {where}  {_resources(a.resources)}{extra}")
     trainers = req.trainer_ranks()
     if trainers:
         lines.append(f"trainer layout: {trainers[0].detail['layout']}")

@@ -16,7 +16,7 @@ from .layout import TrainLayout
 #: 2: train roles carry a typed `layout`, every role its Ray placement (`ray`), the plan its `runtime_gaps`.
 PLAN_FORMAT_VERSION = 2
 
-RoleKind = Literal["train", "rollout", "teacher", "reward"]
+RoleKind = Literal["train", "rollout", "teacher", "reward", "environments"]
 
 
 class PlanModel(BaseModel):
@@ -186,6 +186,26 @@ class DistillSettings(PlanModel):
     teachers: list[TeacherSettings]
 
 
+class AgentSettings(PlanModel):
+    """Agentic rollouts (`rollout.agent`): what the runners, the engines' endpoint and the recorder obey."""
+
+    run: str = Field(description="The agent function, `package.module:function` (user code).")
+    role: str = Field("environments", description="The role whose actors run the agent.")
+    served_model_name: str = Field(description="The model name the endpoint answers to.")
+    max_turns: int
+    max_tokens_per_turn: int
+    max_context_tokens: int = Field(description="Longest trajectory context (prompt + every turn and observation).")
+    timeout_s: float = Field(description="Wall clock per trajectory.")
+    export: Literal["trajectory", "turns"]
+    turn_discount: float
+    tool_call_parser: str | None
+    max_failed_share: float
+    inflight_per_engine: int = Field(
+        description="Trajectories kept in flight per engine (engine busy while tools run)."
+    )
+    concurrency_per_worker: int = Field(description="Trajectories one environment worker runs at once.")
+
+
 class Estimates(PlanModel):
     step_time_s: float
     rollout_s: float
@@ -235,6 +255,7 @@ class Plan(PlanModel):
     data: DataSettings
     lora: LoraSettings | None = None
     distill: DistillSettings | None = None
+    agent: AgentSettings | None = Field(None, description="Agentic rollouts; None: one completion per sample.")
     run_dir: str
     loggers: list[str]
     env: dict[str, str] = Field(default_factory=dict, description="Environment for every process.")

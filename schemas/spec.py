@@ -213,6 +213,73 @@ class Mtp(StrictModel):
     )
 
 
+ImportPath = Annotated[
+    str,
+    Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$", max_length=MAX_TEXT),
+]
+
+
+class Environments(StrictModel):
+    """The processes that run the agent and its tools: one Ray actor per worker, sized and placed by the planner."""
+
+    workers: Annotated[int, Field(ge=1, le=4096)] = Field(
+        1, description="Agent runner processes; each runs many trajectories at once."
+    )
+    cpus: float = Field(
+        1.0, ge=0.0, le=1024.0, description="CPUs per worker (0 when the agent brings its own sandbox elsewhere)."
+    )
+    memory_gib: float = Field(
+        1.0, ge=0.0, le=4096.0, description="Host memory per worker, GiB (0 when the agent brings its own sandbox)."
+    )
+    tool_latency_s: float = Field(
+        1.0,
+        ge=0.0,
+        le=86400.0,
+        description="Assumed seconds an environment takes per tool call; used only by the planner's estimates.",
+    )
+
+
+class Agent(StrictModel):
+    """Multi-turn agentic rollouts: user code drives the engines through an OpenAI-compatible endpoint."""
+
+    run: ImportPath = Field(
+        description="`package.module:function`, an `async def run(task: dict, llm) -> float | dict` (a plain "
+        "function runs in a thread). `llm` carries base_url, api_key (the trajectory's session key) and model.",
+    )
+    max_turns: Annotated[int, Field(ge=1, le=4096)] = Field(
+        8, description="Model calls per trajectory; the next call gets a context_length_exceeded error."
+    )
+    max_tokens_per_turn: Tokens = Field(1024, description="Tokens one call may generate (max_tokens is capped).")
+    timeout_s: float = Field(
+        600.0, gt=0.0, le=86400.0, description="Wall-clock limit of one trajectory; past it the episode is dropped."
+    )
+    export: Literal["trajectory", "turns"] = Field(
+        "trajectory",
+        description="trajectory: one training row per trajectory, tool and user tokens masked; turns: one row per "
+        "model call.",
+    )
+    turn_discount: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="export turns: a call k turns before the end gets advantage × turn_discount^k.",
+    )
+    tool_call_parser: Text | None = Field(
+        None,
+        description="vLLM tool-call parser for the chat endpoint (e.g. hermes, qwen3_coder); none for text actions.",
+    )
+    max_failed_share: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="Share of a batch's trajectories that may fail (agent raised, hung or returned no reward) "
+        "before the run stops.",
+    )
+    environments: Environments = Field(
+        default_factory=Environments, description="Where the agent code and its tools run."
+    )
+
+
 class Rollout(StrictModel):
     max_prompt_len: Tokens = Field(2048, description="Longest prompt in tokens.")
     max_response_len: Tokens = Field(8192, description="Longest generated response in tokens.")
@@ -224,6 +291,10 @@ class Rollout(StrictModel):
         description="How new weights reach the engines: a collective broadcast from trainer rank 0, or "
         "safetensors on shared disk. auto: broadcast when disaggregated; colocated: through host shared memory "
         "on one node, or files in the run directory (which every node must see) across nodes.",
+    )
+    agent: Agent | None = Field(
+        None,
+        description="Agentic rollouts: a user agent drives the engines over many turns instead of one completion.",
     )
 
     @property

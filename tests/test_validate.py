@@ -413,3 +413,10 @@ def test_group_size_one_needs_a_teacher() -> None:
     teacher = "distill:\n  teachers:\n    - {name: t, model: {name: qwen3-32b, path: /t}}\n"
     with_teacher = check(base + teacher)
     assert [d.severity for d in with_teacher.diagnostics if d.code == "RLC216"] == ["info"] and with_teacher.ok
+
+
+def test_rule_agent_settings() -> None:
+    """RLC219 (more in test_agent_spec.py): an agent cannot run colocated, nor take more per turn than the budget."""
+    agent = "rollout: {max_response_len: 64, agent: {run: 'a.b:run', max_tokens_per_turn: 128}}\nmode: colocated\n"
+    found = {d.path for d in check(GOOD + agent).errors if d.code == "RLC219"}
+    assert found == {"mode", "rollout.agent.max_tokens_per_turn"}

@@ -135,6 +135,18 @@ class Sample:
     prompt_ids: list[int] = field(default_factory=list)
 
 
+def engine_setup(
+    engine_args: Mapping[str, Any], platform: str | Platform, env: Mapping[str, str] | None
+) -> tuple[Platform, dict[str, Any]]:
+    """Apply ``env`` (before vLLM reads its settings) and complete the plan's engine args with the RL defaults."""
+    for k, v in (env or {}).items():
+        os.environ[k] = str(v)
+    resolved = get_platform(platform)
+    args = {**RL_ENGINE_DEFAULTS, **dict(engine_args)}
+    args.setdefault("dtype", resolved.vllm_dtype)
+    return resolved, args
+
+
 class RolloutEngine:
     """A ``vllm.LLM`` with the RL operations the controller needs, built from a plan's engine args."""
 
@@ -146,11 +158,7 @@ class RolloutEngine:
         version: int = 0,
     ) -> None:
         """Start the engine (tens of seconds). ``env`` is applied before vLLM reads its settings."""
-        for k, v in (env or {}).items():
-            os.environ[k] = str(v)
-        self.platform = get_platform(platform)
-        args = {**RL_ENGINE_DEFAULTS, **dict(engine_args)}
-        args.setdefault("dtype", self.platform.vllm_dtype)
+        self.platform, args = engine_setup(engine_args, platform, env)
         if args.get("enable_sleep_mode") and not self.platform.supports_sleep_mode:
             raise NotSupported(f"vLLM sleep mode is not supported on {self.platform.name}")
         self._spec_decode = bool(args.get("speculative_config"))

@@ -9,7 +9,6 @@ or returns something other than a finite number mid-run is handled by `RewardGua
 from __future__ import annotations
 
 import difflib
-import importlib
 import math
 import re
 from collections import deque
@@ -17,6 +16,7 @@ from collections.abc import Callable
 from fractions import Fraction
 
 from rlc.runtime.errors import RunError
+from rlc.runtime.user_code import load_callable
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -119,28 +119,7 @@ def load_reward(path: str) -> RewardFn:
             f"reward {path!r} is neither a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) nor of the form "
             f"'pkg.module:function'{hint}"
         )
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise RewardLoadError(f"reward {path!r} must be 'pkg.module:function' with both parts non-empty")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise RewardLoadError(
-            f"reward {path!r}: cannot import module {module_name!r} ({exc}); is it installed or on PYTHONPATH?"
-        ) from exc
-    except Exception as exc:  # the user's module raised while importing
-        raise RewardLoadError(f"reward {path!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
-    obj: object = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            names = [n for n in dir(obj) if not n.startswith("_")]
-            close = difflib.get_close_matches(part, names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise RewardLoadError(f"reward {path!r}: module {module_name!r} has no attribute {part!r}{hint}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise RewardLoadError(f"reward {path!r} is a {type(obj).__name__}, not a callable")
-    return obj  # type: ignore[return-value]
+    return load_callable(path, "reward", RewardLoadError)
 
 
 #: Share of a batch's samples (over the last batch-worth scored) whose reward may fail before the run stops.

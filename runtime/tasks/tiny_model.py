@@ -74,19 +74,25 @@ def _warmup_batch(
     return ids, labels, attn
 
 
-def _warmup(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int) -> None:
-    examples = all_one_digit_additions()
-    ids, labels, attn = _warmup_batch(examples, tokenizer)
+def supervised_steps(
+    model: Qwen3ForCausalLM, ids: torch.Tensor, labels: torch.Tensor, attn: torch.Tensor, steps: int, seed: int
+) -> None:
+    """`steps` seeded AdamW steps (lr 3e-3) on random 64-row batches of the given rows: every warm-up's loop."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model.train()
     for _ in range(steps):
-        idx = torch.randperm(len(examples), generator=gen)[:64]
+        idx = torch.randperm(len(ids), generator=gen)[:64]
         out = model(input_ids=ids[idx], attention_mask=attn[idx], labels=labels[idx])
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         opt.step()
     model.eval()
+
+
+def _warmup(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int) -> None:
+    ids, labels, attn = _warmup_batch(all_one_digit_additions(), tokenizer)
+    supervised_steps(model, ids, labels, attn, steps, seed)
 
 
 @torch.no_grad()
@@ -116,12 +122,13 @@ def greedy_accuracy(
     return sum(t == ex.answer for t, ex in zip(texts, examples, strict=True)) / len(examples)
 
 
-def _recipe(seed: int, warmup_steps: int, max_positions: int) -> dict[str, Any]:
+def _recipe(seed: int, warmup_steps: int, max_positions: int, task: str = "addition") -> dict[str, Any]:
     return {
         "recipe_version": RECIPE_VERSION,
         "seed": seed,
         "warmup_steps": warmup_steps,
         "max_positions": max_positions,
+        "task": task,
     }
 
 
@@ -131,6 +138,7 @@ def _is_complete(path: Path) -> bool:
 
 def _check_recipe(path: Path, recipe: dict[str, Any]) -> None:
     found = {"max_positions": 512, **json.loads((path / MARKER).read_text())}  # older markers: the 512 default
+    found["task"] = "addition" if found.get("task", "one-digit addition") == "one-digit addition" else found["task"]
     mismatched = {k: (found.get(k), v) for k, v in recipe.items() if found.get(k) != v}
     if mismatched:
         detail = ", ".join(f"{k}: has {a!r}, wanted {b!r}" for k, (a, b) in mismatched.items())
@@ -139,14 +147,28 @@ def _check_recipe(path: Path, recipe: dict[str, Any]) -> None:
         )
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, warmup_steps: int = 40, max_positions: int = 512) -> Path:
+def build_tiny_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    warmup_steps: int | None = None,
+    max_positions: int = 512,
+    task: str = "addition",
+) -> Path:
     """Create (or reuse) the quickstart checkpoint in ``out_dir`` and return its path.
 
-    Deterministic for a given seed on a given machine. Refuses to overwrite a non-empty folder that
-    is not a complete tiny model, and a complete one built with another seed or step count.
+    ``task`` picks the warm-up: ``addition`` (one-digit sums, 40 steps) or ``calculator`` (tool-use episodes,
+    steps pinned per seed by `tiny_agent_model.WARMUP_STEPS`). Deterministic for a given seed on a given
+    machine. Refuses to overwrite a non-empty folder that is not a complete tiny model, and a complete one
+    built with another seed, step count or task.
     """
+    if task not in ("addition", "calculator"):
+        raise ValueError(f"unknown tiny-model task {task!r}; use addition or calculator")
+    if warmup_steps is None:
+        from .tiny_agent_model import warmup_steps as pinned
+
+        warmup_steps = 40 if task == "addition" else pinned(seed)
     out = Path(out_dir)
-    recipe = _recipe(seed, warmup_steps, max_positions)
+    recipe = _recipe(seed, warmup_steps, max_positions, task)
     if _is_complete(out):
         _check_recipe(out, recipe)
         return out
@@ -162,15 +184,30 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, warmup_steps: int = 40,
         torch.set_num_threads(1)
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(tiny_config(max_positions)).to(torch.float32)
-        tokenizer = build_char_tokenizer(max_positions)
-        _warmup(model, tokenizer, warmup_steps, seed)
-        accuracy = greedy_accuracy(model, tokenizer, all_one_digit_additions())
+        if task == "calculator":
+            from .tiny_agent_model import agent_tokenizer, sampled_success, warmup_calculator
+
+            tokenizer = agent_tokenizer(max_positions)
+            warmup_calculator(model, tokenizer, warmup_steps, seed)
+            measured = {"warmup_sampled": sampled_success(model, tokenizer), "task": "calculator"}
+        else:
+            tokenizer = build_char_tokenizer(max_positions)
+            _warmup(model, tokenizer, warmup_steps, seed)
+            measured = {
+                "warmup_greedy_accuracy": greedy_accuracy(model, tokenizer, all_one_digit_additions()),
+                "task": "one-digit addition",
+            }
         model.generation_config.bos_token_id = BOS_ID
         model.generation_config.eos_token_id = EOS_ID
         model.generation_config.pad_token_id = PAD_ID
         model.save_pretrained(str(tmp))
-        save_char_tokenizer(tmp, max_positions)
-        marker = {**recipe, "warmup_greedy_accuracy": accuracy, "task": "one-digit addition"}
+        if task == "calculator":
+            from .calculator import AGENT_CHARACTERS, CHAT_TEMPLATE
+
+            save_char_tokenizer(tmp, max_positions, AGENT_CHARACTERS, CHAT_TEMPLATE)
+        else:
+            save_char_tokenizer(tmp, max_positions)
+        marker = {**recipe, **measured}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
         if out.exists():
             out.rmdir()  # empty (checked above); rename cannot replace a directory portably

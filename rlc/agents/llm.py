@@ -1,0 +1,101 @@
+"""`Endpoint`: what an agent gets as `llm`, the handle to the OpenAI-compatible server of its trajectory.
+
+The api key is the trajectory's session key: every call made with it is recorded into that trajectory, so an
+agent must not share it between trajectories. The helpers build clients that never retry on their own (a retry
+is a new call the recorder must then drop) and time out with the episode. Their HTTP connection pool is shared
+by every trajectory of the process (building one costs ~0.4 s of CPU on a loaded two-core machine, more than a
+whole tool-use episode); closing a helper's client leaves that pool open for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["Endpoint"]
+
+_POOLS: dict[tuple[str, int | None], Any] = {}
+
+
+def _pool(asynchronous: bool) -> Any:
+    """The process's shared httpx client (per event loop for the async one); its close is a no-op."""
+    import httpx
+
+    loop = None
+    if asynchronous:
+        try:
+            loop = id(asyncio.get_running_loop())
+        except RuntimeError:
+            loop = None
+    key = ("async" if asynchronous else "sync", loop)
+    if key not in _POOLS:
+
+        class Shared(httpx.AsyncClient if asynchronous else httpx.Client):  # type: ignore[misc]
+            def close(self) -> None:  # shared: outlives any one client
+                pass
+
+            async def aclose(self) -> None:
+                pass
+
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        _POOLS[key] = Shared(limits=limits, timeout=None, verify=False)  # plain http to the engine's address
+    return _POOLS[key]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An OpenAI-compatible endpoint bound to one trajectory (plain data: it travels to agent processes)."""
+
+    base_url: str  # ends in /v1
+    api_key: str  # the trajectory's session key
+    model: str  # the served model name
+    max_tokens: int  # per call (the server caps larger requests)
+    max_turns: int  # calls per trajectory (the server refuses more)
+    timeout_s: float  # what is left of the episode when it starts
+
+    def openai(self) -> Any:
+        """A synchronous `openai.OpenAI` client for this trajectory."""
+        import openai
+
+        return openai.OpenAI(
+            base_url=self.base_url,
+            api_key=self.api_key,
+            timeout=self.timeout_s,
+            max_retries=0,
+            http_client=_pool(False),
+        )
+
+    def async_openai(self) -> Any:
+        """An `openai.AsyncOpenAI` client for this trajectory."""
+        import openai
+
+        return openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=self.api_key, timeout=self.timeout_s, max_retries=0, http_client=_pool(True)
+        )
+
+    def litellm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `litellm.completion` (and tools built on it, such as mini-swe-agent's
+        `model_kwargs`): the OpenAI-compatible provider pointed at this endpoint."""
+        return {
+            "model": f"openai/{self.model}",
+            "api_base": self.base_url,
+            "api_key": self.api_key,
+            "timeout": self.timeout_s,
+            "num_retries": 0,
+        }
+
+    def env(self) -> dict[str, str]:
+        """Environment variables for an agent started as its own process (OPENAI_* are what the `openai`
+        package reads)."""
+        return {
+            "OPENAI_BASE_URL": self.base_url,
+            "OPENAI_API_KEY": self.api_key,
+            "RLC_MODEL": self.model,
+            "RLC_MAX_TOKENS": str(self.max_tokens),
+            "RLC_MAX_TURNS": str(self.max_turns),
+            "RLC_TIMEOUT_S": f"{self.timeout_s:g}",
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,322 @@
+"""The controller's second rollout kind: agent trajectories instead of generate requests.
+
+The trainer side (proximal log-probs, the step, weight sync, checkpoints) is `Controller`'s, unchanged; this
+class replaces what feeds it. Under the same staleness gate it admits tasks (a GRPO group is `group_size`
+trajectories of one task), opens a session per trajectory on the least-loaded engine, hands the trajectory to
+an environment worker, and, when the agent returns, closes the session and turns the engine's record into
+training rows (`trajectory`). Every wait is bounded: a runner that does not answer within the episode's
+timeout plus a grace period counts as a timed-out trajectory.
+"""
+
+from __future__ import annotations
+
+import secrets
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlc.agents.llm import Endpoint
+from rlc.runtime.agent.failures import AgentGuard
+from rlc.runtime.agent.runner import Episode
+from rlc.runtime.agent.sessions import SessionRecord
+from rlc.runtime.agent.trajectory import Row, Segments, segment_calls, trajectory_rows, turn_rows
+from rlc.runtime.controller import Controller
+from rlc.runtime.errors import RunError
+from rlc.runtime.prompts import PromptItem
+
+__all__ = ["AgentController", "AgentGroup", "Trajectory"]
+
+#: Seconds past an episode's timeout_s before the controller stops waiting for its runner.
+RUNNER_GRACE_S = 30.0
+
+
+@dataclass
+class Trajectory:
+    key: str
+    engine: int
+    episode: Episode
+    record: SessionRecord
+    segments: Segments
+    rows: list[Row]
+    reward: float
+
+    @property
+    def calls(self) -> int:
+        return sum(len(s) for s in self.segments.segments)
+
+    @property
+    def min_version(self) -> int | None:
+        versions = [v for row in self.rows for v, m in zip(row.versions, row.loss_mask, strict=True) if m]
+        return min(versions) if versions else None
+
+
+@dataclass
+class AgentGroup:
+    """One task's trajectories: the unit of GRPO advantage normalisation."""
+
+    item: PromptItem
+    size: int
+    trajectories: list[Trajectory] = field(default_factory=list)
+    timeouts: int = 0  # trajectories dropped and re-issued
+    errors: int = 0  # trajectories scored 0 because the agent failed
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.trajectories) >= self.size
+
+
+@dataclass
+class _Pending:
+    key: str
+    engine: int
+    group: AgentGroup
+    deadline: float
+
+
+class AgentController(Controller):
+    """`Controller` whose rollouts are agent trajectories; `runners` are the environment workers' actors."""
+
+    def __init__(self, *args: Any, runners: list[Any], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        import ray
+
+        agent = self.plan.agent
+        if agent is None:
+            raise ValueError("AgentController needs a plan with an agent")
+        self.agent = agent
+        self.runners = runners
+        self.endpoints: list[str] = ray.get([e.endpoint.remote() for e in self.rollout.engines])
+        self.episodes: dict[Any, _Pending] = {}
+        self._open: list[AgentGroup] = []  # groups with trajectories still to come
+        self._slots: list[AgentGroup] = []  # one entry per trajectory to start (new groups and re-issues)
+        self._runner_load = [0] * len(runners)
+        self._runner_of: dict[Any, int] = {}  # episode ref -> runner index
+        self.guard = AgentGuard(
+            agent.run, self.plan.schedule.batch_samples, agent.max_failed_share, self.logger.message
+        )
+        self.capacity = agent.inflight_per_engine * self.rollout.replicas
+
+    # ------------------------------------------------------------------ admission
+
+    def _engine_load(self) -> dict[int, int]:
+        load = {i: 0 for i in range(self.rollout.replicas) if i not in self._warming}
+        for pending in self.episodes.values():
+            if pending.engine in load:
+                load[pending.engine] += 1
+        return load
+
+    def _fill(self) -> None:
+        """Admit tasks while the staleness bound allows; start their trajectories up to the planned capacity."""
+        if self.colocated and self._training is not None:
+            return
+        load = self._engine_load()
+        if not load:
+            return  # every engine is restarting
+        room = self.capacity - len(self.episodes)
+        while len(self._slots) < room:
+            if not self.gate.can_admit(self.group_size, self.version):
+                break
+            self.gate.admit(self.group_size)
+            group = AgentGroup(self.prompts.next(), self.group_size)
+            self._open.append(group)
+            self._slots += [group] * self.group_size
+        starting, self._slots = self._slots[:room], self._slots[room:]
+        if starting:
+            self._start(starting, load)
+
+    def _start(self, groups: list[AgentGroup], load: dict[int, int]) -> None:
+        import ray
+
+        plan: list[tuple[str, int, AgentGroup]] = []
+        for group in groups:
+            engine = min(load, key=lambda i: (load[i], i))
+            load[engine] += 1
+            plan.append((secrets.token_hex(16), engine, group))
+        by_engine: dict[int, list[str]] = {}
+        for key, engine, _ in plan:
+            by_engine.setdefault(engine, []).append(key)
+        timeout = self.agent.timeout_s
+        ray.get([self.rollout.engines[e].open_sessions.remote(keys, timeout) for e, keys in by_engine.items()])
+        now = time.monotonic()
+        for key, engine, group in plan:
+            runner = min(range(len(self.runners)), key=lambda i: (self._runner_load[i], i))
+            self._runner_load[runner] += 1
+            endpoint = Endpoint(
+                base_url=self.endpoints[engine],
+                api_key=key,
+                model=self.agent.served_model_name,
+                max_tokens=self.agent.max_tokens_per_turn,
+                max_turns=self.agent.max_turns,
+                timeout_s=timeout,
+            )
+            task = {
+                "prompt": group.item.prompt,
+                "answer": group.item.answer,
+                "domain": group.item.domain,
+                "index": group.item.cursor,
+            }
+            ref = self.runners[runner].run_episode.remote(task, endpoint.to_dict(), timeout)
+            self.episodes[ref] = _Pending(key, engine, group, now + timeout + RUNNER_GRACE_S)
+            self._runner_of[ref] = runner
+
+    # ------------------------------------------------------------------ collection
+
+    def _collect(self, timeout: float) -> None:
+        import ray
+
+        if not self.episodes:
+            super()._collect(timeout)  # nothing in flight: wait for the trainer instead
+            return
+        ready, _ = ray.wait(list(self.episodes), num_returns=len(self.episodes), timeout=timeout)
+        done: list[tuple[_Pending, Episode]] = []
+        for ref in ready:
+            pending = self.episodes.pop(ref)
+            self._runner_load[self._runner_of.pop(ref)] -= 1
+            try:
+                episode = ray.get(ref)
+            except Exception as exc:  # the runner actor died or the task was cancelled
+                episode = Episode(pending.key, "error", error=f"runner failed: {type(exc).__name__}: {exc}")
+            done.append((pending, episode))
+        now = time.monotonic()
+        for ref, pending in list(self.episodes.items()):
+            if now > pending.deadline:  # the runner itself is stuck: stop waiting for it
+                del self.episodes[ref]
+                self._runner_load[self._runner_of.pop(ref)] -= 1
+                ray.cancel(ref, force=False)
+                done.append((pending, Episode(pending.key, "timeout", error="its runner did not answer in time")))
+        if done:
+            self._finish_episodes(done)
+
+    def _finish_episodes(self, done: list[tuple[_Pending, Episode]]) -> None:
+        import ray
+
+        by_engine: dict[int, list[tuple[_Pending, Episode]]] = {}
+        for pending, episode in done:
+            by_engine.setdefault(pending.engine, []).append((pending, episode))
+        refs = {
+            e: self.rollout.engines[e].close_sessions.remote([p.key for p, _ in items])
+            for e, items in by_engine.items()
+        }
+        for engine, items in by_engine.items():
+            records = ray.get(refs[engine], timeout=120)
+            for (pending, episode), record in zip(items, records, strict=True):
+                self._file(pending, episode, record)
+
+    def _file(self, pending: _Pending, episode: Episode, record: SessionRecord | None) -> None:
+        group = pending.group
+        record = record or SessionRecord(pending.key, [], None, 0, 0.0, 0)
+        if episode.status == "error" and record.truncated in ("turns", "context"):
+            # The agent raised on the server's budget refusal: a truncated trajectory, not an agent fault.
+            episode = Episode(episode.key, "ok", 0.0, wall_s=episode.wall_s)
+        self.guard.record(episode, group.item.prompt)
+        if episode.status == "timeout":
+            group.timeouts += 1
+            self._slots.insert(0, group)  # re-issued first; its slot was admitted already
+            return
+        group.errors += episode.status == "error"
+        found = segment_calls(record.calls)
+        rows = (
+            trajectory_rows(found) if self.agent.export == "trajectory" else turn_rows(found, self.agent.turn_discount)
+        )
+        reward = episode.reward if episode.status == "ok" else 0.0
+        group.trajectories.append(Trajectory(pending.key, pending.engine, episode, record, found, rows, reward))
+        self._rollout_tokens += sum(r.sampled for r in rows)
+        if group.complete:
+            self._open.remove(group)
+            if not self._group_too_stale(group):
+                self.finished.append(group)  # type: ignore[arg-type]
+
+    def _group_too_stale(self, group: AgentGroup) -> bool:
+        """A group with tokens older than the staleness bound allows (a restarted engine) is played again."""
+        bound = 0 if self.colocated else self.plan.schedule.max_staleness
+        versions = [v for t in group.trajectories if (v := t.min_version) is not None]
+        if not versions or min(versions) >= self.version - bound:
+            return False
+        fresh = AgentGroup(group.item, group.size)
+        self._open.append(fresh)
+        self._slots = [fresh] * group.size + self._slots
+        return True
+
+    def _resume_cursor(self) -> int:
+        pending = [g.item for g in self._open] + [g.item for g in self.finished]
+        return min((item.cursor for item in pending), default=self.prompts.cursor)
+
+    # ------------------------------------------------------------------ the batch
+
+    def _build_batch(self, groups: list[Any]) -> tuple[dict[str, Any], dict[str, float], list[str | None]]:
+        import torch
+
+        from rlc.runtime.algo.advantages import group_advantages
+
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        advantages = group_advantages(
+            rewards.flatten(), self.group_size, scale_by_std=self.plan.algorithm.normalize_std
+        ).reshape(rewards.shape)
+        batch: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "behaviour_logprobs": [], "advantages": []}
+        domains: list[str | None] = []
+        lags: list[int] = []
+        trajectories = [t for g in groups for t in g.trajectories]
+        for g_index, group in enumerate(groups):
+            for t_index, traj in enumerate(group.trajectories):
+                for row in traj.rows:
+                    batch["input_ids"].append(row.input_ids)
+                    batch["loss_mask"].append(row.loss_mask)
+                    batch["behaviour_logprobs"].append(row.logprobs)
+                    batch["advantages"].append(float(advantages[g_index, t_index]) * row.weight)
+                    domains.append(group.item.domain)
+                    lags += [self.version - v for v, m in zip(row.versions, row.loss_mask, strict=True) if m]
+        if not batch["input_ids"]:
+            raise RunError(
+                f"agent {self.agent.run!r}: no trajectory of this batch made a model call, so there is nothing to "
+                "train on; check that the agent calls llm.base_url with llm.api_key"
+            )
+        flat = rewards.flatten().tolist()
+        rows = [r for t in trajectories for r in t.rows]
+        stats = {
+            "reward/mean": statistics.fmean(flat),
+            "reward/std": statistics.pstdev(flat),
+            "staleness/mean": statistics.fmean(lags) if lags else 0.0,
+            "staleness/max": float(max(lags, default=0)),
+            "response_len/mean": statistics.fmean([sum(r.sampled for r in t.rows) for t in trajectories]),
+            "train/tokens": float(sum(len(x) for x in batch["input_ids"])),
+            **agent_metrics(groups, trajectories, rows),
+        }
+        return batch, stats, domains  # type: ignore[return-value]
+
+    def close(self) -> None:
+        import ray
+
+        for ref in list(self.episodes):
+            ray.cancel(ref, force=False)
+        self.episodes.clear()
+        super().close()
+
+
+def agent_metrics(groups: list[AgentGroup], trajectories: list[Trajectory], rows: list[Row]) -> dict[str, float]:
+    """The step's agent figures: turns, environment replies, masked tokens, breaks, truncations, failures, time."""
+    n = max(1, len(trajectories))
+    model_s = [t.record.model_s for t in trajectories]
+    wall_s = [t.episode.wall_s for t in trajectories]
+    return {
+        "agent/turns": sum(t.calls for t in trajectories) / n,
+        # Calls that continued after the environment answered (a tool result or user turn in between).
+        "agent/tool_calls": sum(max(0, len(s) - 1) for t in trajectories for s in t.segments.segments) / n,
+        "agent/tokens_sampled": float(sum(r.sampled for r in rows)),
+        "agent/tokens_masked": float(sum(r.masked for r in rows)),
+        "agent/prefix_breaks": float(sum(t.segments.prefix_breaks for t in trajectories)),
+        "agent/retries_dropped": float(sum(t.segments.retries_dropped for t in trajectories)),
+        "agent/truncated": float(sum(t.record.truncated is not None for t in trajectories)),
+        "agent/refused_calls": float(sum(t.record.refused for t in trajectories)),
+        "agent/errors": float(sum(g.errors for g in groups)),
+        "agent/timeouts": float(sum(g.timeouts for g in groups)),
+        "time/agent_model_s": statistics.fmean(model_s) if model_s else 0.0,
+        "time/agent_tools_s": statistics.fmean(max(0.0, w - m) for w, m in zip(wall_s, model_s, strict=True))
+        if wall_s
+        else 0.0,
+        "time/agent_episode_s": statistics.fmean(wall_s) if wall_s else 0.0,
+    }

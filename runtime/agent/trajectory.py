@@ -1,0 +1,148 @@
+"""From a trajectory's recorded calls to training rows: token ids as the engine saw them, never re-tokenised text.
+
+A call continues the trajectory when its prompt ids start with everything so far (the previous calls' prompts
+and outputs); the ids in between (tool results, user turns, the template's glue) are environment tokens and
+carry loss mask 0. Only the ids the policy sampled carry mask 1, with their behaviour log-probs and the policy
+version of each. A call whose prompt branches from an earlier point of the trajectory is a retry: the calls
+after that point were never continued and are dropped. A call that continues nothing starts a new segment (a
+prefix break, counted): each segment is its own row. Pure Python, so it is tested without engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Call", "Row", "Segments", "segment_calls", "trajectory_rows", "turn_rows"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One model call as the engine ran it."""
+
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]  # behaviour log-prob of each output id
+    versions: tuple[int, ...]  # policy version that sampled each output id
+    finish_reason: str | None = None
+    model_s: float = 0.0  # seconds the call spent in the engine
+
+    def __post_init__(self) -> None:
+        if not (len(self.output_ids) == len(self.logprobs) == len(self.versions)):
+            raise ValueError(
+                f"a call has {len(self.output_ids)} output ids, {len(self.logprobs)} log-probs and "
+                f"{len(self.versions)} versions"
+            )
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass(frozen=True)
+class Row:
+    """One training row: ids, loss mask, behaviour log-probs and versions aligned position by position."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]  # 0.0 where the mask is 0
+    versions: list[int]  # -1 where the mask is 0
+    calls: int  # model calls in the row
+    weight: float = 1.0  # multiplies the trajectory's advantage (export turns: turn_discount^k)
+
+    @property
+    def sampled(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def masked(self) -> int:
+        return len(self.loss_mask) - self.sampled
+
+
+@dataclass
+class Segments:
+    """A trajectory's calls grouped into segments, with what grouping them found."""
+
+    segments: list[list[Call]] = field(default_factory=list)
+    prefix_breaks: int = 0
+    retries_dropped: int = 0
+
+
+def _starts_with(ids: Sequence[int], prefix: Sequence[int]) -> bool:
+    return len(ids) >= len(prefix) and tuple(ids[: len(prefix)]) == tuple(prefix)
+
+
+def segment_calls(calls: Sequence[Call]) -> Segments:
+    """Group calls (in the order they were made) into segments; see the module docstring for the rules."""
+    out = Segments()
+    current: list[Call] = []
+    for call in calls:
+        if not current:
+            current = [call]
+            continue
+        if _starts_with(call.prompt_ids, current[-1].tokens):
+            current.append(call)
+            continue
+        # A retry: the prompt extends an earlier call of this segment, or re-sends the segment's first prompt.
+        branch = next(
+            (k for k in range(len(current) - 2, -1, -1) if _starts_with(call.prompt_ids, current[k].tokens)), None
+        )
+        if branch is not None:
+            out.retries_dropped += len(current) - branch - 1
+            current = [*current[: branch + 1], call]
+        elif _starts_with(call.prompt_ids, current[0].prompt_ids):
+            out.retries_dropped += len(current)
+            current = [call]
+        else:
+            out.segments.append(current)
+            out.prefix_breaks += 1
+            current = [call]
+    if current:
+        out.segments.append(current)
+    return out
+
+
+def _segment_row(segment: Sequence[Call]) -> Row:
+    first = segment[0]
+    ids = list(first.prompt_ids)
+    mask = [0] * len(ids)
+    lps = [0.0] * len(ids)
+    versions = [-1] * len(ids)
+    for call in segment:
+        glue = list(call.prompt_ids[len(ids) :])
+        ids += glue
+        mask += [0] * len(glue)
+        lps += [0.0] * len(glue)
+        versions += [-1] * len(glue)
+        ids += call.output_ids
+        mask += [1] * len(call.output_ids)
+        lps += call.logprobs
+        versions += call.versions
+    return Row(ids, mask, lps, versions, len(segment))
+
+
+def trajectory_rows(found: Segments) -> list[Row]:
+    """export trajectory: one row per segment, environment tokens masked."""
+    return [_segment_row(s) for s in found.segments if any(c.output_ids for c in s)]
+
+
+def turn_rows(found: Segments, turn_discount: float = 1.0) -> list[Row]:
+    """export turns: one row per call (its prompt masked); a call k calls before its segment's end is weighted
+    turn_discount^k."""
+    rows = []
+    for segment in found.segments:
+        for index, call in enumerate(segment):
+            if not call.output_ids:
+                continue
+            n_prompt, n_out = len(call.prompt_ids), len(call.output_ids)
+            rows.append(
+                Row(
+                    list(call.tokens),
+                    [0] * n_prompt + [1] * n_out,
+                    [0.0] * n_prompt + list(call.logprobs),
+                    [-1] * n_prompt + list(call.versions),
+                    1,
+                    turn_discount ** (len(segment) - 1 - index),
+                )
+            )
+    return rows
