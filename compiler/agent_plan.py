@@ -38,6 +38,7 @@ class AgentTerms:
     kv_sequences: int  # trajectories whose prefix the engine's KV cache holds at once
     reprefill_tokens: int  # context tokens prefilled again per turn when the cache cannot hold them all
     turns_token_factor: float  # export turns: trained tokens relative to export trajectory
+    batch_rollout_s: float  # a batch of trajectories at max_turns each, waves of inflight per engine
 
     def notes(self, agent: Agent, replicas: int) -> list[str]:
         busy = self.model_s_per_turn / (self.model_s_per_turn + self.tool_s_per_turn or 1.0)
@@ -54,6 +55,10 @@ class AgentTerms:
                 f"{self.inflight_per_engine} in flight: about {self.reprefill_tokens} tokens are prefilled again per "
                 "turn (prefix evicted while its tool ran)"
             )
+        out.append(
+            f"agent: a batch takes about {self.batch_rollout_s:.3g} s of rollout if every trajectory uses all "
+            f"{agent.max_turns} turns (an upper bound; the step-time estimate does not count agent turns yet)"
+        )
         if agent.export == "turns":
             out.append(
                 f"agent: export turns trains about {self.turns_token_factor:.1f}x the tokens of export trajectory "
@@ -79,7 +84,9 @@ def agent_terms(problem: Problem, best: search.Candidate) -> AgentTerms:
     waiting = max(0, inflight - ro.seqs)
     reprefill = waiting * context // 2 if waiting else 0
     factor = (agent.max_turns + 1) / 2 if agent.export == "turns" else 1.0
-    return AgentTerms(turn_tokens, model_s, tool_s, inflight, ro.seqs, reprefill, factor)
+    waves = math.ceil(spec.algorithm.batch_prompts * spec.algorithm.group_size / (inflight * ro.layout.replicas))
+    batch_s = waves * agent.max_turns * (model_s + tool_s)
+    return AgentTerms(turn_tokens, model_s, tool_s, inflight, ro.seqs, reprefill, factor, batch_s)
 
 
 def agent_settings(problem: Problem, best: search.Candidate, served_model_name: str) -> AgentSettings | None:
@@ -102,6 +109,7 @@ def agent_settings(problem: Problem, best: search.Candidate, served_model_name: 
         max_failed_share=agent.max_failed_share,
         inflight_per_engine=terms.inflight_per_engine,
         concurrency_per_worker=max(1, math.ceil(total / workers)),
+        options=dict(sorted(agent.options.items())),
     )
 
 
@@ -151,6 +159,7 @@ def environments_role(problem: Problem, best: search.Candidate) -> Role | None:
             "inflight_per_engine": float(terms.inflight_per_engine),
             "reprefill_tokens_per_turn": float(terms.reprefill_tokens),
             "turns_token_factor": round(terms.turns_token_factor, 3),
+            "batch_rollout_s": round(terms.batch_rollout_s, 3),
         },
         notes=[
             f"{env.workers} agent runner(s) with {env.cpus:g} CPU(s) and {env.memory_gib:g} GiB each, about "

@@ -80,6 +80,14 @@ def check_agent(ctx: RuleContext) -> Iterator[Diagnostic]:
             f"did you mean `{close[0]}`?" if close else f"one of: {', '.join(KNOWN_TOOL_PARSERS)}",
             "warning",
         )
+    if "reward" in spec.model_fields_set:
+        yield ctx.diag(
+            "RLC219",
+            "reward.fn",
+            f"reward.fn `{spec.reward.fn}` is not called with an agent: the agent's run() returns the reward",
+            "score inside the agent (it has the task's answer), and drop the reward block",
+            "warning",
+        )
     if spec.lora is not None and spec.lora.rollout == "adapter":
         yield ctx.diag(
             "RLC219",

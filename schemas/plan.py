@@ -204,6 +204,7 @@ class AgentSettings(PlanModel):
         description="Trajectories kept in flight per engine (engine busy while tools run)."
     )
     concurrency_per_worker: int = Field(description="Trajectories one environment worker runs at once.")
+    options: dict[str, str | int | float | bool] = Field(default_factory=dict, description="The agent's `llm.options`.")
 
 
 class Estimates(PlanModel):

@@ -278,6 +278,11 @@ class Agent(StrictModel):
     environments: Environments = Field(
         default_factory=Environments, description="Where the agent code and its tools run."
     )
+    options: Annotated[dict[Text, str | int | float | bool], Field(max_length=64)] = Field(
+        default_factory=dict,
+        description="Settings handed to the agent as `llm.options` (e.g. rlc.agents.mini_swe's environment: "
+        "local, bubblewrap, docker, singularity).",
+    )
 
 
 class Rollout(StrictModel):

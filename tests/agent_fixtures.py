@@ -80,11 +80,12 @@ def returns_dict(task: dict[str, Any], llm: Any) -> dict[str, float]:
 
 
 def sometimes_fails(task: dict[str, Any], llm: Any) -> float:
-    """Calls the model once, then fails for every fourth task (by index), hangs for every seventh."""
+    """Calls the model once, then fails for every fourth task (by index: all its trajectories), and hangs for
+    about one trajectory in eight (by session key, so a re-issued trajectory most likely does not)."""
     client = llm.openai()
     client.completions.create(model=llm.model, prompt=task["prompt"], max_tokens=4)
     if task["index"] % 4 == 3:
         raise RuntimeError("flaky tool")
-    if task["index"] % 7 == 6:
+    if int(llm.api_key[:2], 16) % 8 == 0:
         time.sleep(3600)
     return 1.0

@@ -81,3 +81,20 @@ def test_failures_count_until_the_stated_share_then_stop_the_run() -> None:
     assert guard.take() == {"error": 1, "timeout": 1}
     with pytest.raises(RunError, match=r"3 of the last 13 trajectories failed.*past 2 \(10% of a batch of 20\)"):
         guard.record(Episode("k", "error", error="raised ValueError: x"), "3+3=")
+
+
+def test_mini_swe_tasks_name_their_test_and_workplace(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from rlc.agents.mini_swe import parse_task
+
+    problem, spec = parse_task({"prompt": "fix add", "answer": json.dumps({"repo": str(tmp_path), "test": "pytest"})})
+    assert problem == "fix add" and spec == {"repo": str(tmp_path), "test": "pytest"}
+    for answer, why in [
+        ("pytest", "must be JSON"),
+        (json.dumps({"repo": str(tmp_path)}), "test"),
+        (json.dumps({"test": "x", "repo": str(tmp_path / "missing")}), "not a directory"),
+        (json.dumps({"test": "x", "repos": "y"}), "unknown keys"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            parse_task({"prompt": "p", "answer": answer})

@@ -10,7 +10,7 @@ whole tool-use episode); closing a helper's client leaves that pool open for the
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["Endpoint"]
@@ -53,6 +53,7 @@ class Endpoint:
     max_tokens: int  # per call (the server caps larger requests)
     max_turns: int  # calls per trajectory (the server refuses more)
     timeout_s: float  # what is left of the episode when it starts
+    options: dict[str, Any] = field(default_factory=dict)  # the spec's rollout.agent.options
 
     def openai(self) -> Any:
         """A synchronous `openai.OpenAI` client for this trajectory."""

@@ -10,6 +10,7 @@ timeout plus a grace period counts as a timed-out trajectory.
 
 from __future__ import annotations
 
+import json
 import secrets
 import statistics
 import time
@@ -153,6 +154,7 @@ class AgentController(Controller):
                 max_tokens=self.agent.max_tokens_per_turn,
                 max_turns=self.agent.max_turns,
                 timeout_s=timeout,
+                options=dict(self.agent.options),
             )
             task = {
                 "prompt": group.item.prompt,
@@ -275,6 +277,7 @@ class AgentController(Controller):
                 f"agent {self.agent.run!r}: no trajectory of this batch made a model call, so there is nothing to "
                 "train on; check that the agent calls llm.base_url with llm.api_key"
             )
+        self._write_sample(trajectories)
         flat = rewards.flatten().tolist()
         rows = [r for t in trajectories for r in t.rows]
         stats = {
@@ -287,6 +290,30 @@ class AgentController(Controller):
             **agent_metrics(groups, trajectories, rows),
         }
         return batch, stats, domains  # type: ignore[return-value]
+
+    def _write_sample(self, trajectories: list[Trajectory]) -> None:
+        """One trajectory per step in RUN/agent_samples.jsonl: its rows' ids, masks and text, to see what the
+        agent and the policy did and which tokens trained."""
+        if not trajectories:
+            return
+        traj = trajectories[0]
+        sample = {
+            "step": self.step + 1,
+            "reward": traj.reward,
+            "status": traj.episode.status,
+            "truncated": traj.record.truncated,
+            "rows": [
+                {
+                    "input_ids": row.input_ids,
+                    "loss_mask": row.loss_mask,
+                    "versions": row.versions,
+                    "text": self.tokenizer.decode(row.input_ids, skip_special_tokens=False),
+                }
+                for row in traj.rows
+            ],
+        }
+        with (self.run_dir / "agent_samples.jsonl").open("a") as fh:
+            fh.write(json.dumps(sample) + "\n")
 
     def close(self) -> None:
         import ray
