@@ -38,7 +38,8 @@ def _pool(asynchronous: bool) -> Any:
             async def aclose(self) -> None:
                 pass
 
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        # Idle connections are dropped well before the server's keep-alive (300 s) ends them under a request.
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=30.0)
         _POOLS[key] = Shared(limits=limits, timeout=None, verify=False)  # plain http to the engine's address
     return _POOLS[key]
 

@@ -33,6 +33,8 @@ __all__ = ["ServedEngine", "served_engine_actor"]
 
 #: Seconds a weight update may keep generation paused before it is reported as stuck.
 UPDATE_TIMEOUT_S = 600
+#: Seconds the server keeps an idle connection open.
+KEEP_ALIVE_S = 300
 
 
 def _node_address() -> str:
@@ -134,8 +136,15 @@ class ServedEngine:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
         port = sock.getsockname()[1]
+        # Keep-alive well past the clients' (httpx: 5 s): a server closing an idle connection as a client reuses
+        # it fails that call; agents idle for a whole training step between turns.
         config = uvicorn.Config(
-            SessionRouter(app, self.sessions), log_level="warning", access_log=False, lifespan="off"
+            SessionRouter(app, self.sessions),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=KEEP_ALIVE_S,
+            backlog=4096,
         )
         self._server = uvicorn.Server(config)
         self._serving = asyncio.ensure_future(self._server.serve(sockets=[sock]))
