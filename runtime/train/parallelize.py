@@ -177,7 +177,8 @@ def describe_built(
     """Read the layout back from the objects: mesh, a projection's placements, FSDP policies, checkpointing.
 
     `compute_dtype_seen` is the dtype a decoder layer's weight had during a forward (the all-gathered copy);
-    None means no forward has run yet, and the FSDP policy's dtype is reported instead.
+    None means no forward has run yet, and the FSDP policy's dtype is reported instead. `offload_optimizer`:
+    whether the optimizer keeps its moments in host memory between steps.
     """
     layer = decoder_layers(model)[0]
     weight = layer.get_submodule("self_attn.q_proj").weight
@@ -204,7 +205,8 @@ def describe_built(
         reduce_dtype=_dtype_name(mp.reduce_dtype or weight.dtype),
         recompute="full" if getattr(layer, "gradient_checkpointing", False) else "none",
         offload_params=isinstance(offload, CPUOffloadPolicy),
-        offload_optimizer=offload_optimizer,
+        # Moments follow parameters that FSDP2 keeps on the host; otherwise the optimizer keeps them there.
+        offload_optimizer=offload_optimizer or isinstance(offload, CPUOffloadPolicy),
         attention=str(model.config._attn_implementation),
         extra={"q_proj_placements": [str(p) for p in placements]},
     )

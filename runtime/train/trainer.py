@@ -162,7 +162,8 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             eps=float(self.cfg["eps"]),
             weight_decay=float(self.cfg["weight_decay"]),
             device=self.device,
-            offload=self.layout.offload_optimizer,
+            # With parameter offload the parameters, and so the moments, already live on the host.
+            offload=self.layout.offload_optimizer and not self.layout.offload_params,
         )
         self.step = 0
         self._offloaded: set[str] = set()
