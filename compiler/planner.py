@@ -352,7 +352,7 @@ def _actor_role(problem: Problem, best: search.Candidate, placements: dict[str, 
     spec, tl, mem, t = problem.spec, best.train.layout, best.train.memory, best.train.time
     notes = [
         f"{tl.summary()}: fastest fitting trainer layout on {tl.world_size} devices",
-        f"peak {mem.total_gib:.1f} of {mem.capacity_gib:.1f} GiB",
+        f"peak {mem.total_gib:.3g} of {mem.capacity_gib:.3g} GiB",
     ]
     if tl.offload_params or tl.offload_optimizer:
         notes.append(f"host memory for offloaded state: {mem.host_gib_per_node:.0f} GiB per node")

@@ -44,6 +44,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def run(plan_dir: Path, run_dir: Path, patch=None) -> list[dict]:  # type: ignore[no-untyped-def]
+    from layout_record import assert_layout_as_planned
+
     from rlc.compiler.manifest import load_plan
     from rlc.runtime.launch import run_plan
 
@@ -53,6 +55,7 @@ def run(plan_dir: Path, run_dir: Path, patch=None) -> list[dict]:  # type: ignor
     steps = run_plan(plan, run_dir)
     rows = read_metrics(run_dir)
     assert steps == plan.schedule.steps == len(rows)
+    assert_layout_as_planned(run_dir, plan)  # the trainer built exactly the plan's layout
     return rows
 
 
