@@ -42,6 +42,7 @@ CODES: dict[str, str] = {
     "RLC216": "group_size 1 leaves GRPO nothing to learn from unless a teacher distils",
     "RLC217": "The cluster must be within what the planner searches",
     "RLC218": "Paths are taken literally: no ~ or $VARIABLE expansion",
+    "RLC219": "algorithm.deterministic: true asks for more than the plan can repeat",
     "RLC301": "A role does not fit device memory, or cannot be placed, on this cluster",
     "RLC302": "A pinned vLLM memory share above the planner's cap with long contexts",
     "RLC303": "The runtime cannot execute this plan yet",

@@ -112,6 +112,15 @@ def profile_lines(plan: Plan) -> list[str]:
     return [head] + [f"  {k.removeprefix('calibration.')}: {v}" for k, v in sorted(p.items()) if k.startswith("calib")]
 
 
+def reproducibility_lines(plan: Plan) -> list[str]:
+    """Whether runs of the plan repeat exactly, and why not."""
+    r = plan.reproducibility
+    kernels = "on" if r.deterministic_kernels else "off"
+    head = f"reproducible: {'yes' if r.deterministic else 'no'} (deterministic kernels {kernels}"
+    head += f", cost: {r.cost})" if r.deterministic_kernels and r.cost else ")"
+    return [head] + [f"  not repeatable: {reason}" for reason in r.reasons]
+
+
 def runners_table(plan: Plan) -> Table:
     table = Table(title="runners-up")
     for col in ("layout", "tok/s", "lost on", "why it lost"):
@@ -140,6 +149,8 @@ def explain_plan(
     for table in (time_table(plan, measured), runners_table(plan)):
         console.print(table)
     for line in profile_lines(plan):
+        console.print(escape(line))
+    for line in reproducibility_lines(plan):
         console.print(escape(line))
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
@@ -171,6 +182,7 @@ def explain_json(
         "estimates": plan.estimates.model_dump(),
         "step_time_band_s": list(band(plan)),
         "profile": plan.profile,
+        "reproducibility": plan.reproducibility.model_dump(),
         **({"measured": measured} if measured else {}),
         **({"measured_memory_gib": measured_memory} if measured_memory else {}),
         "headroom_gib": {r.name: round(r.memory.capacity_gib - r.memory.total_gib, 3) for r in plan.roles},

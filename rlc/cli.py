@@ -295,6 +295,15 @@ def run(
     allow_modified: Annotated[
         bool, typer.Option("--allow-modified", help="Run a plan whose files no longer match its manifest.")
     ] = False,
+    replay: Annotated[
+        Path | None,
+        typer.Option(
+            "--replay",
+            help="Run again with the requests (prompts, policy versions) and batches recorded in this run "
+            "directory's rollouts.jsonl; writes to --run-dir, by default RUNDIR.replay.",
+            show_default=False,
+        ),
+    ] = None,
     dry_run: Annotated[
         bool,
         typer.Option("--dry-run", help="Print the placement groups, actors, trainer mesh, engines and sync path."),
@@ -311,6 +320,10 @@ def run(
         raise _usage_error(f"{plan_dir} is not a plan directory; create one with `rlc compile SPEC -o {plan_dir}`")
     if resume and overwrite:
         raise _usage_error("--resume continues the earlier run and --overwrite moves it aside: pass one of them")
+    if replay is not None and resume:
+        raise _usage_error("--replay starts a new run from a recorded one; it cannot be combined with --resume")
+    if replay is not None and not (replay / "rollouts.jsonl").is_file():
+        raise _usage_error(f"--replay {replay}: no rollouts.jsonl there; pass the directory of a run rlc recorded")
     report = Report(str(plan_dir))
     report.extend(verify_plan_dir(plan_dir, allow_modified=allow_modified))
     if report.diagnostics:
@@ -346,7 +359,7 @@ def run(
 
     try:
         refuse_gaps(plan)
-        run_plan(plan, run_dir, resume=resume, overwrite=overwrite)
+        run_plan(plan, run_dir, resume=resume, overwrite=overwrite, replay=replay)
     except RuntimeGapError as exc:
         lines = "\n".join(f"    - {gap}" for gap in exc.gaps)
         code = "RLC708"

@@ -413,3 +413,23 @@ def test_group_size_one_needs_a_teacher() -> None:
     teacher = "distill:\n  teachers:\n    - {name: t, model: {name: qwen3-32b, path: /t}}\n"
     with_teacher = check(base + teacher)
     assert [d.severity for d in with_teacher.diagnostics if d.code == "RLC216"] == ["info"] and with_teacher.ok
+
+
+def test_deterministic_true_says_what_it_cannot_repeat() -> None:
+    """RLC219: deterministic kernels cannot make an asynchronous run repeat; the warning points at replay."""
+    base = "name: t\ntarget: a2\nmodel: {name: qwen3-8b, path: /m}\ndata: {train: arithmetic}\n"
+    report = check(base + "algorithm: {deterministic: true, max_staleness: 2}\n")
+    (d,) = [d for d in report.diagnostics if d.code == "RLC219"]
+    assert d.severity == "warning" and d.path == "algorithm.deterministic" and report.ok
+    assert "max_staleness 2" in d.message and "--replay" in d.message and "max_staleness: 0" in d.hint
+    for quiet in ("{deterministic: true, max_staleness: 0}", "{max_staleness: 2}", "{deterministic: false}"):
+        assert "RLC219" not in codes(check(base + f"algorithm: {quiet}\n")), quiet
+    colocated = check(base + "mode: colocated\nalgorithm: {deterministic: true}\n")
+    assert "RLC219" not in codes(colocated)
+
+
+def test_deterministic_takes_true_false_or_auto() -> None:
+    report = check(GOOD + "algorithm: {deterministic: sometimes}\n")
+    d = only(report, "RLC104")
+    assert d.path == "algorithm.deterministic" and "true, false or auto" in d.message and d.line == 6
+    assert len([x for x in report.diagnostics if x.path.startswith("algorithm.deterministic")]) == 1

@@ -54,6 +54,7 @@ DEFAULT_TRAIN_CFG: dict[str, Any] = {
     "packed_attention": "varlen",  # "varlen" (per-sequence kernels) or "mask" (O(L²) CPU reference)
     "temperature": 1.0,  # log-probs are of softmax(logits / T), matching the engines' sampling
     "seed": 0,
+    "deterministic": False,  # torch.use_deterministic_algorithms(True): the plan's reproducibility switch
     "local_rank": 0,  # device index inside this process's visible devices
     "lora": None,  # the plan's lora block (rank, alpha, dropout, target_modules, rollout): train adapters only
 }
@@ -114,6 +115,8 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             )
         self.mesh = build_mesh(self.layout, self.platform, rank)
         torch.manual_seed(int(self.cfg["seed"]))
+        if self.cfg["deterministic"]:
+            torch.use_deterministic_algorithms(True)
 
         self.packing = bool(self.cfg["packing"])
         attn = attn_implementation_for(self.platform, self.packing, self.cfg["packed_attention"], self.layout.cp)
