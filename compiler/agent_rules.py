@@ -1,4 +1,4 @@
-"""Semantic checks of `rollout.agent` (RLC219): settings that contradict each other or the rollout budget.
+"""Semantic checks of `rollout.agent` (RLC220): settings that contradict each other or the rollout budget.
 
 Registered into `rules.RULES` like every other rule (imported at the end of `rules`).
 """
@@ -38,7 +38,7 @@ KNOWN_TOOL_PARSERS: tuple[str, ...] = (
 )
 
 
-@rule("RLC219", "Agent rollouts need settings that fit each other and the rollout budget")
+@rule("RLC220", "Agent rollouts need settings that fit each other and the rollout budget")
 def check_agent(ctx: RuleContext) -> Iterator[Diagnostic]:
     spec = ctx.problem.spec
     agent = spec.rollout.agent
@@ -46,7 +46,7 @@ def check_agent(ctx: RuleContext) -> Iterator[Diagnostic]:
         return
     if spec.mode == "colocated":
         yield ctx.diag(
-            "RLC219",
+            "RLC220",
             "mode",
             "agent rollouts run disaggregated: tools keep running while the trainer steps, which colocated mode "
             "(engines asleep during training) cannot give",
@@ -54,7 +54,7 @@ def check_agent(ctx: RuleContext) -> Iterator[Diagnostic]:
         )
     if agent.max_tokens_per_turn > spec.rollout.max_response_len:
         yield ctx.diag(
-            "RLC219",
+            "RLC220",
             "rollout.agent.max_tokens_per_turn",
             f"a turn of {agent.max_tokens_per_turn} tokens exceeds rollout.max_response_len "
             f"({spec.rollout.max_response_len}), the tokens a whole trajectory may add to its prompt",
@@ -62,7 +62,7 @@ def check_agent(ctx: RuleContext) -> Iterator[Diagnostic]:
         )
     if agent.export == "trajectory" and agent.turn_discount != 1.0:
         yield ctx.diag(
-            "RLC219",
+            "RLC220",
             "rollout.agent.turn_discount",
             f"turn_discount {agent.turn_discount:g} is ignored with export: trajectory (one row per trajectory, "
             "one advantage)",
@@ -73,7 +73,7 @@ def check_agent(ctx: RuleContext) -> Iterator[Diagnostic]:
     if parser is not None and parser not in KNOWN_TOOL_PARSERS:
         close = difflib.get_close_matches(parser, KNOWN_TOOL_PARSERS, n=1)
         yield ctx.diag(
-            "RLC219",
+            "RLC220",
             "rollout.agent.tool_call_parser",
             f"`{parser}` is not a tool-call parser vLLM ships (as of 0.32); the engine refuses to start if its "
             "build lacks it",
@@ -82,7 +82,7 @@ def check_agent(ctx: RuleContext) -> Iterator[Diagnostic]:
         )
     if "reward" in spec.model_fields_set:
         yield ctx.diag(
-            "RLC219",
+            "RLC220",
             "reward.fn",
             f"reward.fn `{spec.reward.fn}` is not called with an agent: the agent's run() returns the reward",
             "score inside the agent (it has the task's answer), and drop the reward block",
@@ -90,7 +90,7 @@ def check_agent(ctx: RuleContext) -> Iterator[Diagnostic]:
         )
     if spec.lora is not None and spec.lora.rollout == "adapter":
         yield ctx.diag(
-            "RLC219",
+            "RLC220",
             "lora.rollout",
             "the agent endpoint serves the policy's merged weights; serving a LoRA adapter to agents is not wired",
             "use `lora.rollout: merged` (or auto, which merges with an agent)",

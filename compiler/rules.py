@@ -622,5 +622,31 @@ def check_unexpanded_paths(ctx: RuleContext) -> Iterator[Diagnostic]:
         )
 
 
+@rule("RLC219", "algorithm.deterministic: true asks for more than the plan can repeat")
+def check_deterministic(ctx: RuleContext) -> Iterator[Diagnostic]:
+    spec, target = ctx.problem.spec, ctx.problem.target
+    if spec.algorithm.deterministic is not True:
+        return
+    staleness = spec.algorithm.max_staleness
+    if spec.mode != "colocated" and staleness > 0:
+        yield ctx.diag(
+            "RLC219",
+            "algorithm.deterministic",
+            f"with max_staleness {staleness} two runs still differ: timing decides which policy version generates "
+            "each sample; deterministic kernels make `rlc run PLAN --replay RUN` repeat a run exactly",
+            "use max_staleness: 0 (or mode: colocated) for runs that repeat by themselves",
+            "warning",
+        )
+    det = target.determinism
+    if not (det.env or det.torch_deterministic):
+        yield ctx.diag(
+            "RLC219",
+            "algorithm.deterministic",
+            f"target {target.id} names no deterministic switches, so its kernels may still vary run to run",
+            "add a `determinism` section to the target profile",
+            "warning",
+        )
+
+
 # Rules of their own modules register on import (after everything above exists).
 from rlc.compiler import agent_rules  # noqa: E402,F401

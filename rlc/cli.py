@@ -178,20 +178,36 @@ def compile_(
 
 @app.command()
 def explain(
-    source: Annotated[Path, typer.Argument(help="A spec file or a plan directory.", show_default=False)],
+    source: Annotated[
+        Path, typer.Argument(help="A spec file, a plan directory or a run directory.", show_default=False)
+    ],
     target: TargetOption = None,
     set_: SetOption = None,
     output_format: Annotated[ExplainFormat, typer.Option("--format", "-f", help="text or json.")] = ExplainFormat.text,
     targets: TargetsOption = None,
     measured: Annotated[
         list[Path] | None,
-        typer.Option("--measured", help="Run directories whose measured step times to show next to the estimate."),
+        typer.Option(
+            "--measured", help="Run directories whose measured step times and memory to show next to the estimate."
+        ),
     ] = None,
 ) -> None:
-    """Show the chosen layout, memory per role, the step-time split and the runners-up."""
+    """Show the chosen layout, memory per role, the step-time split and the runners-up.
+
+    Given a run directory (or --measured runs), what the run measured is shown beside each estimate.
+    """
     from rlc.compiler.explain import explain_json, explain_plan
 
-    if source.is_dir():
+    runs = list(measured or [])
+    if source.is_dir() and not (source / "manifest.json").exists() and (source / "plan.json").is_file():
+        from rlc.schemas.plan import Plan
+
+        try:  # a run directory: the plan it ran, and what it measured
+            plan = Plan.model_validate_json((source / "plan.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise _usage_error(f"cannot read {source / 'plan.json'}: {exc}") from None
+        runs = [source, *runs]
+    elif source.is_dir():
         from rlc.compiler.manifest import load_plan
 
         try:
@@ -201,21 +217,37 @@ def explain(
     else:
         as_json = OutputFormat.json if output_format == ExplainFormat.json else None
         _, plan, _ = _plan_spec(source, target, set_ or [], as_json, targets=targets)
-    shown = None
-    if measured:
-        from rlc.compiler.calibrate import CalibrationError, measured_phases
-
-        try:
-            runs = [measured_phases(d) for d in measured]
-        except CalibrationError as exc:
-            raise _usage_error(str(exc)) from None
-        shown = {k: sum(r[k] for r in runs if k in r) / len(runs) for k in runs[0]}
+    shown, memory = _measured(runs, required=bool(measured))
     if output_format == ExplainFormat.json:
-        typer.echo(explain_json(plan, shown))
+        typer.echo(explain_json(plan, shown, memory))
         return
     from rich.console import Console
 
-    explain_plan(plan, Console(), shown)
+    explain_plan(plan, Console(), shown, memory)
+
+
+def _measured(runs: list[Path], required: bool) -> tuple[dict[str, float] | None, dict[str, dict[str, float]] | None]:
+    """Mean phase times and highest memory peaks over `runs`; a run too short to time is shown without times
+    unless it was asked for with --measured (`required`)."""
+    from rlc.compiler.calibrate import CalibrationError, measured_phases
+    from rlc.compiler.run_memory import MeasuredMemoryError, measured_memory
+
+    times, memory = [], {}
+    for run in runs:
+        try:
+            times.append(measured_phases(run))
+        except CalibrationError as exc:
+            if required:
+                raise _usage_error(str(exc)) from None
+        try:
+            for role, phases in measured_memory(run).items():
+                held = memory.setdefault(role, {})
+                for phase, gib in phases.items():
+                    held[phase] = max(held.get(phase, 0.0), gib)
+        except MeasuredMemoryError:
+            pass  # an older run, or one that stopped before its trainer was built: no memory to show
+    shown = {k: sum(r[k] for r in times if k in r) / len(times) for k in times[0]} if times else None
+    return shown, memory or None
 
 
 @app.command()
@@ -263,6 +295,15 @@ def run(
     allow_modified: Annotated[
         bool, typer.Option("--allow-modified", help="Run a plan whose files no longer match its manifest.")
     ] = False,
+    replay: Annotated[
+        Path | None,
+        typer.Option(
+            "--replay",
+            help="Run again with the requests (prompts, policy versions) and batches recorded in this run "
+            "directory's rollouts.jsonl; writes to --run-dir, by default RUNDIR.replay.",
+            show_default=False,
+        ),
+    ] = None,
     dry_run: Annotated[
         bool,
         typer.Option("--dry-run", help="Print the placement groups, actors, trainer mesh, engines and sync path."),
@@ -279,6 +320,10 @@ def run(
         raise _usage_error(f"{plan_dir} is not a plan directory; create one with `rlc compile SPEC -o {plan_dir}`")
     if resume and overwrite:
         raise _usage_error("--resume continues the earlier run and --overwrite moves it aside: pass one of them")
+    if replay is not None and resume:
+        raise _usage_error("--replay starts a new run from a recorded one; it cannot be combined with --resume")
+    if replay is not None and not (replay / "rollouts.jsonl").is_file():
+        raise _usage_error(f"--replay {replay}: no rollouts.jsonl there; pass the directory of a run rlc recorded")
     report = Report(str(plan_dir))
     report.extend(verify_plan_dir(plan_dir, allow_modified=allow_modified))
     if report.diagnostics:
@@ -314,7 +359,7 @@ def run(
 
     try:
         refuse_gaps(plan)
-        run_plan(plan, run_dir, resume=resume, overwrite=overwrite)
+        run_plan(plan, run_dir, resume=resume, overwrite=overwrite, replay=replay)
     except RuntimeGapError as exc:
         lines = "\n".join(f"    - {gap}" for gap in exc.gaps)
         code = "RLC708"

@@ -35,6 +35,8 @@ from rlc.runtime.host_moves import HostMoves, plan_host_moves, weight_bytes
 from rlc.runtime.metrics import MetricsLogger
 from rlc.runtime.prompts import PromptItem, PromptStream
 from rlc.runtime.rollout.failures import engine_is_dead
+from rlc.runtime.rollout_log import RolloutLog
+from rlc.runtime.seeds import request_seed
 from rlc.runtime.spec_decode import SpecDecodeDelta
 from rlc.runtime.staleness import StalenessGate
 from rlc.runtime.tasks.rewards import RewardGuard
@@ -50,12 +52,15 @@ class Group:
     logprobs: list[list[float]]
     versions: list[int]
     rewards: list[float] = field(default_factory=list)
+    request: int = -1  # the generate request that produced it (RUN/rollouts.jsonl)
 
 
 @dataclass
 class Chunk:
     engine: int
     items: list[PromptItem]
+    id: int = -1  # submission order, as RUN/rollouts.jsonl records it
+    admitted_at: int = 0  # the trainer version when it was admitted
 
 
 class RolloutPool:
@@ -150,6 +155,7 @@ class Controller:
         self.colocated = sched.mode == "colocated"
         staleness = 0 if self.colocated else sched.max_staleness
         self.step = start.step if start else 0
+        self.total_steps = sched.steps  # a replay stops at the last recorded step
         self.version = start.version if start else 0
         self.gate = StalenessGate(sched.batch_samples, staleness, submitted=self.version * sched.batch_samples)
         self.prompts = PromptStream(
@@ -182,6 +188,7 @@ class Controller:
         self._step_started = time.perf_counter()
         self._rollout_tokens = 0
         self.logger = MetricsLogger(run_dir, plan.loggers, plan.schedule.steps, self.step)
+        self.rollout_log = RolloutLog(run_dir, self.step)
         self.scorer = RewardGuard(reward_fn, plan.data.reward, sched.batch_samples, self.logger.message)
         self.phases = PhaseSwitcher(plan, rollout, trainer, self.logger.message)
 
@@ -189,6 +196,7 @@ class Controller:
 
     def _requests(self, items: list[PromptItem]) -> list[dict[str, Any]]:
         s = self.plan.sampling
+        seeded = self.plan.reproducibility.seeded_sampling
         return [
             {
                 "prompt_ids": list(item.prompt_ids),
@@ -197,13 +205,14 @@ class Controller:
                 "top_p": s.top_p,
                 "max_tokens": s.max_response_len,
                 "stop_token_ids": self.eos_ids,
+                "seed": request_seed(self.plan.algorithm.seed, item.cursor) if seeded else None,
             }
             for item in items
         ]
 
     def _submit(self, engine: int, items: list[PromptItem]) -> None:
         ref = self.rollout.engines[engine].generate.remote(self._requests(items))
-        self.inflight[ref] = Chunk(engine, items)
+        self.inflight[ref] = Chunk(engine, items, self.rollout_log.new_id(), self.version)
 
     def _fill(self) -> None:
         """Admit chunks while the staleness bound allows (and, colocated, only between train phases)."""
@@ -246,12 +255,14 @@ class Controller:
                     raise
                 self._engine_died(chunk)
                 continue
+            self._record(chunk, results)
             for item, samples in zip(chunk.items, results, strict=True):
                 group = Group(
                     item,
                     [list(s.output_ids) for s in samples],
                     [list(s.logprobs) for s in samples],
                     [int(s.version) for s in samples],
+                    request=chunk.id,
                 )
                 group.rewards = [
                     self.scorer(self.tokenizer.decode(ids, skip_special_tokens=True), item.answer, prompt=item.prompt)
@@ -260,6 +271,12 @@ class Controller:
                 self._rollout_tokens += sum(len(ids) for ids in group.output_ids)
                 if not self._drop_too_stale(group):
                     self.finished.append(group)
+
+    def _record(self, chunk: Chunk, results: list[Any]) -> None:
+        """Log a finished request with the one version its engine generated it under."""
+        version = min(int(s.version) for samples in results for s in samples)
+        cursors = [item.cursor for item in chunk.items]
+        self.rollout_log.request(chunk.id, cursors, version, chunk.admitted_at, chunk.engine)
 
     def _engine_died(self, chunk: Chunk) -> None:
         """Restart the engine, bring it to the current weights, and re-issue every prompt it held."""
@@ -512,17 +529,17 @@ class Controller:
         self._stop.set()
 
     def run(self) -> int:
-        total = self.plan.schedule.steps
+        total = self.total_steps
         try:
             while self.step < total and not self._stop.is_set():
                 self._fill()
                 self._collect(timeout=0.005 if self._training is not None else 0.05)
-                if self._training is None and len(self.finished) >= self.batch_prompts:
-                    self.finished.sort(key=lambda g: g.item.cursor)
-                    groups, self.finished = self.finished[: self.batch_prompts], self.finished[self.batch_prompts :]
+                groups = self._next_batch() if self._training is None else None
+                if groups is not None:
                     rollout_wait = time.perf_counter() - self._step_started
                     self._training = self._trainer_thread.submit(self._train_and_sync, groups)
                     self._training.rollout_wait = rollout_wait  # type: ignore[attr-defined]
+                    self._training.groups = [(g.request, g.item.cursor) for g in groups]  # type: ignore[attr-defined]
                 if self._training is not None and self._training.done():
                     self._finish_step(self._training)
                     self._training = None
@@ -531,10 +548,20 @@ class Controller:
             if self._training is not None:
                 self._training.cancel()
 
+    def _next_batch(self) -> list[Group] | None:
+        """The next step's groups once enough have finished: the oldest prompts first, whichever engine
+        finished first (with max_staleness 0 exactly the batch admitted for this version)."""
+        if len(self.finished) < self.batch_prompts:
+            return None
+        self.finished.sort(key=lambda g: (g.item.cursor, g.request))
+        groups, self.finished = self.finished[: self.batch_prompts], self.finished[self.batch_prompts :]
+        return groups
+
     def _finish_step(self, future: Future) -> None:
         stats = future.result()
         self.version += 1
         self.step += 1
+        self.rollout_log.batch(self.step, future.groups)  # type: ignore[attr-defined]
         now = time.perf_counter()
         step_s = now - self._step_started
         metrics = {
@@ -552,7 +579,7 @@ class Controller:
         self._rollout_tokens = 0
         self.logger.log(metrics)
         every = self.plan.schedule.checkpoint_every
-        if self.step % every == 0 or self.step == self.plan.schedule.steps:
+        if self.step % every == 0 or self.step == self.total_steps:
             self._trainer_thread.submit(self._checkpoint).result()
 
     def _spec_decode_metrics(self) -> dict[str, float]:
@@ -575,6 +602,7 @@ class Controller:
             except Exception as exc:  # the trainer is gone: say what is left behind
                 self.logger.message(f"could not remove {folder} ({type(exc).__name__}); delete it by hand")
         self.logger.close()
+        self.rollout_log.close()
         self._trainer_thread.shutdown(wait=False, cancel_futures=True)
 
 

@@ -61,10 +61,10 @@ def _merge_adapter(run: Path, adapter: Path, out: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rlc.runtime.train.trainer import _copy_tokenizer
+    from rlc.runtime.train.weights_out import copy_tokenizer_files
 
     base_path = _base_model_path(run)
     base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     merged.save_pretrained(str(out))
-    _copy_tokenizer(str(base_path), out)
+    copy_tokenizer_files(str(base_path), out)

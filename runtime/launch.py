@@ -163,6 +163,7 @@ def train_config(plan: Plan, role: Role) -> dict[str, Any]:
         "max_grad_norm": plan.algorithm.grad_clip,
         "temperature": plan.sampling.temperature,
         "seed": plan.algorithm.seed,
+        "deterministic": plan.reproducibility.torch_deterministic,
         **{k: v for k, v in role.engine.items() if k in ("logprob_chunk_tokens", "packing", "packed_attention")},
         "lora": plan.lora.model_dump() if plan.lora else None,
     }
@@ -365,6 +366,32 @@ def _run_controller(controller: Any, run_dir: Path) -> int:
         ) from None
 
 
+def _write_run_record(run_dir: Path, plan: Plan, trainer: Any, pool: Any, replay: Path | None, log) -> None:  # type: ignore[no-untyped-def]
+    """RUN/reproducibility.json; a run never fails for want of it."""
+    from rlc.runtime.run_record import gather_processes, write_record
+
+    try:
+        processes = gather_processes(trainer, pool.engines)
+    except Exception as exc:  # an actor that cannot answer: the record says so
+        processes = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+    write_record(run_dir, plan, processes, replay)
+    if not plan.reproducibility.deterministic:
+        log("runs of this plan may differ: " + "; ".join(plan.reproducibility.reasons))
+
+
+def _finish_run_record(run_dir: Path, replay: Path | None, log) -> None:  # type: ignore[no-untyped-def]
+    from rlc.runtime.run_record import finish_record
+
+    record = finish_record(run_dir, replay)
+    found = record.get("replay")
+    if found:
+        if found["first_difference"] is None:
+            keys = ", ".join(found["compared"])
+            log(f"replay: every one of {found['steps']} step(s) equals the recorded run ({keys})")
+        else:
+            log(f"replay: differs from the recorded run from step {found['first_difference']} on")
+
+
 def _write_report(run_dir: Path, log) -> None:  # type: ignore[no-untyped-def]
     """The run's HTML report; a run never fails for want of it."""
     from rlc.runtime.report import write_report
@@ -379,18 +406,56 @@ def _write_report(run_dir: Path, log) -> None:  # type: ignore[no-untyped-def]
         log(f"report: {written.html}")
 
 
-def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False, overwrite: bool = False) -> int:
+def _replay_schedule(plan: Plan, recorded: Path, run_dir: Path, resume: bool) -> Any:
+    """The recorded run's schedule, once it is certain this plan made that run and the replay goes elsewhere."""
+    from rlc.runtime.rollout_log import ReplaySchedule
+
+    if resume:
+        raise RunUsageError("--replay starts a new run from a recorded one; it cannot be combined with --resume")
+    if plan.agent is not None:
+        raise RunUsageError(
+            "--replay feeds back recorded prompts and batches; agent rollouts depend on their tools and are not "
+            "replayed yet (rollout.agent)"
+        )
+    if run_dir.resolve() == recorded.resolve():
+        raise RunUsageError(f"--replay reads {recorded}; write the replay to another directory with --run-dir")
+    try:
+        made_by = json.loads((recorded / "plan.json").read_text())["spec_hash"]
+    except (OSError, ValueError, KeyError):
+        raise RunError(f"--replay: {recorded} is not a run directory (no readable plan.json)") from None
+    if made_by != plan.spec_hash:
+        raise RunError(
+            f"--replay: {recorded} was made by another plan (spec hash {made_by[:12]}, this plan "
+            f"{plan.spec_hash[:12]}); replay it with the plan that made it"
+        )
+    if not plan.reproducibility.seeded_sampling:
+        raise RunError("--replay: this plan does not seed its sampling (compiled by an older rlc); recompile it")
+    return ReplaySchedule.load(recorded, plan.schedule.batch_prompts)
+
+
+def run_plan(
+    plan: Plan,
+    run_dir: Path | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    replay: Path | None = None,
+) -> int:
     """Execute a verified plan; returns the number of steps trained in total.
 
     Without `resume`, a run directory holding an earlier run is refused (`RunUsageError`) unless
-    `overwrite`, which moves that run aside to `RUN.old-N/`.
+    `overwrite`, which moves that run aside to `RUN.old-N/`. With `replay` (a run directory this plan
+    made), the recorded requests and batches are fed back (`runtime/replay.py`) into `run_dir`, by default
+    `RUN.replay`.
     """
     from rlc.runtime.checkpoint import latest_checkpoint
 
     refuse_gaps(plan)
+    if replay is not None and run_dir is None:
+        run_dir = Path(f"{Path(replay)}.replay")
     run_dir = Path(run_dir or plan.run_dir)
     log = lambda text: print(f"rlc: {text}", flush=True)  # noqa: E731
     start = None
+    schedule = _replay_schedule(plan, Path(replay), run_dir, resume) if replay is not None else None
     model_path, _ = _preflight(plan, run_dir, resume, overwrite, log)
     if resume:
         found = latest_checkpoint(run_dir)
@@ -430,6 +495,7 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False, over
             raise RunError("the trainer did not build the plan's layout: " + "; ".join(mismatches))
         write_layout_record(run_dir, plan, trainer.built_layouts())
         log(f"trainer layout as planned: {plan.roles_of('train')[0].layout.summary()}")  # type: ignore[union-attr]
+        _write_run_record(run_dir, plan, trainer, pool, replay, log)
         if plan.agent is not None:
             from rlc.runtime.agent.controller import AgentController
             from rlc.runtime.agent.launch import build_runners
@@ -438,6 +504,11 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False, over
             controller = AgentController(
                 plan, run_dir, tokenizer, reward_fn, pool, trainer, runners=runners.actors, start=start
             )
+        elif schedule is not None:
+            from rlc.runtime.replay import ReplayController
+
+            log(f"replaying {schedule.steps} recorded step(s) of {replay}")
+            controller = ReplayController(plan, run_dir, tokenizer, reward_fn, pool, trainer, schedule=schedule)
         else:
             controller = Controller(plan, run_dir, tokenizer, reward_fn, pool, trainer, start=start)
         try:
@@ -461,6 +532,7 @@ def run_plan(plan: Plan, run_dir: Path | None = None, resume: bool = False, over
         signal.signal(signal.SIGINT, interrupt)
         steps = _run_controller(controller, run_dir)
         log(f"done: {steps} step(s); metrics in {run_dir / 'metrics.jsonl'}")
+        _finish_run_record(run_dir, replay, log)
         _write_report(run_dir, log)
         return steps
     finally:

@@ -207,6 +207,38 @@ class AgentSettings(PlanModel):
     options: dict[str, str | int | float | bool] = Field(default_factory=dict, description="The agent's `llm.options`.")
 
 
+class Reproducibility(PlanModel):
+    """Whether two runs of this plan are expected to give the same per-step metrics, and what the compiler
+    turned on for it. A plan compiled before rlc recorded this says it does not know."""
+
+    deterministic: bool = Field(
+        False,
+        description="Two runs of this plan (same seed, software and hardware) give identical per-step metrics.",
+    )
+    reasons: list[str] = Field(
+        default_factory=lambda: ["the plan was compiled before rlc recorded reproducibility"],
+        description="Why runs of this plan may differ; empty when `deterministic`.",
+    )
+    seeded_sampling: bool = Field(
+        False,
+        description="Every rollout request carries a vLLM seed derived from (algorithm.seed, prompt cursor); sample "
+        "i of a group draws from seed + i, so samples do not depend on batching or timing.",
+    )
+    deterministic_kernels: bool = Field(
+        False, description="The target's deterministic switches are on (their environment is in `env`)."
+    )
+    torch_deterministic: bool = Field(False, description="Trainer ranks call torch.use_deterministic_algorithms(True).")
+    switches: dict[str, str] = Field(
+        default_factory=dict, description="The environment entries of `env` that are deterministic switches."
+    )
+    cost: str = Field("", description="What the deterministic switches cost in step time, and the source.")
+    replay_log: bool = Field(
+        False,
+        description="The run records each generate request (prompts, policy version) and each batch in "
+        "RUN/rollouts.jsonl, which `rlc run PLAN --replay RUN` feeds back.",
+    )
+
+
 class Estimates(PlanModel):
     step_time_s: float
     rollout_s: float
@@ -261,6 +293,9 @@ class Plan(PlanModel):
     loggers: list[str]
     env: dict[str, str] = Field(default_factory=dict, description="Environment for every process.")
     estimates: Estimates
+    reproducibility: Reproducibility = Field(
+        default_factory=Reproducibility, description="Whether runs of this plan are expected to repeat exactly."
+    )
     runners_up: list[Candidate] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
     runtime_gaps: list[str] = Field(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TargetName = Literal["a2", "a2-32g", "a3", "cpu", "h100", "h800", "h20", "a800"]
 TARGET_NAMES: tuple[str, ...] = TargetName.__args__  # type: ignore[attr-defined]
@@ -158,6 +158,20 @@ class Algorithm(StrictModel):
     grad_clip: float = Field(1.0, gt=0.0, le=1e6, description="Global gradient-norm clip.")
     steps: Steps = Field(200, description="Training steps (policy updates).")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for data order, sampling and initialisation.")
+    deterministic: Literal["auto"] | bool = Field(
+        "auto",
+        description="Turn on the platform's deterministic kernels (torch.use_deterministic_algorithms, "
+        "HCCL_DETERMINISTIC, vLLM batch invariance) so that two runs of a colocated or max_staleness 0 plan "
+        "give the same per-step metrics. auto: on where they cost nothing measurable (the cpu target), off "
+        "on accelerators, where they slow training and rollout. Sampling is always seeded per request.",
+    )
+
+    @field_validator("deterministic", mode="before")
+    @classmethod
+    def _true_false_or_auto(cls, value: object) -> object:
+        if value == "auto" or isinstance(value, bool):
+            return value
+        raise ValueError("expected true, false or auto")
 
 
 class Data(StrictModel):

@@ -60,6 +60,32 @@ class Efficiency(BaseModel):
     )
 
 
+class Determinism(BaseModel):
+    """The platform's switches that make kernels give the same result run after run, and what they cost.
+
+    `rlc compile` puts `env` into the plan's environment and has trainer ranks call
+    `torch.use_deterministic_algorithms(True)` when a plan turns deterministic kernels on (the spec's
+    `algorithm.deterministic`, or `auto` where `auto_on` says they are free).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment for every process while deterministic kernels are on."
+    )
+    torch_deterministic: bool = Field(
+        False, description="Trainer ranks call torch.use_deterministic_algorithms(True) (warn_only=False)."
+    )
+    auto_on: bool = Field(False, description="`algorithm.deterministic: auto` turns the switches on here.")
+    cost: str = Field(
+        "unknown: this profile names no deterministic switches",
+        description="What the switches cost in step time and where that figure comes from.",
+    )
+    caveats: list[str] = Field(
+        default_factory=list, description="What the switches need or do not cover on this target."
+    )
+
+
 class TargetProfile(BaseModel):
     """One hardware target: a device and the node it sits in."""
 
@@ -147,6 +173,9 @@ class TargetProfile(BaseModel):
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Default runtime environment for every process on this target; plans may override entries.",
+    )
+    determinism: Determinism = Field(
+        default_factory=Determinism, description="Deterministic-kernel switches and their cost on this target."
     )
     sources: dict[str, str] = Field(
         default_factory=dict,

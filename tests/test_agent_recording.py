@@ -51,7 +51,9 @@ class Engine:
     async def generate(self, prompt: Any, params: Params, request_id: str, **_: Any):  # type: ignore[no-untyped-def]
         self.seen.append((request_id, params.logprobs))
         spans = [Span("3", 0, 2), Span("4", 2, 3)]
-        comp = Completion([7, 8, 2], [{7: Logprob(-0.1)}, {8: Logprob(-0.2)}, {2: Logprob(-0.3)}], self.finish_reason, spans)
+        comp = Completion(
+            [7, 8, 2], [{7: Logprob(-0.1)}, {8: Logprob(-0.2)}, {2: Logprob(-0.3)}], self.finish_reason, spans
+        )
         yield Output([1, 5, 6], [comp])
 
 

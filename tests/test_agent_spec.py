@@ -62,7 +62,7 @@ def test_agent_keys_get_did_you_mean_and_ranges() -> None:
 
 def test_agent_rule_warnings() -> None:
     report = check(BASE + "    turn_discount: 0.9\n    tool_call_parser: hermez\n")
-    found = {d.path: d for d in report.diagnostics if d.code == "RLC219"}
+    found = {d.path: d for d in report.diagnostics if d.code == "RLC220"}
     assert found["rollout.agent.turn_discount"].severity == "warning"
     assert "did you mean `hermes`" in found["rollout.agent.tool_call_parser"].hint
     assert report.ok
@@ -70,7 +70,7 @@ def test_agent_rule_warnings() -> None:
 
 def test_agent_with_a_lora_adapter_is_refused_but_auto_merges() -> None:
     report = check(BASE + "lora: {rank: 8, rollout: adapter}\n")
-    assert [d.path for d in report.errors if d.code == "RLC219"] == ["lora.rollout"]
+    assert [d.path for d in report.errors if d.code == "RLC220"] == ["lora.rollout"]
     assert check(BASE + "lora: {rank: 8}\n").ok
 
 
@@ -133,4 +133,4 @@ def test_format_2_plans_without_agent_fields_still_load(tmp_path: Path) -> None:
 @pytest.mark.parametrize("mode", ["colocated"])
 def test_an_agent_cannot_be_colocated(mode: str) -> None:
     report = check(BASE + f"mode: {mode}\n")
-    assert [d.path for d in report.errors if d.code == "RLC219"] == ["mode"]
+    assert [d.path for d in report.errors if d.code == "RLC220"] == ["mode"]

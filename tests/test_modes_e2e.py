@@ -44,6 +44,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def run(plan_dir: Path, run_dir: Path, patch=None) -> list[dict]:  # type: ignore[no-untyped-def]
+    from layout_record import assert_layout_as_planned
+
     from rlc.compiler.manifest import load_plan
     from rlc.runtime.launch import run_plan
 
@@ -53,6 +55,7 @@ def run(plan_dir: Path, run_dir: Path, patch=None) -> list[dict]:  # type: ignor
     steps = run_plan(plan, run_dir)
     rows = read_metrics(run_dir)
     assert steps == plan.schedule.steps == len(rows)
+    assert_layout_as_planned(run_dir, plan)  # the trainer built exactly the plan's layout
     return rows
 
 
@@ -86,7 +89,8 @@ def test_colocated_is_strictly_on_policy(tmp_path: Path, capsys: pytest.CaptureF
     assert all(r["logprob_gap/max"] < 1e-3 for r in rows)  # engines hold exactly the trainer's weights
     out = capsys.readouterr().out
     assert "sleep mode is not supported" in out
-    assert "colocated weight moves go through /dev/shm (every engine shares trainer rank 0's node)" in out
+    # One node: trainer rank 0 writes into its node's /dev/shm for the one engine.
+    assert "colocated weight moves through host memory: rank 0 → engine(s) 0 via /dev/shm/rlc-" in out
 
 
 def _sha256(path: Path) -> str:

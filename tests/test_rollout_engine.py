@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlc.compiler.planner import CPU_ENGINE_ARGS
 from rlc.runtime.platform import get_platform
 from rlc.runtime.rollout.weight_sync import (
     iter_safetensors,
@@ -85,8 +86,9 @@ def engine(ray_cluster, tiny_model_dir: Path):
         "enable_prefix_caching": True,
         "seed": 0,
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        **CPU_ENGINE_ARGS,  # as cpu plans run engines
     }
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     actor = rollout_engine_actor(num_cpus=1, runtime_env={"env_vars": env}).remote(args, "cpu")
     t0 = time.perf_counter()
     startup = ray_cluster.get(actor.ready.remote())

@@ -70,6 +70,11 @@ def test_interrupt_then_resume_continues_numbering(tmp_path: Path) -> None:
         assert all(key in r for r in rows), f"missing {key}"
     assert all(r["staleness/max"] <= 1 for r in rows)  # the quickstart's max_staleness
     assert (run_dir / "tensorboard").is_dir()
+    from layout_record import assert_layout_as_planned
+
+    from rlc.compiler.manifest import load_plan
+
+    assert_layout_as_planned(run_dir, load_plan(plan))
     assert "report: " in result.stdout and (run_dir / "report" / "reward.png").is_file()  # written at the end
 
 

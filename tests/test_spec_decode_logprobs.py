@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlc.compiler.planner import CPU_ENGINE_ARGS
+
 pytestmark = pytest.mark.slow
 
 TOL = 1e-4
@@ -38,9 +40,11 @@ def spec_engine(tiny_model_dir: Path):
             "prompt_lookup_min": 1,
             "prompt_lookup_max": 4,
         },
+        **CPU_ENGINE_ARGS,  # as cpu plans run engines
     }
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         engine = RolloutEngine(args, "cpu")
         yield engine
         engine.shutdown()

@@ -416,7 +416,27 @@ def test_group_size_one_needs_a_teacher() -> None:
 
 
 def test_rule_agent_settings() -> None:
-    """RLC219 (more in test_agent_spec.py): an agent cannot run colocated, nor take more per turn than the budget."""
+    """RLC220 (more in test_agent_spec.py): an agent cannot run colocated, nor take more per turn than the budget."""
     agent = "rollout: {max_response_len: 64, agent: {run: 'a.b:run', max_tokens_per_turn: 128}}\nmode: colocated\n"
-    found = {d.path for d in check(GOOD + agent).errors if d.code == "RLC219"}
+    found = {d.path for d in check(GOOD + agent).errors if d.code == "RLC220"}
     assert found == {"mode", "rollout.agent.max_tokens_per_turn"}
+
+
+def test_deterministic_true_says_what_it_cannot_repeat() -> None:
+    """RLC219: deterministic kernels cannot make an asynchronous run repeat; the warning points at replay."""
+    base = "name: t\ntarget: a2\nmodel: {name: qwen3-8b, path: /m}\ndata: {train: arithmetic}\n"
+    report = check(base + "algorithm: {deterministic: true, max_staleness: 2}\n")
+    (d,) = [d for d in report.diagnostics if d.code == "RLC219"]
+    assert d.severity == "warning" and d.path == "algorithm.deterministic" and report.ok
+    assert "max_staleness 2" in d.message and "--replay" in d.message and "max_staleness: 0" in d.hint
+    for quiet in ("{deterministic: true, max_staleness: 0}", "{max_staleness: 2}", "{deterministic: false}"):
+        assert "RLC219" not in codes(check(base + f"algorithm: {quiet}\n")), quiet
+    colocated = check(base + "mode: colocated\nalgorithm: {deterministic: true}\n")
+    assert "RLC219" not in codes(colocated)
+
+
+def test_deterministic_takes_true_false_or_auto() -> None:
+    report = check(GOOD + "algorithm: {deterministic: sometimes}\n")
+    d = only(report, "RLC104")
+    assert d.path == "algorithm.deterministic" and "true, false or auto" in d.message and d.line == 6
+    assert len([x for x in report.diagnostics if x.path.startswith("algorithm.deterministic")]) == 1

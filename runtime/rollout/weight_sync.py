@@ -146,6 +146,12 @@ class WeightSyncExtension:
     ``self.device`` and ``self.rank`` are the worker's. It must not define ``__init__``.
     """
 
+    def process_facts(self) -> dict:
+        """This worker's threads and determinism settings, for RUN/reproducibility.json."""
+        from rlc.runtime.run_record import process_facts
+
+        return process_facts()
+
     def load_from_safetensors(self, path: str) -> int:
         """Reload every weight from a safetensors file or directory; returns the tensor count."""
         count = 0

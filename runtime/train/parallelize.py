@@ -26,7 +26,7 @@ from rlc.schemas.layout import TrainLayout
 
 from ..platform import Platform
 
-__all__ = ["TrainerMesh", "apply_layout", "build_mesh", "describe_built", "sum_partial_grads"]
+__all__ = ["TrainerMesh", "apply_layout", "build_mesh", "decoder_layers", "describe_built", "sum_partial_grads"]
 
 #: Column-wise (output-split) and row-wise (input-split) projections of a Qwen/Llama decoder layer.
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -72,7 +72,7 @@ def build_mesh(layout: TrainLayout, platform: Platform, rank: int) -> TrainerMes
     return TrainerMesh(layout, world, shard, layout.coordinates(rank))
 
 
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
     if layers is None:
@@ -91,7 +91,7 @@ def _apply_tensor_parallel(model: torch.nn.Module, mesh: TrainerMesh) -> set[str
         raise ValueError(
             f"tensor parallel {tp} needs the {cfg.num_attention_heads} attention heads and {kv} KV heads divisible"
         )
-    for layer in _decoder_layers(model):
+    for layer in decoder_layers(model):
         plan: dict[str, Any] = {name: ColwiseParallel() for name in COLWISE}
         plan.update({name: RowwiseParallel() for name in ROWWISE})
         parallelize_module(layer, mesh.tp_mesh, plan)
@@ -123,7 +123,7 @@ def apply_layout(model: torch.nn.Module, mesh: TrainerMesh, platform: Platform) 
     )
     # pin_memory needs an accelerator; on cpu the host *is* the device.
     offload = CPUOffloadPolicy(pin_memory=platform.name != "cpu") if layout.offload_params else OffloadPolicy()
-    for layer in _decoder_layers(model):
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh.shard, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh.shard, mp_policy=mp, offload_policy=offload)
     # FSDP2 replaced the parameters with sharded ones: look the partial ones up again by name.
@@ -177,9 +177,10 @@ def describe_built(
     """Read the layout back from the objects: mesh, a projection's placements, FSDP policies, checkpointing.
 
     `compute_dtype_seen` is the dtype a decoder layer's weight had during a forward (the all-gathered copy);
-    None means no forward has run yet, and the FSDP policy's dtype is reported instead.
+    None means no forward has run yet, and the FSDP policy's dtype is reported instead. `offload_optimizer`:
+    whether the optimizer keeps its moments in host memory between steps.
     """
-    layer = _decoder_layers(model)[0]
+    layer = decoder_layers(model)[0]
     weight = layer.get_submodule("self_attn.q_proj").weight
     placements = getattr(weight, "placements", ())
     weight_mesh = getattr(weight, "device_mesh", None)
@@ -204,7 +205,8 @@ def describe_built(
         reduce_dtype=_dtype_name(mp.reduce_dtype or weight.dtype),
         recompute="full" if getattr(layer, "gradient_checkpointing", False) else "none",
         offload_params=isinstance(offload, CPUOffloadPolicy),
-        offload_optimizer=offload_optimizer,
+        # Moments follow parameters that FSDP2 keeps on the host; otherwise the optimizer keeps them there.
+        offload_optimizer=offload_optimizer or isinstance(offload, CPUOffloadPolicy),
         attention=str(model.config._attn_implementation),
         extra={"q_proj_placements": [str(p) for p in placements]},
     )

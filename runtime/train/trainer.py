@@ -35,7 +35,7 @@ from .memory_probe import PeakMemory, measured
 from .micro_batches import MicroBatch, MicroBatcher
 from .optimizer import UnitOptimizer, clip_grad_norm
 from .packed_forward import LOGPROB_METHOD, attn_implementation_for, install_logprob_forward, pack_rank_sequences
-from .parallelize import apply_layout, build_mesh, describe_built, sum_partial_grads
+from .parallelize import apply_layout, build_mesh, decoder_layers, describe_built, sum_partial_grads
 from .phases import PhaseMoves
 from .weights_out import WeightExport
 
@@ -54,6 +54,7 @@ DEFAULT_TRAIN_CFG: dict[str, Any] = {
     "packed_attention": "varlen",  # "varlen" (per-sequence kernels) or "mask" (O(L²) CPU reference)
     "temperature": 1.0,  # log-probs are of softmax(logits / T), matching the engines' sampling
     "seed": 0,
+    "deterministic": False,  # torch.use_deterministic_algorithms(True): the plan's reproducibility switch
     "local_rank": 0,  # device index inside this process's visible devices
     "lora": None,  # the plan's lora block (rank, alpha, dropout, target_modules, rollout): train adapters only
 }
@@ -114,6 +115,8 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             )
         self.mesh = build_mesh(self.layout, self.platform, rank)
         torch.manual_seed(int(self.cfg["seed"]))
+        if self.cfg["deterministic"]:
+            torch.use_deterministic_algorithms(True)
 
         self.packing = bool(self.cfg["packing"])
         attn = attn_implementation_for(self.platform, self.packing, self.cfg["packed_attention"], self.layout.cp)
@@ -162,7 +165,8 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             eps=float(self.cfg["eps"]),
             weight_decay=float(self.cfg["weight_decay"]),
             device=self.device,
-            offload=self.layout.offload_optimizer,
+            # With parameter offload the parameters, and so the moments, already live on the host.
+            offload=self.layout.offload_optimizer and not self.layout.offload_params,
         )
         self.step = 0
         self._offloaded: set[str] = set()
@@ -176,7 +180,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
 
     def _watch_compute_dtype(self) -> None:
         """Record the dtype of a projection weight while a forward runs: FSDP2's all-gathered compute copy."""
-        proj = _decoder_layers(self.model)[0].get_submodule("mlp.down_proj")
+        proj = decoder_layers(self.model)[0].get_submodule("mlp.down_proj")
 
         def seen(module: torch.nn.Module, args: Any) -> None:
             weight = module.weight
@@ -428,19 +432,11 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             dist.destroy_process_group()
 
 
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"cannot find decoder layers on {type(model).__name__}")
-    return list(layers)
-
-
 def _fsdp_units(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
     """Trainable parameters per FSDP unit: each decoder layer, then the root's rest (embeddings, norm, head)."""
     seen: set[int] = set()
     units = []
-    for layer in _decoder_layers(model):
+    for layer in decoder_layers(model):
         params = [p for p in layer.parameters() if p.requires_grad and id(p) not in seen]
         seen.update(id(p) for p in params)
         units.append(params)

@@ -97,7 +97,7 @@ class WeightExport:
         out = Path(out_dir)
         path = write_safetensors(sd, out)
         self.model.config.save_pretrained(out)
-        _copy_tokenizer(self.model_path, out)
+        copy_tokenizer_files(self.model_path, out)
         return str(path)
 
     @measured("sync")
@@ -148,7 +148,7 @@ class WeightExport:
         self._sender, self._sender_key = None, None
 
 
-def _copy_tokenizer(src: str, dst: Path) -> None:
+def copy_tokenizer_files(src: str, dst: Path) -> None:
     """Copy tokenizer and generation files so ``dst`` is a complete model folder for vLLM."""
     for name in os.listdir(src):
         if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config", "chat_template")):
