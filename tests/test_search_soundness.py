@@ -61,9 +61,12 @@ SLOW_GRID = [
     for model in ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "qwen2.5-72b")
     for target in ("a2", "a3")
     for nodes in (3, 8, 32)
+    # Left out here and for DeepSeek-V3 on 128 A3 nodes: their exhaustive searches take 3.5 minutes together on
+    # two cores; the other 235B and DeepSeek-V3 cases cover MoE layouts on large clusters.
+    if not (model == "qwen3-30b-a3b" and nodes == 32)
 ]
 SLOW_GRID += [("qwen3-235b-a22b", "a3", n) for n in range(8, 21)] + [
-    ("deepseek-v3", target, n) for target in ("a3", "a2") for n in (16, 32, 64, 128)
+    ("deepseek-v3", target, n) for target in ("a3", "a2") for n in (16, 32, 64, 128) if (target, n) != ("a3", 128)
 ]
 
 
