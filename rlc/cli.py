@@ -320,8 +320,6 @@ def run(
         raise _usage_error(f"{plan_dir} is not a plan directory; create one with `rlc compile SPEC -o {plan_dir}`")
     if resume and overwrite:
         raise _usage_error("--resume continues the earlier run and --overwrite moves it aside: pass one of them")
-    if replay is not None and resume:
-        raise _usage_error("--replay starts a new run from a recorded one; it cannot be combined with --resume")
     if replay is not None and not (replay / "rollouts.jsonl").is_file():
         raise _usage_error(f"--replay {replay}: no rollouts.jsonl there; pass the directory of a run rlc recorded")
     report = Report(str(plan_dir))

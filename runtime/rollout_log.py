@@ -24,9 +24,24 @@ from typing import Any, TextIO
 
 from rlc.runtime.errors import RunError
 
-__all__ = ["LOG_FILE", "RecordedRequest", "ReplaySchedule", "RolloutLog"]
+__all__ = ["LOG_FILE", "RecordedRequest", "ReplaySchedule", "RolloutLog", "read_lines"]
 
 LOG_FILE = "rollouts.jsonl"
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    """The log's lines; a torn last line (the run was killed mid-write) is left out, any other bad line is an
+    error that names it."""
+    raw = [line for line in path.read_text().splitlines() if line.strip()]
+    lines: list[dict[str, Any]] = []
+    for number, line in enumerate(raw, 1):
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            if number == len(raw):
+                break
+            raise RunError(f"{path}:{number}: not a JSON line; the rollout log was edited or damaged") from None
+    return lines
 
 
 class RolloutLog:
@@ -46,7 +61,7 @@ class RolloutLog:
 
         Requests in flight or unused at the checkpoint are generated again after the resume, under new ids.
         """
-        lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        lines = read_lines(self.path)
         batches = [x for x in lines if x.get("kind") == "batch" and x["step"] <= step]
         used = {request for x in batches for request, _ in x["groups"]}
         kept = [x for x in lines if x in batches or (x.get("kind") == "request" and x["id"] in used)]

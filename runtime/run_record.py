@@ -16,7 +16,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from rlc.runtime.rollout_log import LOG_FILE
+from rlc.runtime.errors import RunError, RunUsageError
+from rlc.runtime.report import read_metrics
+from rlc.runtime.rollout_log import LOG_FILE, read_lines
 from rlc.schemas.plan import Plan
 
 __all__ = ["RECORD_FILE", "compare_metrics", "finish_record", "gather_processes", "process_facts", "write_record"]
@@ -97,7 +99,7 @@ def _rollout_summary(path: Path) -> dict[str, Any]:
     """Requests run, and trained prompts by lag (trainer version minus the version that generated them)."""
     if not path.is_file():
         return {}
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    lines = read_lines(path)
     versions = {x["id"]: x["version"] for x in lines if x["kind"] == "request"}
     lags: dict[str, int] = {}
     for batch in (x for x in lines if x["kind"] == "batch"):
@@ -121,10 +123,11 @@ def compare_metrics(recorded: Path, replayed: Path) -> dict[str, Any]:
 
 
 def _metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    """Step -> metrics row; none for a run that logged no step."""
+    try:
+        rows = read_metrics(run_dir)
+    except (RunError, RunUsageError):
         return {}
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     return {int(r["step"]): r for r in rows}
 
 
