@@ -424,7 +424,11 @@ class Controller:
             except (RayActorError, RayTaskError) as exc:
                 if attempt == attempts:
                     raise
-                self.logger.message(f"weight sync failed ({type(exc).__name__}); reviving engines and retrying")
+                cause = getattr(exc, "cause", None) or exc
+                why = next((line for line in str(cause).splitlines() if line.strip()), "")
+                self.logger.message(
+                    f"weight sync failed ({type(cause).__name__}: {why[:200]}); reviving engines and retrying"
+                )
                 self._sync_group = None
                 with contextlib.suppress(Exception):  # the sender's group may already be broken
                     self.trainer.close_weight_sync()

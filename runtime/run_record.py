@@ -9,6 +9,7 @@ with what varied: how many generate requests ran and how stale the trained sampl
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import platform
@@ -49,6 +50,9 @@ def _engine_facts(engine: Any) -> dict[str, Any]:
         workers: Any = engine.llm.collective_rpc("process_facts")
     except Exception as exc:  # a custom worker extension without the method
         workers = f"unavailable ({type(exc).__name__})"
+    if inspect.iscoroutine(workers):  # a served engine's AsyncLLM, whose event loop this call would block
+        workers.close()
+        workers = "unavailable (served engine)"
     return {"actor": process_facts(), "workers": workers}
 
 
@@ -104,6 +108,8 @@ def _rollout_summary(path: Path) -> dict[str, Any]:
     lags: dict[str, int] = {}
     for batch in (x for x in lines if x["kind"] == "batch"):
         for request, _ in batch["groups"]:
+            if request not in versions:  # agent trajectories come from no generate request
+                continue
             lag = str(batch["step"] - 1 - versions[request])
             lags[lag] = lags.get(lag, 0) + 1
     return {"requests": len(versions), "trained_prompts_by_lag": dict(sorted(lags.items()))}

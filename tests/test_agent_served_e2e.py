@@ -4,7 +4,7 @@ One engine (the calculator model) serves every test here: the chat endpoint's la
 record (the response's ids equal the recorded ones; the engine's log-probs equal the trainer model's), an agent
 that is a separate OS process using only `openai`, a weight update during a long in-flight call (the call
 completes and each token carries the version that sampled it), agents that fail in every way (bounded, counted),
-and mini-swe-agent on the `local` environment (skipped when it is not installed).
+and mini-swe-agent (a dev dependency) on the `local` environment.
 """
 
 from __future__ import annotations
@@ -179,7 +179,6 @@ def test_failing_agents_are_bounded_and_named(ray_cluster, served, fn: str, stat
 
 
 def test_mini_swe_agent_runs_against_the_endpoint(ray_cluster, served, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    pytest.importorskip("minisweagent")
     from rlc.runtime.agent.runner import agent_runner_actor
 
     repo = tmp_path / "repo"

@@ -61,6 +61,7 @@ class AgentGroup:
     trajectories: list[Trajectory] = field(default_factory=list)
     timeouts: int = 0  # trajectories dropped and re-issued
     errors: int = 0  # trajectories scored 0 because the agent failed
+    request: int = -1  # no generate request made it (RUN/rollouts.jsonl's batch records take the cursor)
 
     @property
     def rewards(self) -> list[float]:

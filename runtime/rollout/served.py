@@ -33,6 +33,8 @@ __all__ = ["ServedEngine", "served_engine_actor"]
 
 #: Seconds a weight update may keep generation paused before it is reported as stuck.
 UPDATE_TIMEOUT_S = 600
+#: Seconds a weight-sync group join may take (the trainer joins as soon as it sends).
+JOIN_TIMEOUT_S = 300
 #: Seconds the server keeps an idle connection open.
 KEEP_ALIVE_S = 300
 
@@ -97,9 +99,10 @@ class ServedEngine:
         self._serving: asyncio.Task | None = None
         self._update_lock: asyncio.Lock | None = None
         self._sync_world: tuple[int, int] | None = None
-        # This actor runs calls concurrently, where RolloutEngine runs them in order: a broadcast update sent
-        # right after init_sync_group waits for the join in progress.
-        self._joining: asyncio.Future | None = None
+        # This actor runs calls concurrently and Ray does not keep an async actor's calls in submission order,
+        # where RolloutEngine runs them in order: a broadcast update sent right after init_sync_group may start
+        # first, so it waits (bounded) until the group is joined.
+        self._joined: asyncio.Event | None = None
 
     # ---------------------------------------------------------------- start and serve
 
@@ -119,6 +122,7 @@ class ServedEngine:
 
         t0 = time.perf_counter()
         self._update_lock = asyncio.Lock()
+        self._joined = asyncio.Event()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
         await self.llm.update_weight_version(str(self.version))
         client = RecordingClient(self.llm, self.sessions, lambda: self.version)
@@ -207,10 +211,11 @@ class ServedEngine:
         self, meta: Sequence[TensorMeta], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> float:
         """Receive a broadcast state dict announced by `meta` (concurrently with the trainer's send) and load it."""
-        if self._joining is not None:  # sent right after init_sync_group, which may still be joining
-            await self._joining
-        if self._sync_world is None:
-            raise RuntimeError("update_weights_broadcast before init_sync_group")
+        assert self._joined is not None, "engine not started"
+        try:
+            await asyncio.wait_for(self._joined.wait(), JOIN_TIMEOUT_S)
+        except TimeoutError:
+            raise RuntimeError(f"no weight-sync group joined within {JOIN_TIMEOUT_S} s of a broadcast") from None
         meta = [(n, tuple(s), str(d)) for n, s, d in meta]
         return await self._update("receive_broadcast", (meta, bucket_bytes), version)
 
@@ -218,18 +223,19 @@ class ServedEngine:
         self, host: str, port: int, rank: int, world_size: int, backend: str | None = None
     ) -> int:
         """Join the trainer's weight-sync group (blocks until the trainer joins); returns this engine's first rank."""
+        assert self._joined is not None, "engine not started"
         backend = backend or self.platform.dist_backend
-        self._joining = asyncio.ensure_future(
-            self.llm.collective_rpc("init_sync_group", args=(host, port, rank, world_size, backend))
+        self._joined.clear()
+        ranks = await asyncio.wait_for(
+            self.llm.collective_rpc("init_sync_group", args=(host, port, rank, world_size, backend)), JOIN_TIMEOUT_S
         )
-        try:
-            ranks = await self._joining
-        finally:
-            self._joining = None
         self._sync_world = (rank, world_size)
+        self._joined.set()
         return min(ranks)
 
     async def close_sync_group(self) -> None:
+        if self._joined is not None:
+            self._joined.clear()
         await self.llm.collective_rpc("close_sync_group")
         self._sync_world = None
 
