@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass, field
-from math import inf
+from math import inf, lcm
 
 from rlc.compiler import cost
 from rlc.compiler.candidates import Candidate, SearchResult, combine, crosses_nodes, sync_method
@@ -28,6 +28,9 @@ from rlc.compiler.trainer_search import train_lower_bound_s, train_search
 
 #: Relative slack of the bound test: a bound within it of the best is priced (ties are decided by the rank).
 BOUND_SLACK = 1e-6
+#: Trainer seconds a tying allocation's trainer must be within of the leader's to still be priced: above
+#: the 1e-6 s that `Candidate.key` rounds train times to.
+TIE_MARGIN_S = 2e-6
 #: Teacher memory shares tried, smallest first, when teachers share the devices with everything else.
 COLOCATED_TEACHER_FRACTIONS = (0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
 #: vLLM memory shares tried on cpu, where trainer and engine stay resident side by side (no sleep mode).
@@ -55,11 +58,14 @@ class Allocation:
     bound_s: float
     failures: dict[str, RoleSearch] = field(default_factory=dict)
 
-    def price(self, ctx: Context) -> list[Candidate]:
-        """Candidates from the trainer's best options on this pool (all of them when exhaustive)."""
-        ts = train_search(ctx, self.train_devices, self.resident_gib, colocated=self.mode == "colocated")
+    def price(self, ctx: Context, train_bar: float = inf) -> list[Candidate]:
+        """Candidates from the trainer's best options on this pool (all of them when exhaustive); with a
+        `train_bar`, only trainers that could score below it (see `train_search`)."""
+        colocated = self.mode == "colocated"
+        ts = train_search(ctx, self.train_devices, self.resident_gib, colocated=colocated, bar=train_bar)
         if not ts.options:
-            record(self.failures, "train", ts)
+            if train_bar == inf:
+                record(self.failures, "train", ts)
             return []
         options, starts = self.teachers
         where = (0, self.rollout_start, starts)
@@ -244,6 +250,23 @@ def teacher_pools(ctx: Context, failures: dict[str, RoleSearch]) -> list[Teacher
 # --------------------------------------------------------------------------------------------- disaggregated
 
 
+def saturation_size(ctx: Context) -> int:
+    """The smallest whole-node pool on which every rollout layout gives each attention rank one sample at most.
+
+    A rank's time (`cost.rollout_time`) depends on the pool only through the samples each rank gets, so past
+    one per rank a larger pool runs every (TP, EP) layout exactly as fast on more devices, and
+    `rollout_rank` prefers fewer: the search stops there. Ranks are devices / TP, so the bound is samples ×
+    the widest TP, rounded up to whole nodes and to a multiple of every engine size (so each layout exists).
+    """
+    pin, arch, dpn = ctx.spec.placement.rollout, ctx.sizes.arch, ctx.devices_per_node
+    widest_tp = pin.tp or dpn
+    engines = [widest_tp, dpn]
+    if arch.moe is not None:
+        engines.append(pin.ep or arch.moe.num_experts)
+    step = lcm(*engines)
+    return -(-ctx.work.samples * widest_tp // step) * step
+
+
 class _RolloutPools:
     """The best rollout pool of at most k devices from a start, for every k: rollout searches are cheap, so all
     sizes are searched once and a running best answers each query. Options depend on the start only through
@@ -257,7 +280,10 @@ class _RolloutPools:
         self.best: list[RolloutOption | None] = []
         self.each: list[list[RolloutOption]] = []
         held: RolloutOption | None = None
+        saturated = saturation_size(ctx)
         for n in [pin] if pin else pool_sizes(ctx, max_size):
+            if n > saturated and not (pin or ctx.exhaustive):
+                break  # every larger pool repeats an option of a smaller one on more devices
             rs = rollout_search(ctx, n, phase, 0.0, sync=sync)
             if not rs.options:
                 record(failures, "rollout", rs)
@@ -375,6 +401,7 @@ def allocate(ctx: Context, result: SearchResult) -> tuple[list[Candidate], dict[
         for pool in split.trainer_pools():
             push(pool.bound(ctx), pool)
     best = inf
+    lead: Candidate | None = None
     cands: list[Candidate] = []
     while queue:
         bound, _, item = heapq.heappop(queue)
@@ -390,8 +417,13 @@ def allocate(ctx: Context, result: SearchResult) -> tuple[list[Candidate], dict[
                 push(a.bound_s, a)
             continue
         assert isinstance(item, Allocation)
-        priced = item.price(ctx)
+        # An allocation whose bound reaches the best step can only tie it, and ties go to the quicker trainer
+        # (`Candidate.key`): a trainer that cannot be quicker than the leader's cannot win.
+        # (A colocated trainer's score also holds its phase switch, which the key's train time leaves out.)
+        tie_only = lead is not None and item.mode == "disaggregated" and bound >= best * (1 - BOUND_SLACK)
+        priced = item.price(ctx, lead.step.train_s + TIE_MARGIN_S if tie_only else inf)
         result.evaluated += 1
         cands += priced
         best = min([best, *(c.step.step_s for c in priced)])
+        lead = min([c for c in (lead, *priced) if c is not None], key=Candidate.key, default=None)
     return cands, colocated_failures or disaggregated_failures

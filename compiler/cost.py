@@ -96,6 +96,12 @@ class Workload:
         """Tokens the trainer consumes per step: the ranking numerator."""
         return self.samples * self.context_tokens
 
+    def rank_tokens(self, dp: int) -> float:
+        """Tokens the busiest of `dp` data-parallel ranks trains: a sequence is never split across DP ranks
+        (context parallelism splits it, inside a rank's group), so it takes ceil(samples / dp) mean-length
+        sequences. Data parallelism wider than the step's samples leaves ranks idle and gains nothing."""
+        return ceil(self.samples / max(1, dp)) * self.context_tokens
+
 
 def workload(
     *,
@@ -260,8 +266,8 @@ def rollout_time(
     batching refills a slot as soon as a sequence finishes, so a rank's samples take samples / c mean-length
     passes (fractional: 64 samples on 54 slots cost 1.19 passes, not 2 whole waves), then the long tail
     (max − mean response) decodes at 1/8 concurrency. Streaming (async, staleness > 0): only the
-    throughput counts, tokens / (c · tokens-per-step / step time). Prefill: 2 · active params · prompt
-    tokens / (devices · peak · prefill MFU) (Kaplan et al. 2020 forward FLOPs).
+    throughput counts, tokens / (c · tokens-per-step / step time). Prefill: 2 · active params · a rank's prompt
+    tokens / (its devices · peak · prefill MFU) (Kaplan et al. 2020 forward FLOPs).
     """
     ranks = layout.replicas * layout.attention_dp
     per_rank = ceil(work.samples / ranks)
@@ -285,9 +291,10 @@ def rollout_time(
         work.mtp_draft_layers,
     )
     tail = max(0.0, work.max_response - work.response_tokens) / tau * tail_step
-    devices = layout.replicas * layout.engine_devices
-    prefill_flops = 2 * sizes.active * work.samples * work.prompt_tokens
-    prefill = prefill_flops / (devices * target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu)
+    # Each attention rank prefills its own samples on its share of the engine's devices.
+    rank_devices = layout.engine_devices / layout.attention_dp
+    prefill_flops = 2 * sizes.active * per_rank * work.prompt_tokens
+    prefill = prefill_flops / (rank_devices * target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu)
     sync = waves * mean_steps * step + tail + prefill
     tokens = per_rank * work.response_tokens
     rate = c * tau / step
@@ -327,8 +334,9 @@ def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
     6·N_active·T for forward and backward (Kaplan et al. 2020; Narayanan et al. 2021 eq. 3) — 4·N·T with
     LoRA, whose frozen weights need no weight gradients — plus causal attention 3 · 2·n_q·d_h·ctx per token
     per full layer. Extra forwards of 2·N·T (+ attention): full recompute (one more forward), selective
-    (about a tenth of one), the decoupled loss' proximal log-probs (AReaL: recompute_logprob) and a KL
-    reference policy.
+    (about a tenth of one) and a KL reference policy. The decoupled loss' proximal log-probs cost none: with
+    one optimizer step per batch they are the train forward's own (AReaL recomputes them, recompute_logprob,
+    because it takes several minibatch steps per batch).
     """
     arch = sizes.arch
     tokens = work.trained_tokens
@@ -336,15 +344,17 @@ def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
     fwd = (2 * sizes.active + attn_fwd) * tokens
     flops = (2 if work.lora else 3) * fwd
     extra = {"full": 1.0, "selective": 0.1}.get(recompute, 0.0)
-    extra += 1.0 if work.decoupled else 0.0
     extra += 1.0 if work.reference else 0.0
     return flops + extra * fwd
 
 
 def train_compute_s(sizes: ModelSizes, layout: TrainLayout, target: TargetProfile, work: Workload) -> float:
-    """Compute seconds of a training step: train_flops / (devices · peak · train MFU)."""
+    """Compute seconds of a training step on its busiest rank: train_flops / (devices · peak · train MFU),
+    times the data-parallel imbalance `rank_tokens(dp) · dp / trained_tokens` (1 when dp divides the samples;
+    past one sample per rank, more ranks add nothing)."""
     flops = train_flops(sizes, work, layout.recompute)
-    return flops / (layout.world_size * target.bf16_tflops * 1e12 * target.efficiency.train_mfu)
+    imbalance = work.rank_tokens(layout.dp) * layout.dp / work.trained_tokens if work.trained_tokens else 1.0
+    return flops * imbalance / (layout.world_size * target.bf16_tflops * 1e12 * target.efficiency.train_mfu)
 
 
 def expert_gemm_efficiency(sizes: ModelSizes, layout: TrainLayout, target: TargetProfile) -> float:
@@ -390,10 +400,10 @@ def train_time(
     compute = train_compute_s(sizes, layout, target, work)
     expert_share = (sizes.active_expert / sizes.active) if sizes.active else 0.0
     expert_s = compute * expert_share * (1 / expert_gemm_efficiency(sizes, layout, target) - 1)
-    tokens_rank = work.trained_tokens / layout.dp
+    tokens_rank = work.rank_tokens(layout.dp)
     micro = max(1, ceil(tokens_rank / layout.micro_batch_tokens))
     bubble = (layout.pp - 1) / (micro + layout.pp - 1)
-    passes = 2.0 + (1.0 if layout.recompute == "full" else 0.0) + (1.0 if work.decoupled else 0.0)
+    passes = 2.0 + (1.0 if layout.recompute == "full" else 0.0)
     stage_layers = ceil(arch.num_layers / layout.pp)
     local = tokens_rank / layout.cp
     tp_s = cp_s = ep_s = 0.0
@@ -449,8 +459,8 @@ def train_time(
             moments = 2 * layout.precision.param_bytes * shard if fsdp else 12 * shard / max(1, group)
             offload_s += 2 * moments / host
     # Fixed cost per pass over a micro-batch (launches, packing, Python): one forward+backward pass each, plus
-    # the forward-only passes of the decoupled loss' proximal log-probs and of a KL reference.
-    launches = micro * (1 + (1 if work.decoupled else 0) + (1 if work.reference else 0))
+    # the forward-only pass of a KL reference.
+    launches = micro * (1 + (1 if work.reference else 0))
     overhead = launches * target.efficiency.micro_batch_overhead_s
     return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s, overhead, expert_s)
 

@@ -80,28 +80,42 @@ def _rollout_search(
             engine = max(tp, ep)
             if n % engine or engine % tp:
                 continue
-            layout = RolloutLayout(n, tp, ep, fraction, pin.max_num_seqs or 0, _batched_tokens(ctx))
-            mem, seqs = memory.rollout_memory(
-                ctx.sizes,
-                layout,
-                ctx.target,
-                max_model_len=ctx.max_model_len,
-                mtp=ctx.mtp,
-                lora_rank=ctx.lora_rank if ctx.lora_adapter else None,
-                lora_targets=ctx.lora_targets,
-                resident_gib=outside_gib,
-                planned_context=ctx.work.inflight_context,
-            )
-            if not mem.fits:
-                found.miss(mem, layout)
-                continue
-            max_seqs = pin.max_num_seqs or max(1, min(seqs, MAX_AUTO_SEQS))
-            layout = RolloutLayout(n, tp, ep, fraction, max_seqs, max(_batched_tokens(ctx), max_seqs))
-            t = cost.rollout_time(ctx.sizes, layout, ctx.target, ctx.work, dpn, max_seqs)
-            found.options.append(RolloutOption(layout, mem, seqs, t))
+            key = ("rollout-layout", n, tp, ep, fraction, outside_gib)
+            if key not in ctx.memo:  # where the pool starts only decides whether the TP groups fit
+                ctx.memo[key] = _rollout_option(ctx, n, tp, ep, fraction, outside_gib)
+            option, miss = ctx.memo[key]
+            if option is None:
+                found.miss(*miss)
+            else:
+                found.options.append(option)
     found.options.sort(key=lambda o: rollout_rank(o, sync))
     del found.options[2 if not ctx.exhaustive else len(found.options) :]
     return found
+
+
+def _rollout_option(
+    ctx: Context, n: int, tp: int, ep: int, fraction: float, outside_gib: float
+) -> tuple[RolloutOption | None, tuple[memory.MemoryBreakdown, RolloutLayout] | None]:
+    """The priced layout of engines of (tp, ep) on `n` devices, or its memory miss."""
+    pin = ctx.spec.placement.rollout
+    layout = RolloutLayout(n, tp, ep, fraction, pin.max_num_seqs or 0, _batched_tokens(ctx))
+    mem, seqs = memory.rollout_memory(
+        ctx.sizes,
+        layout,
+        ctx.target,
+        max_model_len=ctx.max_model_len,
+        mtp=ctx.mtp,
+        lora_rank=ctx.lora_rank if ctx.lora_adapter else None,
+        lora_targets=ctx.lora_targets,
+        resident_gib=outside_gib,
+        planned_context=ctx.work.inflight_context,
+    )
+    if not mem.fits:
+        return None, (mem, layout)
+    max_seqs = pin.max_num_seqs or max(1, min(seqs, MAX_AUTO_SEQS))
+    layout = RolloutLayout(n, tp, ep, fraction, max_seqs, max(_batched_tokens(ctx), max_seqs))
+    t = cost.rollout_time(ctx.sizes, layout, ctx.target, ctx.work, ctx.devices_per_node, max_seqs)
+    return RolloutOption(layout, mem, seqs, t), None
 
 
 def auto_fraction(

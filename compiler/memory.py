@@ -10,6 +10,7 @@ Pure functions only: no torch, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from math import ceil
 
 from rlc.schemas.arch import ModelArch
@@ -129,13 +130,19 @@ def lora_params(arch: ModelArch, rank: int, targets: str | list[str]) -> int:
     out (PEFT's all-linear skips fused expert weights) and the shared experts' / dense layers' FFN counts.
     MLA and linear-attention layers are approximated by their q/k/v/o-equivalent widths.
     """
-    h, d = arch.hidden_size, arch.head_dim
-    q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
     f = arch.intermediate_size
     if arch.moe is not None:
         f = arch.moe.num_shared_experts * (
             arch.moe.shared_expert_intermediate_size or arch.moe.expert_intermediate_size
         )
+    names = targets if targets == "all-linear" else tuple(targets)
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return _lora_params(arch.hidden_size, q, kv, f, arch.num_layers, rank, names)
+
+
+@lru_cache(maxsize=256)
+def _lora_params(h: int, q: int, kv: int, f: int, layers: int, rank: int, targets: str | tuple[str, ...]) -> int:
+    """`lora_params` of the widths that decide it (the search asks thousands of times for one model)."""
     shapes = {
         "q_proj": (h, q),
         "k_proj": (h, kv),
@@ -152,7 +159,7 @@ def lora_params(arch: ModelArch, rank: int, targets: str | list[str]) -> int:
         for name in targets:
             names.update(LORA_ALIASES.get(name, (name,)))
     per_layer = sum(rank * (shapes[n][0] + shapes[n][1]) for n in names if n in shapes and shapes[n][1])
-    return per_layer * arch.num_layers
+    return per_layer * layers
 
 
 # --------------------------------------------------------------------------------------------- breakdowns

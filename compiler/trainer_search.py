@@ -49,12 +49,19 @@ def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step
 
 
-def train_search(ctx: Context, n: int, resident_gib: float = 0.0, *, colocated: bool = False) -> RoleSearch:
+def train_search(
+    ctx: Context, n: int, resident_gib: float = 0.0, *, colocated: bool = False, bar: float = inf
+) -> RoleSearch:
     """Best trainer layouts on `n` devices (fitting ones sorted by score, then summary); memoised per context.
 
     `colocated`: the trainer shares its devices with the engines, so each option also pays the phase switch
     (its device state to host and back, `cost.switch_s`) and must find room for that state in host memory.
+    `bar`: only layouts that could score below it matter (the caller can at best tie a plan whose trainer
+    scores `bar`); degrees whose time lower bound exceeds it are skipped, so the result may be empty, and it
+    is not memoised.
     """
+    if bar < inf and not ctx.exhaustive:
+        return _train_search(ctx, n, resident_gib, colocated, bar)
     key = ("train", n, resident_gib, colocated)
     if key not in ctx.memo:
         ctx.memo[key] = _train_search(ctx, n, resident_gib, colocated)
@@ -67,8 +74,8 @@ def train_lower_bound_s(ctx: Context, n: int) -> float:
     Every term `cost.train_time` adds (bubble, communication, offload, recompute FLOPs) is non-negative, so the
     device allocation can skip a device count whose bound already loses to a plan in hand.
     """
-    layout = TrainLayout.model_construct(world_size=n, recompute="none", precision=ctx.precision)
-    return cost.train_compute_s(ctx.sizes, layout, ctx.target, ctx.work)
+    flops = cost.train_flops(ctx.sizes, ctx.work, "none")
+    return flops / (n * ctx.target.bf16_tflops * 1e12 * ctx.target.efficiency.train_mfu)
 
 
 def _cp_kinds(ctx: Context, backend: str, tp: int, cp: int) -> list[CpKind]:
@@ -87,7 +94,7 @@ def _cp_kinds(ctx: Context, backend: str, tp: int, cp: int) -> list[CpKind]:
     return [kind]
 
 
-def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool) -> RoleSearch:
+def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, limit: float = inf) -> RoleSearch:
     spec, arch = ctx.spec, ctx.sizes.arch
     pin = spec.placement.train
     found = RoleSearch()
@@ -144,7 +151,7 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool) ->
         # Best first by the degrees' time lower bound, so the bar rises fast and the rest stop at once.
         bounds = {s: _train_lower_bound_s(ctx, n, s, recomputes[0], mbts) for s in shapes}
         for shape in sorted(shapes, key=lambda s: (bounds[s], s.key())):
-            bar = fastest[-1] if len(fastest) >= KEEP_TRAIN and not ctx.exhaustive else inf
+            bar = fastest[-1] if len(fastest) >= KEEP_TRAIN and not ctx.exhaustive else limit
             if bounds[shape] > bar * (1 + 1e-9):
                 break
             had = len(found.options)
@@ -197,14 +204,14 @@ class Shape:
 def _train_lower_bound_s(ctx: Context, n: int, shape: Shape, rc: str, mbts: list[int]) -> float:
     """Seconds no layout with these degrees and this recompute can beat (`cost.train_time`): compute at the
     smallest pipeline bubble (smallest budget, most micro-batches) plus communication at the fewest
-    micro-batches (largest budget; per-micro-batch latencies and FSDP2 gathers only grow with their number),
-    without offload traffic."""
+    micro-batches (largest budget; per-micro-batch latencies, launches and FSDP2 gathers only grow with their
+    number), without offload traffic."""
     pp = shape.pp
     layout = shape.layout(ctx, n, rc, False, False, mbts[0])
     t = cost.train_time(ctx.sizes, layout, ctx.target, ctx.work, ctx.devices_per_node)
-    micro = max(1, ceil(ctx.work.trained_tokens / layout.dp / mbts[-1]))
+    micro = max(1, ceil(ctx.work.rank_tokens(layout.dp) / mbts[-1]))
     bubble = (pp - 1) / (micro + pp - 1)
-    return t.compute_s / (1 - bubble) + t.tp_s + t.cp_s + t.ep_s + t.dp_s
+    return t.compute_s / (1 - bubble) + t.tp_s + t.cp_s + t.ep_s + t.dp_s + t.overhead_s
 
 
 def _option(ctx: Context, layout: TrainLayout, mem: MemoryBreakdown, colocated: bool) -> TrainOption | None:

@@ -361,11 +361,9 @@ class Controller:
         batch, stats, domains = self._build_batch(groups)
         self.phases.before_train()
         t0 = time.perf_counter()
-        # Teachers score on their own devices while the trainer computes the proximal log-probs.
+        # Teachers score on their own devices while the trainer works. The proximal log-probs of the
+        # decoupled loss are those of the train step's own forward (one optimizer step per batch).
         scoring = self.teachers.score(batch["input_ids"], domains) if self.teachers is not None else None
-        if algo.decoupled_loss:
-            batch["proximal_logprobs"] = self.trainer.compute_logprobs(batch)
-            stats.update(_behaviour_gap(batch))
         loss_cfg = {
             "clip": algo.clip,
             "behave_imp_weight_cap": algo.behave_imp_weight_cap,
@@ -382,8 +380,7 @@ class Controller:
             rows, distill_inputs = self.teachers.collect(scoring, batch["input_ids"])
             batch.update(distill_inputs)
             loss_cfg["distill_coef"] = self.plan.distill.coef  # type: ignore[union-attr]
-            student = batch.get("proximal_logprobs", batch["behaviour_logprobs"])
-            stats.update(teacher_metrics(rows, student, batch["loss_mask"]))
+            stats.update(teacher_metrics(rows, batch["behaviour_logprobs"], batch["loss_mask"]))
             stats["time/teacher_wait_s"] = time.perf_counter() - t_teach
             stats["distill/teacher_restarts"] = float(self.teachers.restarts)
         result = self.trainer.train_step(batch, loss_cfg)
@@ -397,6 +394,11 @@ class Controller:
             stats.update(self.phases.take_times())
         if "kl_ref" in result:
             stats["kl_ref"] = result["kl_ref"]
+        if "behaviour_gap" in result:
+            # Engine vs trainer log-probs of the sampled tokens under the weights that are about to step: on
+            # policy (staleness 0) their numerical agreement, off policy also the lag.
+            stats["logprob_gap/mean"] = result["behaviour_gap"]
+            stats["logprob_gap/max"] = result["behaviour_gap_max"]
         stats.update(
             {
                 "loss/policy": result.get("loss", float("nan")),
@@ -608,24 +610,6 @@ class Controller:
         self.logger.close()
         self.rollout_log.close()
         self._trainer_thread.shutdown(wait=False, cancel_futures=True)
-
-
-def _behaviour_gap(batch: dict[str, Any]) -> dict[str, float]:
-    """How far the engines' behaviour log-probs are from the trainer's proximal ones on response tokens.
-
-    On-policy (staleness 0) both describe the same weights, so this measures engine/trainer numerical
-    agreement (e.g. vLLM serving a LoRA adapter vs the FSDP2 trainer); off-policy it also holds the lag.
-    """
-    worst, total, count = 0.0, 0.0, 0
-    rows = zip(batch["behaviour_logprobs"], batch["proximal_logprobs"], batch["loss_mask"], strict=True)
-    for beh, prox, mask in rows:
-        for j in range(1, len(mask)):
-            if mask[j]:
-                gap = abs(beh[j] - prox[j])
-                worst = max(worst, gap)
-                total += gap
-                count += 1
-    return {"logprob_gap/max": worst, "logprob_gap/mean": total / count if count else 0.0}
 
 
 def _rng_to_json(state: tuple) -> dict[str, Any]:

@@ -140,3 +140,25 @@ def test_sampler_and_logit_gather_are_not_split_by_tp() -> None:
     sampler = batch * SIZES.arch.vocab_size * 4 * cost.SAMPLER_PASSES / hbm
     weights = (SIZES.dense + SIZES.embedding + SIZES.head) / 8 * 2 / hbm
     assert t8 > weights + sampler
+
+
+def test_data_parallelism_past_one_sample_per_rank_gains_nothing() -> None:
+    """A sequence is not split across DP ranks: 512 samples on 1024 ranks take as long as on 512, and 512 on
+    384 ranks as long as on 256 (two each on the busiest)."""
+    w = _work()  # 64 prompts × 8 = 512 samples
+
+    def compute(world: int) -> float:
+        return cost.train_compute_s(SIZES, TrainLayout(world_size=world, micro_batch_tokens=8192), A2, w)
+
+    assert compute(1024) == pytest.approx(compute(512))
+    assert compute(384) == pytest.approx(compute(256))
+    assert compute(256) == pytest.approx(2 * compute(512))
+    assert w.rank_tokens(1024) == w.context_tokens
+
+
+def test_rollout_past_one_sample_per_rank_gains_nothing() -> None:
+    """Prefill is a rank's own prompts, not the pool's share of all of them: more engines than samples idle."""
+    w = _work(batch_prompts=4, group_size=2)  # 8 samples
+    times = [cost.rollout_time(SIZES, RolloutLayout(n, tp=1), A2, w, 8, 64) for n in (8, 16, 64)]
+    assert times[0].sync_s == pytest.approx(times[1].sync_s) == pytest.approx(times[2].sync_s)
+    assert times[0].prefill_s == pytest.approx(times[2].prefill_s)

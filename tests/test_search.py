@@ -155,3 +155,24 @@ def test_candidate_summaries_name_every_choice() -> None:
     summaries = [c.summary for c in result.ranked]
     assert len(set(summaries)) == len(summaries) > 1
     assert all("recompute=" in s and "mbt=" in s and "mem=" in s for s in summaries)
+
+
+def test_a_huge_cluster_for_a_small_batch_plans_what_the_batch_can_use() -> None:
+    """1,024 nodes for 256 samples of a small model: neither role spreads past one sample per rank (more ranks
+    would idle), and the search stops growing rollout pools there instead of pricing every node count."""
+    p = problem(
+        """
+        model:
+          arch: {num_layers: 4, hidden_size: 512, num_attention_heads: 8, num_kv_heads: 4,
+                 intermediate_size: 1024, vocab_size: 1000}
+          path: /m
+        cluster: {nodes: 1024}
+        algorithm: {group_size: 8, batch_prompts: 32, max_staleness: 6}
+        rollout: {max_prompt_len: 1024, max_response_len: 4096}
+        lora: {rank: 32, alpha: 64}
+        """
+    )
+    best = search.search(p).best
+    assert best is not None and best.mode == "disaggregated"
+    assert best.train.layout.dp <= 256
+    assert best.rollout.layout.devices // best.rollout.layout.tp <= 256

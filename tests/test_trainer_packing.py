@@ -228,3 +228,25 @@ def test_two_ranks_with_uneven_micro_batch_counts(pg, tiny_model_dir, tmp_path) 
         assert r0["stats"][key] == pytest.approx(ref[key], abs=TOL), key
     sd = {k: v.full_tensor() for k, v in one.model.state_dict().items()}
     assert max((r0["sd"][k] - sd[k]).abs().max().item() for k in sd) < WEIGHT_TOL
+
+
+def test_the_train_forward_is_the_proximal_policy(pg, tiny_model_dir) -> None:
+    """One optimizer step per batch: a train step without proximal log-probs (its own forward's) takes the
+    same step as one given a separate proximal pass, and reports the engine-trainer gap on sampled tokens."""
+    batch = _batch(3)
+    given = _worker(tiny_model_dir, pg, packing=True, packed_attention="varlen")
+    own = _worker(tiny_model_dir, pg, packing=True, packed_attention="varlen")
+    lp = given.compute_logprobs(batch)
+    behaviour = [[v - 0.05 * (i % 2) for i, v in enumerate(row)] for row in lp]  # an off-policy engine
+    cfg = {"clip": 0.2, "decoupled": True}
+    a = given.train_step({**batch, "behaviour_logprobs": behaviour, "proximal_logprobs": lp}, cfg)
+    b = own.train_step({**batch, "behaviour_logprobs": behaviour}, cfg)
+    for key in ("loss", "grad_norm", "behave_imp_weight_mean", "behave_imp_weight_max", "clip_fraction"):
+        assert b[key] == pytest.approx(a[key], abs=TOL), key
+    sd_a, sd_b = given.model.state_dict(), own.model.state_dict()
+    assert max((sd_a[n].full_tensor() - sd_b[n].full_tensor()).abs().max().item() for n in sd_a) < WEIGHT_TOL
+    masked = [
+        abs(lp[r][j] - behaviour[r][j]) for r, m in enumerate(batch["loss_mask"]) for j in range(1, len(m)) if m[j]
+    ]
+    assert b["behaviour_gap_max"] == pytest.approx(max(masked), abs=TOL)
+    assert b["behaviour_gap"] == pytest.approx(sum(masked) / len(masked), abs=TOL)

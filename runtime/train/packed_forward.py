@@ -8,7 +8,8 @@ isolate the sequences, chosen by ``packed_attention``:
 - ``"varlen"``: per-sequence causal attention driven by ``cu_seqlens``, the THD layout of varlen
   fused kernels. On NPU/CUDA transformers' ``flash_attention_2`` takes the ``cu_seq_lens_*`` and
   ``max_length_*`` kwargs directly; on CPU ``varlen_sdpa_attention`` (registered with transformers
-  as ``rlc_varlen_sdpa``) runs SDPA once per sequence, so attention costs Σ len² instead of L².
+  as ``rlc_varlen_sdpa``) runs SDPA once per sequence length (equal-length sequences batched), so
+  attention costs Σ len² instead of L².
 - ``"mask"``: an explicit ``[1, 1, L, L]`` block-diagonal causal mask under sdpa. Exact but O(L²) in
   memory and compute; kept as the CPU reference the varlen path is tested against.
 
@@ -75,19 +76,31 @@ def varlen_sdpa_attention(
         raise NotImplementedError(f"{VARLEN_SDPA} does not implement sliding-window attention")
     bounds = [int(b) for b in cu_seq_lens_q.tolist()]
     gqa = key.shape[1] != query.shape[1]
-    outs = [
-        F.scaled_dot_product_attention(
-            query[:, :, s:e],
-            key[:, :, s:e],
-            value[:, :, s:e],
-            dropout_p=dropout,
-            is_causal=True,
-            scale=scaling,
-            enable_gqa=gqa,
+    # Sequences of one length run as one batched call: RL batches hold many equal-length sequences (one
+    # call per sequence spent more time slicing than attending on short ones). Tokens are gathered per
+    # length and put back in packed order with the inverse permutation.
+    starts_by_length: dict[int, list[int]] = {}
+    for start, end in itertools.pairwise(bounds):
+        starts_by_length.setdefault(end - start, []).append(start)
+    outs, order = [], []
+    for length, starts in starts_by_length.items():
+        positions = (torch.tensor(starts)[:, None] + torch.arange(length)[None, :]).reshape(-1)
+        order.append(positions)
+        n = len(starts)
+
+        def rows(
+            t: torch.Tensor, positions: torch.Tensor = positions, n: int = n, length: int = length
+        ) -> torch.Tensor:
+            # [1, H, T, D] -> [n, H, length, D]
+            return t[0].index_select(1, positions.to(t.device)).unflatten(1, (n, length)).transpose(0, 1)
+
+        out = F.scaled_dot_product_attention(
+            rows(query), rows(key), rows(value), dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
         )
-        for s, e in itertools.pairwise(bounds)
-    ]
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+        outs.append(out.transpose(1, 2).reshape(n * length, *out.shape[1:2], out.shape[-1]))  # [n·len, H, D]
+    packed = torch.cat(outs) if len(outs) > 1 else outs[0]
+    inverse = torch.argsort(torch.cat(order)).to(packed.device)
+    return packed.index_select(0, inverse).unsqueeze(0), None
 
 
 def register_varlen_attention() -> str:

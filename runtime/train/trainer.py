@@ -318,9 +318,12 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             tok = {k: mb.local(self._per_token(batch, k, idx, mb.seqs)) for k in _PER_TOKEN_KEYS if k in batch}
             if kind == "ppo":
                 behaviour = tok["behaviour_logprobs"]
+                # One optimizer step per batch: until it runs, the weights are the proximal policy, so this
+                # forward's log-probs are the proximal ones (no second pass over the batch).
+                proximal = tok["proximal_logprobs"] if "proximal_logprobs" in tok else lp.detach()
                 loss, stats = L.decoupled_ppo_loss(
                     lp,
-                    tok.get("proximal_logprobs", behaviour),
+                    proximal,
                     behaviour,
                     tok["advantages"],
                     mask,
@@ -331,6 +334,10 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
                 loss, stats = L.reverse_kl_distill(lp, tok["teacher_logprobs"], mask, token_count=global_tokens)
             else:
                 raise ValueError(f"unknown loss kind {kind!r}; expected 'ppo' or 'distill'")
+            if "behaviour_logprobs" in tok:  # engine vs trainer on the sampled tokens, before the update
+                gap = torch.where(mask, (lp.detach() - tok["behaviour_logprobs"]).abs(), torch.zeros_like(lp))
+                stats["behaviour_gap"] = gap.sum() / mask.sum().clamp(min=1)
+                stats["behaviour_gap_max"] = gap.max() if mask.any() else torch.zeros(())
             if kind == "ppo" and distill_coef and "teacher_logprobs" in tok:
                 routed = mask & (tok["distill_weights"] > 0) if "distill_weights" in tok else mask
                 d_loss, d_stats = L.reverse_kl_distill(lp, tok["teacher_logprobs"], routed, token_count=global_tokens)
