@@ -52,7 +52,8 @@ def separate_process(task: dict[str, Any], llm: Any) -> dict[str, float]:
 
 async def one_call(task: dict[str, Any], llm: Any) -> float:
     client = llm.async_openai()
-    await client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task["prompt"]}])
+    messages = [{"role": "user", "content": task["prompt"]}]
+    await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=llm.max_tokens)
     await client.close()
     return 1.0
 

@@ -56,8 +56,10 @@ def test_calculator_agent_trajectories_are_token_exact_and_masked(tmp_path: Path
     multi = [r for s in samples for r in s["rows"] if "(" in r["text"]]
     assert multi, "no multi-turn trajectory was sampled"
     for row in multi:
-        text, ids, mask = row["text"], row["input_ids"], row["loss_mask"]
-        assert len(text) == len(ids)  # one character per token
+        ids, mask = row["input_ids"], row["loss_mask"]
+        assert len(row["tokens"]) == len(ids)
+        # One character per token, special tokens (<bos>, <eos>) as one placeholder each.
+        text = "".join(t if len(t) == 1 else "\x00" for t in row["tokens"])
         start = text.index("(")
         end = text.index(")", start)
         assert set(mask[start : end + 1]) == {0}  # the tool's reply never trains

@@ -293,8 +293,8 @@ class AgentController(Controller):
         return batch, stats, domains  # type: ignore[return-value]
 
     def _write_sample(self, trajectories: list[Trajectory]) -> None:
-        """One trajectory per step in RUN/agent_samples.jsonl: its rows' ids, masks and text, to see what the
-        agent and the policy did and which tokens trained."""
+        """One trajectory per step in RUN/agent_samples.jsonl: its rows' ids, masks, text and tokens (one per id),
+        to see what the agent and the policy did and which tokens trained."""
         if not trajectories:
             return
         traj = trajectories[0]
@@ -309,6 +309,7 @@ class AgentController(Controller):
                     "loss_mask": row.loss_mask,
                     "versions": row.versions,
                     "text": self.tokenizer.decode(row.input_ids, skip_special_tokens=False),
+                    "tokens": self.tokenizer.convert_ids_to_tokens(row.input_ids),
                 }
                 for row in traj.rows
             ],
