@@ -154,8 +154,9 @@ class Bench:
     def runtime_path(self) -> None:
         import ray
 
-        from rlc.runtime.controller import Controller, RolloutPool
+        from rlc.runtime.controller import Controller
         from rlc.runtime.rollout.engine import rollout_engine_actor
+        from rlc.runtime.rollout.pool import RolloutPool
         from rlc.schemas.registry import load_target
 
         bench = self

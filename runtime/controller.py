@@ -1,24 +1,21 @@
 """The single controller: asynchronous GRPO over rollout engines and an FSDP2 trainer group.
 
 One driver thread feeds prompts to the engines and collects finished groups; it admits new rollouts only
-under the staleness bound (`StalenessGate`). A second thread owns every trainer call (proximal and
-reference log-probs, the optimizer step, the weight sync, checkpoints), because trainer calls are
-collective and must reach all ranks in the same order. While it trains, engines keep generating with the
-weights they hold, and each sample carries the policy version that produced it.
+under the staleness bound (`StalenessGate`). A second thread owns every trainer call (reference log-probs,
+the optimizer step, the weight sync through `WeightPush`, checkpoints), because trainer calls are collective
+and must reach all ranks in the same order. While it trains, engines keep generating with the weights they
+hold, and each sample carries the policy version that produced it. The engines are a `RolloutPool`.
 
 Modes ride on the same loop: colocated runs alternate (no rollout is admitted while training, and the
 plan's sleep/offload moves happen around each train phase, `colocate.PhaseSwitcher`); LoRA runs sync an
 adapter (or merged weights) and take the KL reference from the trainer with adapters disabled; MOPD runs
-score each batch with the teachers (`distill.TeacherPool`) concurrently with the proximal log-probs; and
+score each batch with the teachers (`distill.TeacherPool`) while the trainer steps; and
 speculative decoding's counters are read from the engines after every step (`spec_decode`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import shutil
 import statistics
 import threading
 import time
@@ -31,15 +28,16 @@ from typing import Any
 from rlc.runtime.checkpoint import ControllerState, finalize, staging_dir
 from rlc.runtime.colocate import PhaseSwitcher
 from rlc.runtime.distill import teacher_metrics
-from rlc.runtime.host_moves import HostMoves, plan_host_moves, weight_bytes
 from rlc.runtime.metrics import MetricsLogger
 from rlc.runtime.prompts import PromptItem, PromptStream
 from rlc.runtime.rollout.failures import engine_is_dead
+from rlc.runtime.rollout.pool import RolloutPool
 from rlc.runtime.rollout_log import RolloutLog
 from rlc.runtime.seeds import request_seed
 from rlc.runtime.spec_decode import SpecDecodeDelta
 from rlc.runtime.staleness import StalenessGate
 from rlc.runtime.tasks.rewards import RewardGuard
+from rlc.runtime.weight_push import WeightPush
 from rlc.schemas.plan import Plan
 
 
@@ -61,72 +59,6 @@ class Chunk:
     items: list[PromptItem]
     id: int = -1  # submission order, as RUN/rollouts.jsonl records it
     admitted_at: int = 0  # the trainer version when it was admitted
-
-
-class RolloutPool:
-    """The rollout engine actors, with restart on failure.
-
-    Both controller threads may find a dead engine (the driver through a failed generate call, the trainer
-    thread through a failed weight sync), so restarts happen under a lock and only for engines that are
-    really gone.
-    """
-
-    def __init__(self, plan: Plan, make_engine) -> None:  # type: ignore[no-untyped-def]
-        self.plan = plan
-        self._make = make_engine
-        role = plan.roles_of("rollout")[0]
-        self.replicas = role.replicas
-        self.tp = role.parallel.tp
-        self.sync_backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[plan.platform]
-        self.engines = [make_engine(i, 0) for i in range(self.replicas)]
-        self.restarts = 0
-        self._lock = threading.Lock()
-
-    def wait_ready(self) -> list[float]:
-        import ray
-
-        return ray.get([e.ready.remote() for e in self.engines])
-
-    def _alive(self, index: int, timeout: float = 120.0) -> bool:
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        try:
-            return bool(ray.get(self.engines[index].healthy.remote(), timeout=timeout))
-        except RayActorError:
-            return False
-        except GetTimeoutError:
-            return True  # busy (queued behind a long generate), not dead
-
-    def revive(self, indices: list[int] | None = None, force: bool = False) -> list[int]:
-        """Restart whichever of `indices` (default: all) are dead, or all of them with ``force`` (an actor
-        alive around a dead vLLM core); returns the restarted ones.
-
-        A restarted engine holds the base weights, so it is stamped with version -1 until the controller
-        loads the current weights into it: anything it generates before then is recognisably stale.
-        """
-        import ray
-
-        restarted = []
-        with self._lock:
-            for index in indices if indices is not None else range(len(self.engines)):
-                if not force and self._alive(index):
-                    continue
-                with contextlib.suppress(Exception):
-                    ray.kill(self.engines[index], no_restart=True)
-                self.engines[index] = self._make(index, -1)
-                ray.get(self.engines[index].ready.remote())
-                self.restarts += 1
-                restarted.append(index)
-        return restarted
-
-    def shutdown(self) -> None:
-        import ray
-
-        for engine in self.engines:
-            with contextlib.suppress(Exception):
-                ray.kill(engine, no_restart=True)
-        self.engines = []
 
 
 class Controller:
@@ -172,22 +104,17 @@ class Controller:
         self.inflight: dict[Any, Chunk] = {}
         self._trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlc-trainer")
         self._training: Future | None = None
-        self._sync_group: tuple[str, int] | None = None
-        self._in_group: set[int] = set()
-        self._synced_version = self.version
         self._warming: set[int] = set()
         self._reissue: list[list[PromptItem]] = []
         self.reference: Any = None
         self.teachers: Any = None  # a distill.TeacherPool when the plan distills
-        self.lora_adapter = plan.lora is not None and plan.lora.rollout == "adapter"
         self.spec_decode = SpecDecodeDelta() if plan.sampling.speculative else None
-        self._host_moves: HostMoves | None = None  # colocated: who writes the weights into which node's /dev/shm
-        self._written_dirs: dict[int, str] = {}  # folders trainer ranks wrote, removed at the end
         self._stop = threading.Event()
         self.eos_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
         self._step_started = time.perf_counter()
         self._rollout_tokens = 0
         self.logger = MetricsLogger(run_dir, plan.loggers, plan.schedule.steps, self.step)
+        self.weights = WeightPush(plan, trainer, rollout, run_dir, self.logger.message, self.version)
         self.rollout_log = RolloutLog(run_dir, self.step)
         self.scorer = RewardGuard(reward_fn, plan.data.reward, sched.batch_samples, self.logger.message)
         self.phases = PhaseSwitcher(plan, rollout, trainer, self.logger.message)
@@ -294,16 +221,14 @@ class Controller:
         self._trainer_thread.submit(self._load_current_weights, chunk.engine)
 
     def _forget_engine(self, index: int) -> None:
-        """A restarted engine is not in the weight-sync group: the next sync rebuilds the group."""
-        self._in_group.discard(index)
-        self._sync_group = None
-        self._host_moves = None  # it may have landed on another node
+        """A restarted engine holds none of the run's weights: the weight path forgets it too."""
+        self.weights.forget(index)
 
     def _load_current_weights(self, engine: int) -> None:
         # Runs on the trainer thread, after any sync already queued there: the weights it pushes are those
         # of the last completed sync, which can be one ahead of `self.version` until the driver records it.
         try:
-            self._push_files([engine], self._synced_version)
+            self.weights.push_files([engine], self.weights.synced_version)
         finally:
             self._warming.discard(engine)
 
@@ -414,99 +339,13 @@ class Controller:
         )
         return stats
 
-    def _sync_weights(self, version: int, attempts: int = 3) -> None:
-        """Move the trainer's weights into every engine; an engine lost mid-sync is restarted and the sync redone."""
-        from ray.exceptions import RayActorError, RayTaskError
-
-        for attempt in range(1, attempts + 1):
-            try:
-                self._sync_once(version)
-                self._synced_version = version
-                return
-            except (RayActorError, RayTaskError) as exc:
-                if attempt == attempts:
-                    raise
-                cause = getattr(exc, "cause", None) or exc
-                why = next((line for line in str(cause).splitlines() if line.strip()), "")
-                self.logger.message(
-                    f"weight sync failed ({type(cause).__name__}: {why[:200]}); reviving engines and retrying"
-                )
-                self._sync_group = None
-                with contextlib.suppress(Exception):  # the sender's group may already be broken
-                    self.trainer.close_weight_sync()
-                for index in self.rollout.revive():
-                    self._forget_engine(index)
-
-    def _sync_method(self) -> str:
-        """adapter (LoRA served by vLLM), or the plan's broadcast, disk or inplace (see `host_moves`)."""
-        return "adapter" if self.lora_adapter else self.plan.schedule.weight_sync
+    def _sync_weights(self, version: int) -> None:
+        """Move the trainer's weights into every engine (`WeightPush.sync`); restarted engines are forgotten."""
+        self.weights.sync(version, self._forget_engine)
 
     def prepare_weight_path(self) -> None:
-        """Check, before any step, that the plan's weight path works here; colocated runs find their writers."""
-        if self._sync_method() == "inplace":
-            self._moves()
-
-    def _moves(self) -> HostMoves:
-        """Which trainer rank writes into which node's /dev/shm for which engines; decided once and logged,
-        forgotten when an engine is restarted (it may land on another node)."""
-        if self._host_moves is None:
-            import ray
-
-            ranks = self.trainer.hosts_info()
-            nodes = ray.get([e.node_id.remote() for e in self.rollout.engines])
-            tag = f"{os.getpid()}-{abs(hash(str(self.run_dir))) % 10**8}"
-            self._host_moves = plan_host_moves(ranks, nodes, weight_bytes(self.trainer.weight_meta()), tag)
-            self.logger.message(f"colocated weight moves through host memory: {self._host_moves.describe()}")
-        return self._host_moves
-
-    def _push_files(self, indices: list[int], version: int) -> None:
-        """Write the current weights (or LoRA adapter) as files and have engines `indices` load them."""
-        import ray
-
-        engines = [self.rollout.engines[i] for i in indices]
-        if self.lora_adapter:
-            # A new folder per version: vLLM identifies an adapter by id and path, and an engine may still
-            # be reading the previous one.
-            root = self.run_dir / "sync"
-            path = self.trainer.save_adapter(str(root / f"adapter-v{version:06d}"))
-            ray.get([e.update_lora_adapter.remote(path, version) for e in engines])
-            for old in sorted(root.glob("adapter-v*"))[:-2]:
-                shutil.rmtree(old, ignore_errors=True)
-            return
-        if self._sync_method() == "inplace":
-            moves = self._moves()
-            self._written_dirs.update(self.trainer.save_weights_per_node(moves.dirs))
-            folders = [moves.folder_for(i) for i in indices]
-        else:
-            path = self.trainer.save_weights(str(self.run_dir / "sync" / "latest"))
-            folders = [str(Path(path).parent)] * len(indices)
-        ray.get([e.update_weights_from_path.remote(f, version) for e, f in zip(engines, folders, strict=True)])
-
-    def _sync_once(self, version: int) -> None:
-        import ray
-
-        engines = self.rollout.engines
-        if self._sync_method() != "broadcast":
-            self._push_files(list(range(len(engines))), version)
-            return
-        meta = self.trainer.weight_meta()
-        world = 1 + len(engines) * self.rollout.tp
-        refs: list[Any] = []
-        if self._sync_group is None:
-            for index in sorted(self._in_group):  # leave the old group; a broken one may refuse politely
-                with contextlib.suppress(Exception):
-                    ray.get(engines[index].close_sync_group.remote(), timeout=60)
-            self._sync_group = self.trainer.weight_sync_address()
-            host, port = self._sync_group
-            refs = [
-                e.init_sync_group.remote(host, port, 1 + i * self.rollout.tp, world, self.rollout.sync_backend)
-                for i, e in enumerate(engines)
-            ]
-            self._in_group = set(range(len(engines)))
-        host, port = self._sync_group
-        refs += [e.update_weights_broadcast.remote(meta, version) for e in engines]
-        refs += self.trainer.sync_weights_broadcast_async(host, port, world, meta)
-        ray.get(refs)
+        """Check, before any step, that the plan's weight path works here (`WeightPush.prepare`)."""
+        self.weights.prepare()
 
     def _resume_cursor(self) -> int:
         """Where a resumed run restarts the prompt stream: the oldest prompt not yet trained on.
@@ -602,7 +441,7 @@ class Controller:
         return self.spec_decode.step(dict(enumerate(snaps)))
 
     def close(self) -> None:
-        for rank, folder in sorted(self._written_dirs.items()):  # each on the node of the rank that wrote it
+        for rank, folder in sorted(self.weights.written_dirs.items()):  # each on the node of the rank that wrote it
             try:
                 self.trainer.remove_dir(folder, rank)
             except Exception as exc:  # the trainer is gone: say what is left behind

@@ -175,8 +175,8 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
 
     A LoRA run has no reference group: the trainer scores with adapters disabled.
     """
-    from rlc.runtime.controller import RolloutPool
     from rlc.runtime.rollout.engine import rollout_engine_actor
+    from rlc.runtime.rollout.pool import RolloutPool
     from rlc.runtime.rollout.served import served_engine_actor
     from rlc.runtime.train.group import TrainerGroup
 

@@ -1,0 +1,160 @@
+"""`WeightPush`: how the trainer's new weights reach the rollout engines, by the plan's sync path.
+
+`broadcast` sends them over a collective group of the trainer's rank 0 and every engine worker (rebuilt when
+an engine restarts); `disk` writes a safetensors folder that engines load; `inplace` (colocated) writes it into
+each engine node's /dev/shm through a trainer rank on that node (`host_moves`); LoRA runs served as adapters
+write the adapter instead. A sync that loses an engine restarts it and is redone, a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlc.runtime.errors import RunError
+from rlc.runtime.host_moves import HostMoves, plan_host_moves, weight_bytes
+from rlc.runtime.rollout.pool import RolloutPool
+from rlc.schemas.plan import Plan
+
+__all__ = ["SYNC_TIMEOUT_S", "WeightPush"]
+
+#: Seconds one weight sync may take before the run stops with a resumable message (a hung collective or
+#: engine would otherwise stall the run with no word).
+SYNC_TIMEOUT_S = 1800
+
+
+class WeightPush:
+    """The weight path of one run: its sync group, its colocated writers, the last version every engine holds."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        trainer: Any,
+        rollout: RolloutPool,
+        run_dir: Path,
+        message: Callable[[str], None],
+        version: int,
+    ) -> None:
+        self.plan, self.trainer, self.rollout, self.run_dir, self.message = plan, trainer, rollout, run_dir, message
+        self.lora_adapter = plan.lora is not None and plan.lora.rollout == "adapter"
+        self.synced_version = version
+        self._group: tuple[str, int] | None = None  # the broadcast group's address, once formed
+        self._in_group: set[int] = set()
+        self._host_moves: HostMoves | None = None  # colocated: who writes the weights into which node's /dev/shm
+        self.written_dirs: dict[int, str] = {}  # folders trainer ranks wrote, removed at the end
+
+    def forget(self, index: int) -> None:
+        """A restarted engine is not in the sync group (the next sync rebuilds it) and may be on another node."""
+        self._in_group.discard(index)
+        self._group = None
+        self._host_moves = None
+
+    def sync(self, version: int, restarted: Callable[[int], None], attempts: int = 3) -> None:
+        """Move the trainer's weights into every engine; an engine lost mid-sync is restarted (`restarted` tells
+        the controller, which forgets its work and calls `forget`) and the sync redone."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        for attempt in range(1, attempts + 1):
+            try:
+                self._sync_once(version)
+                self.synced_version = version
+                return
+            except (RayActorError, RayTaskError) as exc:
+                if attempt == attempts:
+                    raise
+                cause = getattr(exc, "cause", None) or exc
+                why = next((line for line in str(cause).splitlines() if line.strip()), "")
+                self.message(f"weight sync failed ({type(cause).__name__}: {why[:200]}); reviving engines and retrying")
+                self._group = None
+                with contextlib.suppress(Exception):  # the sender's group may already be broken
+                    self.trainer.close_weight_sync()
+                for index in self.rollout.revive():
+                    restarted(index)
+
+    def method(self) -> str:
+        """adapter (LoRA served by vLLM), or the plan's broadcast, disk or inplace (see `host_moves`)."""
+        return "adapter" if self.lora_adapter else self.plan.schedule.weight_sync
+
+    def prepare(self) -> None:
+        """Check, before any step, that the plan's weight path works here; colocated runs find their writers."""
+        if self.method() == "inplace":
+            self._moves()
+
+    def _moves(self) -> HostMoves:
+        """Which trainer rank writes into which node's /dev/shm for which engines; decided once and logged,
+        forgotten when an engine is restarted (it may land on another node)."""
+        if self._host_moves is None:
+            import ray
+
+            ranks = self.trainer.hosts_info()
+            nodes = ray.get([e.node_id.remote() for e in self.rollout.engines])
+            tag = f"{os.getpid()}-{abs(hash(str(self.run_dir))) % 10**8}"
+            self._host_moves = plan_host_moves(ranks, nodes, weight_bytes(self.trainer.weight_meta()), tag)
+            self.message(f"colocated weight moves through host memory: {self._host_moves.describe()}")
+        return self._host_moves
+
+    def push_files(self, indices: list[int], version: int) -> None:
+        """Write the current weights (or LoRA adapter) as files and have engines `indices` load them."""
+
+        engines = [self.rollout.engines[i] for i in indices]
+        if self.lora_adapter:
+            # A new folder per version: vLLM identifies an adapter by id and path, and an engine may still
+            # be reading the previous one.
+            root = self.run_dir / "sync"
+            path = self.trainer.save_adapter(str(root / f"adapter-v{version:06d}"))
+            _bounded([e.update_lora_adapter.remote(path, version) for e in engines])
+            for old in sorted(root.glob("adapter-v*"))[:-2]:
+                shutil.rmtree(old, ignore_errors=True)
+            return
+        if self.method() == "inplace":
+            moves = self._moves()
+            self.written_dirs.update(self.trainer.save_weights_per_node(moves.dirs))
+            folders = [moves.folder_for(i) for i in indices]
+        else:
+            path = self.trainer.save_weights(str(self.run_dir / "sync" / "latest"))
+            folders = [str(Path(path).parent)] * len(indices)
+        _bounded([e.update_weights_from_path.remote(f, version) for e, f in zip(engines, folders, strict=True)])
+
+    def _sync_once(self, version: int) -> None:
+        import ray
+
+        engines = self.rollout.engines
+        if self.method() != "broadcast":
+            self.push_files(list(range(len(engines))), version)
+            return
+        meta = self.trainer.weight_meta()
+        world = 1 + len(engines) * self.rollout.tp
+        refs: list[Any] = []
+        if self._group is None:
+            for index in sorted(self._in_group):  # leave the old group; a broken one may refuse politely
+                with contextlib.suppress(Exception):
+                    ray.get(engines[index].close_sync_group.remote(), timeout=60)
+            self._group = self.trainer.weight_sync_address()
+            host, port = self._group
+            refs = [
+                e.init_sync_group.remote(host, port, 1 + i * self.rollout.tp, world, self.rollout.sync_backend)
+                for i, e in enumerate(engines)
+            ]
+            self._in_group = set(range(len(engines)))
+        host, port = self._group
+        refs += [e.update_weights_broadcast.remote(meta, version) for e in engines]
+        refs += self.trainer.sync_weights_broadcast_async(host, port, world, meta)
+        _bounded(refs)
+
+
+def _bounded(refs: list[Any]) -> list[Any]:
+    """`ray.get` within SYNC_TIMEOUT_S, or a clear stop (the last checkpoint resumes the run)."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        return ray.get(refs, timeout=SYNC_TIMEOUT_S)
+    except GetTimeoutError:
+        raise RunError(
+            f"a weight sync did not finish within {SYNC_TIMEOUT_S} s (an engine or the trainer is stuck); "
+            "the run stopped: `rlc run PLAN --resume` continues from the last checkpoint"
+        ) from None
