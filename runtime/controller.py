@@ -113,6 +113,9 @@ class Controller:
         self.eos_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
         self._step_started = time.perf_counter()
         self._rollout_tokens = 0
+        # Driver-thread time per step outside the engines and the trainer: fetching finished requests from
+        # the engines (gather) and scoring them (reward); the trainer thread adds batch, train and sync.
+        self._timeline = dict.fromkeys(("time/gather_s", "time/reward_s"), 0.0)
         self.logger = MetricsLogger(run_dir, plan.loggers, plan.schedule.steps, self.step)
         self.weights = WeightPush(plan, trainer, rollout, run_dir, self.logger.message, self.version)
         self.rollout_log = RolloutLog(run_dir, self.step)
@@ -175,6 +178,7 @@ class Controller:
         ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=timeout)
         for ref in ready:
             chunk = self.inflight.pop(ref)
+            t0 = time.perf_counter()
             try:
                 results = ray.get(ref)
             except Exception as exc:
@@ -182,6 +186,7 @@ class Controller:
                     raise
                 self._engine_died(chunk)
                 continue
+            self._timeline["time/gather_s"] += time.perf_counter() - t0
             self._record(chunk, results)
             for item, samples in zip(chunk.items, results, strict=True):
                 group = Group(
@@ -191,10 +196,12 @@ class Controller:
                     [int(s.version) for s in samples],
                     request=chunk.id,
                 )
+                t0 = time.perf_counter()
                 group.rewards = [
                     self.scorer(self.tokenizer.decode(ids, skip_special_tokens=True), item.answer, prompt=item.prompt)
                     for ids in group.output_ids
                 ]
+                self._timeline["time/reward_s"] += time.perf_counter() - t0
                 self._rollout_tokens += sum(len(ids) for ids in group.output_ids)
                 if not self._drop_too_stale(group):
                     self.finished.append(group)
@@ -283,7 +290,9 @@ class Controller:
 
     def _train_and_sync(self, groups: list[Group]) -> dict[str, float]:
         algo = self.plan.algorithm
+        t_batch = time.perf_counter()
         batch, stats, domains = self._build_batch(groups)
+        stats["time/batch_s"] = time.perf_counter() - t_batch
         self.phases.before_train()
         t0 = time.perf_counter()
         # Teachers score on their own devices while the trainer works. The proximal log-probs of the
@@ -420,6 +429,8 @@ class Controller:
             "reward/failed": float(self.scorer.take_failed()),
             **self._spec_decode_metrics(),
         }
+        metrics.update(self._timeline)
+        self._timeline = dict.fromkeys(self._timeline, 0.0)
         self._step_started = now
         self._rollout_tokens = 0
         self.logger.log(metrics)

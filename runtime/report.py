@@ -37,6 +37,9 @@ CHARTS: tuple[tuple[str, str, tuple[tuple[str, str], ...], str], ...] = (
         "Time per step",
         (
             ("time/rollout_s", "rollout wait"),
+            ("time/gather_s", "gather results"),
+            ("time/reward_s", "reward"),
+            ("time/batch_s", "build batch"),
             ("time/train_s", "training"),
             ("time/weight_sync_s", "weight sync"),
             ("time/step_s", "step"),
