@@ -478,6 +478,7 @@ def _schedule(problem: Problem, ctx: search.Context, best: search.Candidate) -> 
     """Batch, token budgets, staleness, how the controller feeds engines, weight sync and phase moves."""
     spec = problem.spec
     colocated = best.mode == "colocated"
+    staleness = 0 if colocated else spec.algorithm.max_staleness
     return Schedule(
         mode=best.mode,
         steps=spec.algorithm.steps,
@@ -487,9 +488,11 @@ def _schedule(problem: Problem, ctx: search.Context, best: search.Candidate) -> 
         micro_batch_tokens=best.train.layout.micro_batch_tokens,
         logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
         packing=spec.train.packing,
-        max_staleness=0 if colocated else spec.algorithm.max_staleness,
-        rollout_chunk_prompts=cost.rollout_chunk_prompts(spec.algorithm.batch_prompts, best.rollout.layout.replicas),
-        rollout_chunks_per_engine=cost.ENGINE_CHUNKS,
+        max_staleness=staleness,
+        rollout_chunk_prompts=cost.rollout_chunk_prompts(
+            spec.algorithm.batch_prompts, best.rollout.layout.replicas, staleness
+        ),
+        rollout_chunks_per_engine=cost.engine_chunks(staleness),
         weight_sync=search.sync_method(ctx, best.mode),  # type: ignore[arg-type]
         offload=_offload_steps(problem, colocated, best),
         checkpoint_every=spec.output.checkpoint_every,

@@ -158,11 +158,13 @@ class Controller:
                     self._submit(engine, self._reissue.pop(0))
                     per_engine[engine] += 1
                     continue
-                samples = self.chunk_prompts * self.group_size
-                if not self.gate.can_admit(samples, self.version):
+                # The last request before the bound may be short: when chunks do not divide the batch, a whole
+                # one would never fit and the batch would never complete.
+                prompts = min(self.chunk_prompts, self.gate.room(self.version) // self.group_size)
+                if prompts == 0:
                     return
-                self.gate.admit(samples)
-                self._submit(engine, self.prompts.take(self.chunk_prompts))
+                self.gate.admit(prompts * self.group_size)
+                self._submit(engine, self.prompts.take(prompts))
                 per_engine[engine] += 1
 
     def _collect(self, timeout: float) -> None:

@@ -30,6 +30,10 @@ class StalenessGate:
     def can_admit(self, count: int, version: int) -> bool:
         return self.submitted + count <= self.capacity(version)
 
+    def room(self, version: int) -> int:
+        """Samples that may still be admitted at `version`."""
+        return max(0, self.capacity(version) - self.submitted)
+
     def admit(self, count: int) -> None:
         self.submitted += count
 

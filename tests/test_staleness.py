@@ -53,3 +53,23 @@ def test_trained_samples_never_exceed_the_bound(batch: int, staleness: int, chun
         trained, finished = finished[:batch], finished[batch:]
         assert all(version - v <= staleness for v in trained)
         version += 1
+
+
+def test_the_controller_admits_a_whole_batch_when_chunks_do_not_divide_it() -> None:
+    """20 prompts in requests of 8 at staleness 0: the third request is short (4), so the batch completes
+    (a whole third request would not fit and the run waited for ever)."""
+    import types
+
+    from rlc.runtime.controller import Controller
+
+    submitted: list[tuple[int, int]] = []
+    c = object.__new__(Controller)
+    c.colocated, c._training, c._warming, c.inflight, c._reissue = False, None, set(), {}, []
+    c.rollout = types.SimpleNamespace(replicas=1)
+    c.chunks_per_engine, c.chunk_prompts, c.group_size, c.version = 3, 8, 2, 0
+    c.gate = StalenessGate(batch_samples=20 * 2, max_staleness=0)
+    c.prompts = types.SimpleNamespace(take=lambda n: list(range(n)))
+    c._submit = lambda engine, items: submitted.append((engine, len(items)))  # type: ignore[method-assign]
+    c._fill()
+    assert [n for _, n in submitted] == [8, 8, 4]
+    assert c.gate.submitted == 40 and c.gate.room(0) == 0
