@@ -137,29 +137,37 @@ def test_a_weight_update_during_a_long_call(ray_cluster, served, agent_model_dir
     new = {k: (v * 1.5 if k.endswith("mlp.down_proj.weight") else v).contiguous() for k, v in weights.items()}
     new.setdefault("lm_head.weight", new["model.embed_tokens.weight"].clone())  # tied: always send both
     save_file(new, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    llm = session(ray_cluster, served)
-    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
-    limits_before = ray_cluster.get(served.get_version.remote())
+    folders = [tmp_path, agent_model_dir]  # updates alternate between the changed and the original weights
+    spanned: list[list[tuple[int, ...]]] = []
+    for attempt in range(3):  # a loaded machine may start the calls after the update: then try again
+        llm = session(ray_cluster, served)
+        client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+        before = ray_cluster.get(served.get_version.remote())
 
-    def long_call() -> str:  # 96 tokens: about a second on two cores, so the update lands mid-call
-        body = {"ignore_eos": True, "min_tokens": 0}
-        reply = client.completions.create(model="rlc-tiny-agent", prompt="1+1=", max_tokens=96, extra_body=body)
-        return reply.choices[0].text
+        def long_call(client: openai.OpenAI = client) -> str:  # 96 tokens: about a second on two cores
+            body = {"ignore_eos": True, "min_tokens": 0}
+            reply = client.completions.create(model="rlc-tiny-agent", prompt="1+1=", max_tokens=96, extra_body=body)
+            return reply.choices[0].text
 
-    with concurrent.futures.ThreadPoolExecutor(llm.max_turns) as pool:
-        calls = [pool.submit(long_call) for _ in range(llm.max_turns)]
-        time.sleep(0.3)
-        ray_cluster.get(served.update_weights_from_path.remote(str(tmp_path), limits_before + 1), timeout=120)
-        outs = [c.result(timeout=120) for c in calls]
-    record = close(ray_cluster, served, llm)
-    assert len(record.calls) == llm.max_turns, outs
-    versions = [c.versions for c in record.calls]
-    assert all(set(v) <= {limits_before, limits_before + 1} for v in versions)
-    # In flight when the update landed: early tokens from the old weights, the rest from the new, in order.
-    assert any(len(set(v)) == 2 for v in versions), versions
-    for v in versions:
-        assert list(v) == sorted(v)
-    ray_cluster.get(served.update_weights_from_path.remote(str(agent_model_dir), limits_before + 2), timeout=120)
+        with concurrent.futures.ThreadPoolExecutor(llm.max_turns) as pool:
+            calls = [pool.submit(long_call) for _ in range(llm.max_turns)]
+            time.sleep(0.3 * (attempt + 1))
+            update = served.update_weights_from_path.remote(str(folders[attempt % 2]), before + 1)
+            ray_cluster.get(update, timeout=120)
+            outs = [c.result(timeout=120) for c in calls]
+        record = close(ray_cluster, served, llm)
+        assert len(record.calls) == llm.max_turns, outs
+        versions = [tuple(c.versions) for c in record.calls]
+        assert all(set(v) <= {before, before + 1} for v in versions), versions
+        assert all(list(v) == sorted(v) for v in versions), versions  # old weights' tokens first, then the new
+        if any(len(set(v)) == 2 for v in versions):  # in flight when the update landed
+            break
+        spanned.append(versions)
+    else:
+        pytest.fail(f"no call was in flight during any of three updates: {spanned}")
+    if attempt % 2 == 0:  # the changed weights are loaded: put the original back for the other tests
+        version = ray_cluster.get(served.get_version.remote())
+        ray_cluster.get(served.update_weights_from_path.remote(str(agent_model_dir), version + 1), timeout=120)
 
 
 @pytest.mark.parametrize(
