@@ -151,18 +151,65 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
         # Best first by the degrees' time lower bound, so the bar rises fast and the rest stop at once.
         bounds = {s: _train_lower_bound_s(ctx, n, s, recomputes[0], mbts) for s in shapes}
         for shape in sorted(shapes, key=lambda s: (bounds[s], s.key())):
-            bar = fastest[-1] if len(fastest) >= KEEP_TRAIN and not ctx.exhaustive else limit
+            bar = min(fastest[-1] if len(fastest) >= KEEP_TRAIN and not ctx.exhaustive else inf, limit)
             if bounds[shape] > bar * (1 + 1e-9):
                 break
             had = len(found.options)
             _train_degree(ctx, found, n, shape, recomputes, offloads, mbts, resident_gib, colocated, bar)
             if len(found.options) > had:
                 fastest = heapq.nsmallest(KEEP_TRAIN, fastest + [o.score for o in found.options[had:]])
-        if backend == "fsdp2" and found.options and not backend_pin:
-            break  # fsdp2 for dense models that fit; megatron only when it does not
+        # fsdp2 for dense models that fit; megatron only when it does not. A limited search may have skipped
+        # every fsdp2 layout: it must still know whether one fits, or it would try megatron where the full
+        # search does not.
+        if (
+            backend == "fsdp2"
+            and not backend_pin
+            and (
+                found.options
+                or (
+                    limit < inf
+                    and any(
+                        _fits_at_lightest(ctx, n, s, recomputes, offloads, mbts, resident_gib, colocated)
+                        for s in shapes
+                    )
+                )
+            )
+        ):
+            break
     found.options.sort(key=lambda o: (round(o.score, 6), o.layout.summary()))
     del found.options[KEEP_TRAIN if not ctx.exhaustive else len(found.options) :]
     return found
+
+
+def _fits_at_lightest(
+    ctx: Context,
+    n: int,
+    shape: Shape,
+    recomputes: list[str],
+    offloads: list[tuple[bool, bool]],
+    mbts: list[int],
+    resident: float,
+    colocated: bool,
+) -> bool:
+    """Whether some layout of these degrees fits: device memory only falls with more recompute, more offload
+    and a smaller token budget, so the lightest recompute at the smallest budget, over the offloads, decides."""
+    for off_p, off_o in reversed(offloads):
+        layout = shape.layout(ctx, n, recomputes[-1], off_p, off_o, mbts[-1])
+        mem = memory.train_memory(
+            ctx.sizes,
+            layout,
+            ctx.target,
+            logprob_chunk_tokens=ctx.spec.train.logprob_chunk_tokens,
+            lora_rank=ctx.lora_rank,
+            lora_targets=ctx.lora_targets,
+            reference=ctx.reference,
+            devices_per_node=ctx.devices_per_node,
+            resident_gib=resident,
+            sync_group=not colocated and ctx.spec.rollout.weight_sync != "disk",
+        )
+        if mem.fits:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
