@@ -181,6 +181,22 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
     return found
 
 
+def _layout_memory(ctx: Context, layout: TrainLayout, resident: float, colocated: bool) -> MemoryBreakdown:
+    """The trainer's device memory for `layout` beside `resident` GiB of other roles."""
+    return memory.train_memory(
+        ctx.sizes,
+        layout,
+        ctx.target,
+        logprob_chunk_tokens=ctx.spec.train.logprob_chunk_tokens,
+        lora_rank=ctx.lora_rank,
+        lora_targets=ctx.lora_targets,
+        reference=ctx.reference,
+        devices_per_node=ctx.devices_per_node,
+        resident_gib=resident,
+        sync_group=not colocated and ctx.spec.rollout.weight_sync != "disk",
+    )
+
+
 def _fits_at_lightest(
     ctx: Context,
     n: int,
@@ -195,18 +211,7 @@ def _fits_at_lightest(
     and a smaller token budget, so the lightest recompute at the smallest budget, over the offloads, decides."""
     for off_p, off_o in reversed(offloads):
         layout = shape.layout(ctx, n, recomputes[-1], off_p, off_o, mbts[-1])
-        mem = memory.train_memory(
-            ctx.sizes,
-            layout,
-            ctx.target,
-            logprob_chunk_tokens=ctx.spec.train.logprob_chunk_tokens,
-            lora_rank=ctx.lora_rank,
-            lora_targets=ctx.lora_targets,
-            reference=ctx.reference,
-            devices_per_node=ctx.devices_per_node,
-            resident_gib=resident,
-            sync_group=not colocated and ctx.spec.rollout.weight_sync != "disk",
-        )
+        mem = _layout_memory(ctx, layout, resident, colocated)
         if mem.fits:
             return True
     return False
@@ -302,18 +307,7 @@ def _train_degree(
         key = (rc, off_p, off_o, mbt)
         if key not in seen:
             layout = shape.layout(ctx, n, rc, off_p, off_o, mbt)
-            mem = memory.train_memory(
-                ctx.sizes,
-                layout,
-                ctx.target,
-                logprob_chunk_tokens=ctx.spec.train.logprob_chunk_tokens,
-                lora_rank=ctx.lora_rank,
-                lora_targets=ctx.lora_targets,
-                reference=ctx.reference,
-                devices_per_node=ctx.devices_per_node,
-                resident_gib=resident,
-                sync_group=not colocated and ctx.spec.rollout.weight_sync != "disk",
-            )
+            mem = _layout_memory(ctx, layout, resident, colocated)
             seen[key] = (layout, mem)
         return seen[key]
 
