@@ -98,7 +98,6 @@ class ServedEngine:
         self._server: Any = None
         self._serving: asyncio.Task | None = None
         self._update_lock: asyncio.Lock | None = None
-        self._sync_world: tuple[int, int] | None = None
         # This actor runs calls concurrently and Ray does not keep an async actor's calls in submission order,
         # where RolloutEngine runs them in order: a broadcast update sent right after init_sync_group may start
         # first, so it waits (bounded) until the group is joined.
@@ -229,7 +228,6 @@ class ServedEngine:
         ranks = await asyncio.wait_for(
             self.llm.collective_rpc("init_sync_group", args=(host, port, rank, world_size, backend)), JOIN_TIMEOUT_S
         )
-        self._sync_world = (rank, world_size)
         self._joined.set()
         return min(ranks)
 
@@ -237,7 +235,6 @@ class ServedEngine:
         if self._joined is not None:
             self._joined.clear()
         await self.llm.collective_rpc("close_sync_group")
-        self._sync_world = None
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.llm.reset_prefix_cache())
