@@ -177,9 +177,11 @@ def test_failing_agents_are_bounded_and_named(ray_cluster, served, fn: str, stat
     from rlc.runtime.agent.runner import agent_runner_actor
 
     runner = agent_runner_actor().remote(f"tests.agent_fixtures:{fn}", 2, {})
-    llm = session(ray_cluster, served, timeout_s=3.0)
+    ray_cluster.get(runner.ready.remote(), timeout=120)  # the session's clock starts when it opens
+    limit = 3.0 if fn == "hangs" else 20.0  # a real call on a cold or loaded engine can take seconds
+    llm = session(ray_cluster, served, timeout_s=limit)
     t0 = time.monotonic()
-    episode = ray_cluster.get(runner.run_episode.remote({"prompt": "1+", "answer": "1"}, llm.to_dict(), 3.0))
+    episode = ray_cluster.get(runner.run_episode.remote({"prompt": "1+", "answer": "1"}, llm.to_dict(), limit))
     record = close(ray_cluster, served, llm)
     ray_cluster.kill(runner)
     assert time.monotonic() - t0 < 30
