@@ -12,6 +12,9 @@ Figures, from each run's metrics.jsonl: steps/s over the steady part (steps afte
 the table gives the ideal overlap speed-up, (rollout + train + sync) / max(rollout, train + sync): what async
 could reach if rollout and training had separate hardware. Here both share the same two cores, so the measured
 ratio sits below that bound; how far below tells how much the overlap is eaten by core contention.
+The overlap column is measured, not derived: the share of each step's train-and-sync window during which a
+generate request was in flight (``time/overlap_s``, from the spans the controller writes to RUN/trace.json,
+which Perfetto or chrome://tracing shows as a timeline).
 
 With --rounds 2 the runs go 0, 2, 2, 0 (balanced against drift on a shared machine) and medians are reported.
 
@@ -83,6 +86,9 @@ def summarize(rows: list[dict], skip: int) -> dict[str, float]:
         "train_s": statistics.fmean(r["time/train_s"] for r in steady),
         "sync_s": statistics.fmean(r["time/weight_sync_s"] for r in steady),
         "step_s": statistics.fmean(r["time/step_s"] for r in steady),
+        # Rollout in flight during the step's train-and-sync window, as a share of that window (RUN/trace.json).
+        "overlap": statistics.fmean(r["time/overlap_s"] for r in steady)
+        / max(statistics.fmean(r["time/train_s"] + r["time/weight_sync_s"] + r["time/batch_s"] for r in steady), 1e-9),
     }
 
 
@@ -110,13 +116,15 @@ def main() -> None:
     print(f"quickstart GRPO, {args.steps} steps, {len(order)} run(s); steady = steps after the first {args.skip}")
     print(
         f"{'max_staleness':>13s} {'steps/s':>8s} {'(all)':>7s} {'ratio':>6s} {'step_s':>7s} {'rollout':>8s} "
-        f"{'train':>6s} {'sync':>6s} {'stale':>6s} {'max':>4s} {'reward 1st10':>12s} {'last10':>7s} {'wall_s':>7s}"
+        f"{'train':>6s} {'sync':>6s} {'overlap':>7s} {'stale':>6s} {'max':>4s} {'reward 1st10':>12s} "
+        f"{'last10':>7s} {'wall_s':>7s}"
     )
     for s, m in ((0, sync), (2, asyn)):
         print(
             f"{s:13d} {m['steady_steps_per_s']:8.3f} {m['all_steps_per_s']:7.3f} "
             f"{m['steady_steps_per_s'] / sync['steady_steps_per_s']:6.2f} {m['step_s']:7.3f} {m['rollout_s']:8.3f} "
-            f"{m['train_s']:6.3f} {m['sync_s']:6.3f} {m['staleness']:6.2f} {m['staleness_max']:4.0f} "
+            f"{m['train_s']:6.3f} {m['sync_s']:6.3f} {m['overlap']:7.0%} {m['staleness']:6.2f} "
+            f"{m['staleness_max']:4.0f} "
             f"{m['reward_first']:12.3f} {m['reward_final']:7.3f} {m['wall_s']:7.0f}"
         )
     ratio = asyn["steady_steps_per_s"] / sync["steady_steps_per_s"]
@@ -133,6 +141,11 @@ def main() -> None:
             else f"realises none of it: training slows from {train:.3f} s to "
             f"{asyn['train_s'] + asyn['sync_s']:.3f} s per step while rollout runs beside it."
         )
+    )
+    print(
+        f"overlap: the share of each step's train-and-sync window with a generate request in flight (measured "
+        f"from the controller's spans, RUN/trace.json): {sync['overlap']:.0%} synchronous, {asyn['overlap']:.0%} "
+        "asynchronous."
     )
     print(
         f"summary: async (max_staleness 2) runs {ratio:.2f}x the steps/s of sync (max_staleness 0) "

@@ -49,6 +49,15 @@ def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step
 
 
+def token_budgets(longest: int, samples: int) -> list[int]:
+    """Micro-batch token budgets to try, largest first: the whole batch at its longest (one pass per step,
+    where it fits: short sequences, where each pass's fixed cost would otherwise dominate), then
+    `MBT_MULTIPLES` of the longest sequence."""
+    budgets = {_round_up(longest * m, 128) for m in MBT_MULTIPLES}
+    budgets.add(_round_up(longest * samples, 128))
+    return sorted(budgets, reverse=True)
+
+
 def train_search(
     ctx: Context, n: int, resident_gib: float = 0.0, *, colocated: bool = False, bar: float = inf
 ) -> RoleSearch:
@@ -110,7 +119,7 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
         spec.train.offload if (spec.train.offload.params or spec.train.offload.optimizer) else None
     )
     mbt_pin = pin.micro_batch_tokens or spec.train.micro_batch_tokens
-    mbts = [mbt_pin] if mbt_pin else [_round_up(ctx.longest * m, 128) for m in MBT_MULTIPLES]
+    mbts = [mbt_pin] if mbt_pin else token_budgets(ctx.longest, ctx.work.samples)
     dpn = ctx.devices_per_node
     fastest: list[float] = []  # scores of the KEEP_TRAIN best options so far: the bar for pruning
     for backend in backends:

@@ -37,6 +37,7 @@ from rlc.runtime.seeds import request_seed
 from rlc.runtime.spec_decode import SpecDecodeDelta
 from rlc.runtime.staleness import StalenessGate
 from rlc.runtime.tasks.rewards import RewardGuard
+from rlc.runtime.trace import StepTrace
 from rlc.runtime.weight_push import WeightPush
 from rlc.schemas.plan import Plan
 
@@ -119,6 +120,7 @@ class Controller:
         self.logger = MetricsLogger(run_dir, plan.loggers, plan.schedule.steps, self.step)
         self.weights = WeightPush(plan, trainer, rollout, run_dir, self.logger.message, self.version)
         self.rollout_log = RolloutLog(run_dir, self.step)
+        self.trace = StepTrace(run_dir, self.step)
         self.scorer = RewardGuard(reward_fn, plan.data.reward, sched.batch_samples, self.logger.message)
         self.phases = PhaseSwitcher(plan, rollout, trainer, self.logger.message)
 
@@ -142,7 +144,9 @@ class Controller:
 
     def _submit(self, engine: int, items: list[PromptItem]) -> None:
         ref = self.rollout.engines[engine].generate.remote(self._requests(items))
-        self.inflight[ref] = Chunk(engine, items, self.rollout_log.new_id(), self.version)
+        chunk = Chunk(engine, items, self.rollout_log.new_id(), self.version)
+        self.inflight[ref] = chunk
+        self.trace.submitted(chunk.id, f"generate #{chunk.id}", engine)
 
     def _fill(self) -> None:
         """Admit chunks while the staleness bound allows (and, colocated, only between train phases)."""
@@ -190,6 +194,7 @@ class Controller:
                 continue
             self._timeline["time/gather_s"] += time.perf_counter() - t0
             self._record(chunk, results)
+            self.trace.finished(chunk.id, prompts=len(chunk.items))
             for item, samples in zip(chunk.items, results, strict=True):
                 group = Group(
                     item,
@@ -217,6 +222,8 @@ class Controller:
     def _engine_died(self, chunk: Chunk) -> None:
         """Restart the engine, bring it to the current weights, and re-issue every prompt it held."""
         lost = [chunk] + [c for c in self.inflight.values() if c.engine == chunk.engine]
+        for c in lost:
+            self.trace.finished(c.id, prompts=len(c.items), lost=True)
         for ref in [r for r, c in self.inflight.items() if c.engine == chunk.engine]:
             del self.inflight[ref]
         self.logger.message(f"rollout engine {chunk.engine} died; restarting it and re-issuing {len(lost)} chunk(s)")
@@ -290,7 +297,9 @@ class Controller:
         }
         return batch, stats, domains
 
-    def _train_and_sync(self, groups: list[Group]) -> dict[str, float]:
+    def _train_and_sync(self, groups: list[Group]) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+        """Train on a batch and sync the new weights; returns the step's metrics and the trainer thread's spans
+        (batch building, training, weight sync) for the trace."""
         algo = self.plan.algorithm
         t_batch = time.perf_counter()
         batch, stats, domains = self._build_batch(groups)
@@ -324,8 +333,10 @@ class Controller:
         t1 = time.perf_counter()
         self.phases.before_sync()
         self._sync_weights(self.version + 1)
-        sync_s = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        sync_s = t2 - t1
         self.phases.after_sync()
+        spans = {"build batch": (t_batch, t0), "train": (t0, t1), "weight sync": (t1, t2)}
         if self.colocated:
             stats.update(self.phases.take_times())
         if "kl_ref" in result:
@@ -348,7 +359,7 @@ class Controller:
                 "throughput/train_tokens_per_s": stats["train/tokens"] / train_s if train_s > 0 else 0.0,
             }
         )
-        return stats
+        return stats, spans
 
     def _sync_weights(self, version: int) -> None:
         """Move the trainer's weights into every engine (`WeightPush.sync`); restarted engines are forgotten."""
@@ -414,9 +425,13 @@ class Controller:
         return groups
 
     def _finish_step(self, future: Future) -> None:
-        stats = future.result()
+        stats, spans = future.result()
         self.version += 1
         self.step += 1
+        for name, (begin, end) in spans.items():
+            self.trace.trainer_span(name, begin, end, self.step)
+        # Rollout that ran while this step trained and synced (about 0 when the run is synchronous).
+        stats["time/overlap_s"] = self.trace.overlap(spans["build batch"][0], spans["weight sync"][1])
         self.rollout_log.batch(self.step, future.groups)  # type: ignore[attr-defined]
         now = time.perf_counter()
         step_s = now - self._step_started
@@ -461,6 +476,7 @@ class Controller:
                 self.logger.message(f"could not remove {folder} ({type(exc).__name__}); delete it by hand")
         self.logger.close()
         self.rollout_log.close()
+        self.trace.close()
         self._trainer_thread.shutdown(wait=False, cancel_futures=True)
 
 

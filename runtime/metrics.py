@@ -33,6 +33,7 @@ REQUIRED_KEYS: tuple[str, ...] = (
     "time/batch_s",
     "time/train_s",
     "time/weight_sync_s",
+    "time/overlap_s",
     "time/step_s",
     "throughput/rollout_tokens_per_s",
     "throughput/train_tokens_per_s",

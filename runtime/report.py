@@ -42,6 +42,7 @@ CHARTS: tuple[tuple[str, str, tuple[tuple[str, str], ...], str], ...] = (
             ("time/batch_s", "build batch"),
             ("time/train_s", "training"),
             ("time/weight_sync_s", "weight sync"),
+            ("time/overlap_s", "rollout under training"),
             ("time/step_s", "step"),
         ),
         "seconds",

@@ -46,6 +46,13 @@ class WeightPush:
         self._in_group: set[int] = set()
         self._host_moves: HostMoves | None = None  # colocated: who writes the weights into which node's /dev/shm
         self.written_dirs: dict[int, str] = {}  # folders trainer ranks wrote, removed at the end
+        self._meta: list[Any] | None = None
+
+    def meta(self) -> list[Any]:
+        """Names, shapes and dtypes of what a sync sends: fixed for the run, so asked of the trainer once."""
+        if self._meta is None:
+            self._meta = self.trainer.weight_meta()
+        return self._meta
 
     def forget(self, index: int) -> None:
         """A restarted engine is not in the sync group (the next sync rebuilds it) and may be on another node."""
@@ -93,7 +100,7 @@ class WeightPush:
             ranks = self.trainer.hosts_info()
             nodes = ray.get([e.node_id.remote() for e in self.rollout.engines])
             tag = f"{os.getpid()}-{abs(hash(str(self.run_dir))) % 10**8}"
-            self._host_moves = plan_host_moves(ranks, nodes, weight_bytes(self.trainer.weight_meta()), tag)
+            self._host_moves = plan_host_moves(ranks, nodes, weight_bytes(self.meta()), tag)
             self.message(f"colocated weight moves through host memory: {self._host_moves.describe()}")
         return self._host_moves
 
@@ -126,7 +133,7 @@ class WeightPush:
         if self.method() != "broadcast":
             self.push_files(list(range(len(engines))), version)
             return
-        meta = self.trainer.weight_meta()
+        meta = self.meta()
         world = 1 + len(engines) * self.rollout.tp
         refs: list[Any] = []
         if self._group is None:

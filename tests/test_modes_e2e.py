@@ -84,6 +84,7 @@ def test_colocated_is_strictly_on_policy(tmp_path: Path, capsys: pytest.CaptureF
     rows = run(plan, tmp_path / "run")
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     assert all(r["staleness/max"] == 0 for r in rows), "every sample must come from the current policy"
+    assert all(r["time/overlap_s"] == 0 for r in rows), "colocated: no rollout while the trainer holds the devices"
     # cpu: no sleep mode and trainer state already in host memory; recorded as 0, not pretended.
     assert all(r["time/offload_s"] == 0 and r["time/onload_s"] == 0 for r in rows)
     assert all(r["logprob_gap/max"] < 1e-3 for r in rows)  # engines hold exactly the trainer's weights

@@ -69,6 +69,12 @@ def test_interrupt_then_resume_continues_numbering(tmp_path: Path) -> None:
     for key in REQUIRED_KEYS:
         assert all(key in r for r in rows), f"missing {key}"
     assert all(r["staleness/max"] <= 1 for r in rows)  # the quickstart's max_staleness
+    # max_staleness 1: the engine generates the next batch while the trainer trains (RUN/trace.json shows it)
+    assert sum(r["time/overlap_s"] > 0 for r in rows) >= len(rows) // 2, [r["time/overlap_s"] for r in rows]
+    events = json.loads((run_dir / "trace.json").read_text().rstrip().rstrip(",") + "]")
+    names = {e["name"].split(" #")[0] for e in events}
+    assert {"generate", "train", "weight sync", "build batch"} <= names
+    assert len({e["pid"] for e in events}) == 2  # the first process and the resumed one
     assert (run_dir / "tensorboard").is_dir()
     from layout_record import assert_layout_as_planned
 

@@ -165,6 +165,7 @@ class AgentController(Controller):
             }
             ref = self.runners[runner].run_episode.remote(task, endpoint.to_dict(), timeout)
             self.episodes[ref] = _Pending(key, engine, group, now + timeout + RUNNER_GRACE_S)
+            self.trace.submitted(key, f"episode {group.item.cursor}", engine)
             self._runner_of[ref] = runner
 
     # ------------------------------------------------------------------ collection
@@ -192,6 +193,8 @@ class AgentController(Controller):
                 self._runner_load[self._runner_of.pop(ref)] -= 1
                 ray.cancel(ref, force=False)
                 done.append((pending, Episode(pending.key, "timeout", error="its runner did not answer in time")))
+        for pending, episode in done:
+            self.trace.finished(pending.key, status=episode.status)
         if done:
             self._finish_episodes(done)
 
