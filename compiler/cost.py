@@ -75,6 +75,10 @@ class Workload:
     mtp_acceptance: float = 0.0
     mtp_draft_layers: int = 0
     group_size: int = 1
+    #: Forward-only passes over the batch besides a KL reference's. rlc's own steps make none (the decoupled
+    #: loss takes its proximal log-probs from the train forward); comparisons with frameworks that recompute
+    #: old log-probs before training (verl's old_log_prob, NeMo-RL's prev_logprobs) set 1.
+    extra_forwards: int = 0
 
     @property
     def context_tokens(self) -> float:
@@ -350,9 +354,9 @@ def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
     6·N_active·T for forward and backward (Kaplan et al. 2020; Narayanan et al. 2021 eq. 3) — 4·N·T with
     LoRA, whose frozen weights need no weight gradients — plus causal attention 3 · 2·n_q·d_h·ctx per token
     per full layer. Extra forwards of 2·N·T (+ attention): full recompute (one more forward), selective
-    (about a tenth of one) and a KL reference policy. The decoupled loss' proximal log-probs cost none: with
-    one optimizer step per batch they are the train forward's own (AReaL recomputes them, recompute_logprob,
-    because it takes several minibatch steps per batch).
+    (about a tenth of one), a KL reference policy and `Workload.extra_forwards`. The decoupled loss' proximal
+    log-probs cost none: with one optimizer step per batch they are the train forward's own (AReaL recomputes
+    them, recompute_logprob, because it takes several minibatch steps per batch).
     """
     arch = sizes.arch
     tokens = work.trained_tokens
@@ -360,7 +364,7 @@ def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
     fwd = (2 * sizes.active + attn_fwd) * tokens
     flops = (2 if work.lora else 3) * fwd
     extra = {"full": 1.0, "selective": 0.1}.get(recompute, 0.0)
-    extra += 1.0 if work.reference else 0.0
+    extra += (1.0 if work.reference else 0.0) + work.extra_forwards
     return flops + extra * fwd
 
 
@@ -476,7 +480,7 @@ def train_time(
             offload_s += 2 * moments / host
     # Fixed cost per pass over a micro-batch (launches, packing, Python): one forward+backward pass each, plus
     # the forward-only pass of a KL reference.
-    launches = micro * (1 + (1 if work.reference else 0))
+    launches = micro * (1 + (1 if work.reference else 0) + work.extra_forwards)
     overhead = launches * target.efficiency.micro_batch_overhead_s
     return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s, overhead, expert_s)
 

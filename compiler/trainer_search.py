@@ -32,6 +32,9 @@ OFFLOAD_ORDER = ((False, False), (False, True), (True, True))
 #: Micro-batch token budgets tried, as multiples of the longest sequence, largest first: bigger micro-batches
 #: keep the device busier, so the largest that fits is taken.
 MBT_MULTIPLES = (4, 2, 1)
+#: The largest budget tried for short sequences (more than 4 × the longest): one pass of this many tokens
+#: keeps a device busy, so larger budgets only save a per-pass fixed cost while holding more activations.
+SHORT_BUDGET_TOKENS = 2048
 #: Trainer layouts kept per device count (the fastest), to combine with rollout layouts.
 KEEP_TRAIN = 3
 _PROTOTYPE = TrainLayout(world_size=1)
@@ -50,11 +53,11 @@ def _round_up(value: int, step: int) -> int:
 
 
 def token_budgets(longest: int, samples: int) -> list[int]:
-    """Micro-batch token budgets to try, largest first: the whole batch at its longest (one pass per step,
-    where it fits: short sequences, where each pass's fixed cost would otherwise dominate), then
-    `MBT_MULTIPLES` of the longest sequence."""
+    """Micro-batch token budgets to try, largest first: `MBT_MULTIPLES` of the longest sequence and, for short
+    sequences, up to `SHORT_BUDGET_TOKENS` (the whole batch at its longest, if smaller): passes over a few
+    hundred tokens are all fixed cost (the quickstart's 12-token samples took three passes at 512)."""
     budgets = {_round_up(longest * m, 128) for m in MBT_MULTIPLES}
-    budgets.add(_round_up(longest * samples, 128))
+    budgets.add(min(_round_up(longest * samples, 128), max(SHORT_BUDGET_TOKENS, max(budgets))))
     return sorted(budgets, reverse=True)
 
 

@@ -43,21 +43,23 @@ class MicroBatch:
     labels: torch.Tensor | None = None  # CP: the next token of each of this slice's positions
 
     def _row(self, rows: Sequence[Sequence[float]]) -> torch.Tensor:
-        """Per-sequence rows in the micro-batch's layout (missing entries are 0, as when padding)."""
-        if self.packed is None:
-            width = max(len(s) for s in self.seqs)
-            out = torch.zeros((len(self.seqs), width), dtype=torch.float32)
-            for i, r in enumerate(rows):
-                out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
-            return out
-        parts = []
+        """Per-sequence rows in the micro-batch's layout (missing entries are 0, as when padding).
+
+        One tensor from one flat list: a tensor per sequence costs more than the training step's arithmetic
+        on a small model.
+        """
+        width = max(len(s) for s in self.seqs)
+        flat: list[float] = []
         for r, s in zip(rows, self.seqs, strict=True):
-            t = torch.zeros(len(s), dtype=torch.float32)
-            t[: len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
-            parts.append(t)
-        if self.pad:
-            parts.append(torch.zeros(self.pad, dtype=torch.float32))
-        return self.packed.pack(parts)
+            n = width if self.packed is None else len(s)
+            if len(r) > len(s):
+                raise ValueError(f"a row of {len(r)} entries for a sequence of {len(s)} tokens")
+            flat.extend(r)
+            flat.extend([0.0] * (n - len(r)))
+        if self.packed is None:
+            return torch.tensor(flat, dtype=torch.float32).view(len(self.seqs), width)
+        flat.extend([0.0] * self.pad)
+        return torch.tensor(flat, dtype=torch.float32).unsqueeze(0)
 
     def local(self, rows: Sequence[Sequence[float]]) -> torch.Tensor:
         """Rows as the tensor aligned with this rank's log-probs (the slice it predicts under CP)."""

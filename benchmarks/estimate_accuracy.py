@@ -1,0 +1,127 @@
+"""The planner's step-time estimates against published runs it was not fitted on (benchmarks/published_runs.yaml).
+
+What: each held-out run is compiled as written there (the published layout pinned, on its target), with the
+run's mean tokens per sample and the extra forward passes it made, and its estimate is set against the
+measured step time, and against the measured phases where the source splits them (generation, training,
+weight sync). The table prints predicted / measured per run; the summary gives the median and geometric mean
+of the step ratios and how many runs are predicted too fast (ratio < 1) or too slow. A ratio of 0.5 means the
+planner expects the step in half the time it took.
+
+The compile path only (no torch): about 10 seconds.
+
+Run: python benchmarks/estimate_accuracy.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = ROOT / "benchmarks" / "published_runs.yaml"
+
+#: measured key -> the estimate's field it is compared with
+PHASES = {"gen_s": "rollout_s", "train_s": "train_s", "sync_s": "sync_s"}
+#: measured forward-only passes the sources time apart from training (the estimate counts them in training)
+FORWARD_PASSES = ("ref_s", "old_log_prob_s")
+
+
+def load_runs(path: Path = RUNS) -> list[dict[str, Any]]:
+    return list(yaml.safe_load(path.read_text())["runs"])
+
+
+def estimate(run: dict[str, Any]) -> Any:
+    """The planner's best plan for the run as published (its `StepTime` is `.step`), or an error string."""
+    from rlc.compiler import search
+    from rlc.compiler.validate import check_text
+
+    text = f"name: {run['id']}\ndata: {{train: arithmetic}}\n" + run["spec"]
+    checked = check_text(text, "spec.yaml", target=run["target"])
+    if checked.problem is None:
+        errors = [f"{d.code} {d.message}" for d in checked.report.diagnostics if d.severity == "error"]
+        return "; ".join(errors) or "no plan"
+    ctx = search.make_context(checked.problem)
+    prompt = run["mean_prompt_tokens"] if run["mean_prompt_tokens"] is not None else ctx.work.prompt_tokens
+    work = dataclasses.replace(
+        ctx.work,
+        prompt_tokens=prompt,
+        response_tokens=run["mean_sample_tokens"] - prompt,
+        reference=bool(run["reference"]),
+        extra_forwards=int(run["extra_forwards"]),
+    )
+    best = search.search_context(dataclasses.replace(ctx, work=work, memo={})).best
+    return best if best is not None else "no plan fits"
+
+
+def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for run in runs:
+        best = estimate(run)
+        if isinstance(best, str):
+            rows.append({"id": run["id"], "error": best})
+            continue
+        measured = run["measured"]
+        row: dict[str, Any] = {
+            "id": run["id"],
+            "target": run["target"],
+            "predicted_s": best.step.step_s,
+            "measured_s": measured["step_s"],
+            "ratio": best.step.step_s / measured["step_s"],
+            "plan": best.summary,
+        }
+        phases = dict(measured)
+        if "train_s" in phases:  # the estimate's training includes its reference and extra forward passes
+            phases["train_s"] += sum(measured.get(k, 0.0) for k in FORWARD_PASSES)
+        for key, field in PHASES.items():
+            if key in phases:
+                row[f"{key}_ratio"] = getattr(best.step, field) / phases[key]
+        rows.append(row)
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    ratios = [r["ratio"] for r in rows if "ratio" in r]
+    return {
+        "runs": len(ratios),
+        "median": statistics.median(ratios),
+        "geomean": statistics.geometric_mean(ratios),
+        "too_fast": sum(r < 1 for r in ratios),
+        "too_slow": sum(r > 1 for r in ratios),
+        "within_1_5x": sum(1 / 1.5 <= r <= 1.5 for r in ratios),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the rows and the summary here")
+    args = parser.parse_args()
+    rows = compare(load_runs())
+    print(f"{'run':40s} {'target':6s} {'predicted':>9s} {'measured':>9s} {'ratio':>6s}   phases (predicted / measured)")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['id']:40s} not expressible: {r['error'][:150]}")
+            continue
+        phases = "  ".join(f"{k[:-2]} {r[f'{k}_ratio']:.2f}" for k in PHASES if f"{k}_ratio" in r)
+        print(
+            f"{r['id']:40s} {r['target']:6s} {r['predicted_s']:9.1f} {r['measured_s']:9.1f} {r['ratio']:6.2f}   "
+            f"{phases}"
+        )
+    s = summary(rows)
+    print(
+        f"summary: {s['runs']} runs, predicted / measured step time median {s['median']:.2f}, geometric mean "
+        f"{s['geomean']:.2f}; {s['too_fast']} predicted too fast, {s['too_slow']} too slow, "
+        f"{s['within_1_5x']} within 1.5x"
+    )
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "summary": s}, indent=2, sort_keys=True))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Held-out published runs (benchmarks/published_runs.yaml): each is expressible and priced within reason.
+
+`benchmarks/estimate_accuracy.py` prints how far each estimate is from the measured step; here only what must
+hold whatever the calibration: every run compiles with its published layout pinned, and no estimate is off by
+an order of magnitude (a unit or wiring error, not a calibration question).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+_spec = importlib.util.spec_from_file_location("estimate_accuracy", ROOT / "benchmarks" / "estimate_accuracy.py")
+accuracy = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(accuracy)  # type: ignore[union-attr]
+RUNS = accuracy.load_runs()
+
+
+def test_runs_are_described() -> None:
+    ids = [r["id"] for r in RUNS]
+    assert len(ids) == len(set(ids)) >= 10
+    for run in RUNS:
+        assert run["source"].get("url") or {"repo", "path", "commit"} <= set(run["source"]), run["id"]
+        assert run["measured"]["step_s"] > 0 and run["mean_sample_tokens"] > 0, run["id"]
+        assert isinstance(run["reference"], bool) and run["extra_forwards"] in (0, 1, 2), run["id"]
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r["id"] for r in RUNS])
+def test_published_layout_is_priced(run: dict) -> None:
+    (row,) = accuracy.compare([run])
+    assert "error" not in row, row
+    assert math.isfinite(row["ratio"]) and 0.1 < row["ratio"] < 10, row
