@@ -39,6 +39,9 @@ REQUIRED_KEYS: tuple[str, ...] = (
     "throughput/train_tokens_per_s",
 )
 
+#: Seconds between TensorBoard flushes (the writer's own thread; the default is two minutes).
+TENSORBOARD_FLUSH_S = 5
+
 # Keys shown on the one-line-per-step display, with their short labels.
 _SHOWN = (
     ("reward/mean", "reward"),
@@ -72,7 +75,10 @@ class MetricsLogger:
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
+            # Its writer thread flushes every few seconds (and at close): a flush per step blocks the driver.
+            self._tb = SummaryWriter(
+                log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1, flush_secs=TENSORBOARD_FLUSH_S
+            )
         self._progress = StepProgress(total_steps, start_step)
 
     def _truncate_after(self, step: int) -> None:
@@ -96,7 +102,6 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
-            self._tb.flush()
         self._progress.update(record)
 
     def message(self, text: str) -> None:

@@ -93,13 +93,15 @@ def test_micro_batch_holds_the_longest_sequence() -> None:
     assert best is not None and best.train.layout.micro_batch_tokens >= 2048 + 8192
 
 
-def test_large_moe_search_is_fast() -> None:
+def test_large_moe_search_does_not_blow_up() -> None:
+    """A blow-up guard, not a speed test (benchmarks/compile_speed.py measures speed): about 0.3 CPU-s here;
+    a search that lost its pruning takes minutes. CPU time, so a loaded machine does not fail it."""
     p = problem("model: {name: deepseek-v3, path: /m}\ncluster: {nodes: 128}\n")
-    start = time.perf_counter()
+    start = time.process_time()
     result = search.search(p)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert result.best is not None
-    assert elapsed < 1.5  # about 0.15 s on one core; generous for shared CI machines
+    assert elapsed < 5.0
 
 
 def test_more_pools_than_nodes_split_nodes_in_device_groups() -> None:

@@ -24,8 +24,10 @@ PROMPTS = ["1+1=1+1=1+1=", "1+2=3+1+2=3+1+2=", "5+5=10+5+5=10", "3+4="]
 
 
 @pytest.fixture(scope="module")
-def spec_engine(tiny_model_dir: Path):
-    from rlc.runtime.rollout.engine import RolloutEngine
+def spec_engine(tiny_model_dir: Path, ray_cluster):
+    """The engine in a Ray actor, as runs host it: an in-process vLLM worker leaves this process's OpenMP
+    threads bound so that later torch work here runs ~50x slower (a tiny model's warm-up took minutes)."""
+    from rlc.runtime.rollout.engine import rollout_engine_actor
 
     args = {
         "model": str(tiny_model_dir),
@@ -42,12 +44,12 @@ def spec_engine(tiny_model_dir: Path):
         },
         **CPU_ENGINE_ARGS,  # as cpu plans run engines
     }
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        engine = RolloutEngine(args, "cpu")
-        yield engine
-        engine.shutdown()
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+    engine = rollout_engine_actor(num_cpus=1, runtime_env={"env_vars": env}).remote(args, "cpu")
+    ray_cluster.get(engine.ready.remote(), timeout=600)
+    yield engine
+    ray_cluster.get(engine.shutdown.remote(), timeout=120)
+    ray_cluster.kill(engine)
 
 
 @torch.no_grad()
@@ -58,11 +60,12 @@ def _tempered_logprobs(model, ids: list[int], temperature: float) -> torch.Tenso
     return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1)
 
 
-def test_spec_decode_behaviour_logprobs_match_hf(spec_engine, tiny_model) -> None:
+def test_spec_decode_behaviour_logprobs_match_hf(spec_engine, tiny_model, tiny_model_dir: Path) -> None:
+    import ray
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(spec_engine.engine_args["model"])
-    repair = spec_engine.spec_decode_repair
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    repair = ray.get(spec_engine.__ray_call__.remote(lambda engine: engine.spec_decode_repair))
     assert repair is not None and set(repair["status"]) <= {"repaired", "ok", "triton"}
 
     reqs = [
@@ -70,9 +73,9 @@ def test_spec_decode_behaviour_logprobs_match_hf(spec_engine, tiny_model) -> Non
         for i, (p, t) in enumerate((p, t) for t in (1.0, 0.7) for p in PROMPTS)
     ]
     t0 = time.perf_counter()
-    groups = spec_engine.generate(reqs)
+    groups = ray.get(spec_engine.generate.remote(reqs))
     dt = time.perf_counter() - t0
-    metrics = spec_engine.spec_decode_metrics()
+    metrics = ray.get(spec_engine.spec_decode_metrics.remote())
 
     worst, least_likely, n_tokens = 0.0, 0.0, 0
     for req, group in zip(reqs, groups, strict=True):
