@@ -91,7 +91,7 @@ class Bench:
         self.work = work
         self.reps = reps
         self.batches = batches
-        self.model_path = prepare_model(plan, log)
+        self.model_path, _ = prepare_model(plan, log)
         self.tokenizer, self.reward_fn = load_inputs(plan, self.model_path)
         role = plan.roles_of("rollout")[0]
         self.engine_args = {**role.engine, "model": str(self.model_path)}
