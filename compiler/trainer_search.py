@@ -57,7 +57,8 @@ def token_budgets(longest: int, samples: int) -> list[int]:
     sequences, up to `SHORT_BUDGET_TOKENS` (the whole batch at its longest, if smaller): passes over a few
     hundred tokens are all fixed cost (the quickstart's 12-token samples took three passes at 512)."""
     budgets = {_round_up(longest * m, 128) for m in MBT_MULTIPLES}
-    budgets.add(min(_round_up(longest * samples, 128), max(SHORT_BUDGET_TOKENS, max(budgets))))
+    whole_batch = _round_up(longest * samples, 128)
+    budgets.add(min(whole_batch, max(SHORT_BUDGET_TOKENS, *budgets)))
     return sorted(budgets, reverse=True)
 
 

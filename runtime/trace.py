@@ -43,7 +43,7 @@ class StepTrace:
         self.path = run_dir / TRACE_FILE
         self._origin = time.perf_counter()
         fresh = start_step == 0 or not self.path.exists()
-        # A resumed run appends a marker and goes on; its clock restarts at 0 under a new process id.
+        # A resumed run appends to the open array; its clock restarts at 0, so it gets its own process row.
         self._pid = 1 if fresh else 1 + start_step
         self._file: TextIO | None = self.path.open("w" if fresh else "a")
         if fresh:
