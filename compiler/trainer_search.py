@@ -32,9 +32,6 @@ OFFLOAD_ORDER = ((False, False), (False, True), (True, True))
 #: Micro-batch token budgets tried, as multiples of the longest sequence, largest first: bigger micro-batches
 #: keep the device busier, so the largest that fits is taken.
 MBT_MULTIPLES = (4, 2, 1)
-#: The largest budget tried for short sequences (more than 4 × the longest): one pass of this many tokens
-#: keeps a device busy, so larger budgets only save a per-pass fixed cost while holding more activations.
-SHORT_BUDGET_TOKENS = 2048
 #: Trainer layouts kept per device count (the fastest), to combine with rollout layouts.
 KEEP_TRAIN = 3
 _PROTOTYPE = TrainLayout(world_size=1)
@@ -50,16 +47,6 @@ def pow2_upto(limit: int) -> list[int]:
 
 def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step
-
-
-def token_budgets(longest: int, samples: int) -> list[int]:
-    """Micro-batch token budgets to try, largest first: `MBT_MULTIPLES` of the longest sequence and, for short
-    sequences, up to `SHORT_BUDGET_TOKENS` (the whole batch at its longest, if smaller): passes over a few
-    hundred tokens are all fixed cost (the quickstart's 12-token samples took three passes at 512)."""
-    budgets = {_round_up(longest * m, 128) for m in MBT_MULTIPLES}
-    whole_batch = _round_up(longest * samples, 128)
-    budgets.add(min(whole_batch, max(SHORT_BUDGET_TOKENS, *budgets)))
-    return sorted(budgets, reverse=True)
 
 
 def train_search(
@@ -123,7 +110,7 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
         spec.train.offload if (spec.train.offload.params or spec.train.offload.optimizer) else None
     )
     mbt_pin = pin.micro_batch_tokens or spec.train.micro_batch_tokens
-    mbts = [mbt_pin] if mbt_pin else token_budgets(ctx.longest, ctx.work.samples)
+    mbts = [mbt_pin] if mbt_pin else [_round_up(ctx.longest * m, 128) for m in MBT_MULTIPLES]
     dpn = ctx.devices_per_node
     fastest: list[float] = []  # scores of the KEEP_TRAIN best options so far: the bar for pruning
     for backend in backends:
