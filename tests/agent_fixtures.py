@@ -82,11 +82,16 @@ def returns_dict(task: dict[str, Any], llm: Any) -> dict[str, float]:
 
 def sometimes_fails(task: dict[str, Any], llm: Any) -> float:
     """Calls the model once, then fails for every fourth task (by index: all its trajectories), and hangs for
-    about one trajectory in eight (by session key, so a re-issued trajectory most likely does not)."""
+    exactly one trajectory: the first to claim the marker file named by `llm.options["hang_marker"]`, so that
+    its re-issue (and every other trajectory) goes on."""
     client = llm.openai()
     client.completions.create(model=llm.model, prompt=task["prompt"], max_tokens=4)
     if task["index"] % 4 == 3:
         raise RuntimeError("flaky tool")
-    if int(llm.api_key[:2], 16) % 8 == 0:
+    try:
+        os.close(os.open(llm.options["hang_marker"], os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        pass
+    else:
         time.sleep(3600)
     return 1.0

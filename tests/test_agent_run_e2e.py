@@ -78,6 +78,7 @@ def test_failing_agents_are_counted_and_the_run_goes_on(tmp_path: Path) -> None:
         "rollout.agent.run=tests.agent_fixtures:sometimes_fails",
         "rollout.agent.timeout_s=20",
         "rollout.agent.max_failed_share=0.7",
+        f"rollout.agent.options.hang_marker={tmp_path / 'hung'}",
     )
     result = run(plan)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
