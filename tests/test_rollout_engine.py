@@ -72,6 +72,23 @@ def test_split_batch_keeps_order_and_shared_keys() -> None:
     assert a["temperature"] == b["temperature"] == 0.7
 
 
+def test_in_place_updates_only_where_every_weight_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An update copies in place only when the plan chose torch GEMMs and no layer freed its weight for a packed
+    copy; otherwise it re-runs vLLM's weight processing."""
+    from rlc.runtime.rollout.cpu_gemm import ENV, apply_cpu_gemm_choice, keeps_weights
+
+    model = torch.nn.Linear(4, 4)
+    monkeypatch.delenv(ENV, raising=False)
+    assert not keeps_weights(model)
+    monkeypatch.setenv(ENV, "torch")
+    assert keeps_weights(model)
+    model.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # what a packing layer leaves
+    assert not keeps_weights(model)
+    monkeypatch.setenv(ENV, "fast")
+    with pytest.raises(ValueError, match="expected one of onednn, torch"):
+        apply_cpu_gemm_choice()
+
+
 # ------------------------------------------------------------------ engine fixtures
 
 
@@ -88,7 +105,8 @@ def engine(ray_cluster, tiny_model_dir: Path):
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
         **CPU_ENGINE_ARGS,  # as cpu plans run engines
     }
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # As cpu plans run engines: layers keep their weights (torch GEMMs), so updates copy in place.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RLC_VLLM_CPU_GEMM": "torch"}
     actor = rollout_engine_actor(num_cpus=1, runtime_env={"env_vars": env}).remote(args, "cpu")
     t0 = time.perf_counter()
     startup = ray_cluster.get(actor.ready.remote())

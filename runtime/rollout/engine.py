@@ -141,6 +141,9 @@ def engine_setup(
     """Apply ``env`` (before vLLM reads its settings) and complete the plan's engine args with the RL defaults."""
     for k, v in (env or {}).items():
         os.environ[k] = str(v)
+    from rlc.runtime.rollout.cpu_gemm import apply_cpu_gemm_choice
+
+    apply_cpu_gemm_choice()
     resolved = get_platform(platform)
     args = {**RL_ENGINE_DEFAULTS, **dict(engine_args)}
     args.setdefault("dtype", resolved.vllm_dtype)

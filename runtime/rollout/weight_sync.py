@@ -6,7 +6,7 @@ Two halves of one protocol live here so they cannot drift apart:
   "rlc.runtime.rollout.weight_sync.WeightSyncExtension")``) and is driven by ``collective_rpc``.
   Every path ends in the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``:
   plain ``model.load_weights`` breaks on CPU because vLLM repacks weights after loading, and the
-  reload re-runs that processing.
+  reload re-runs that processing; a cpu engine whose layers keep their weights (``cpu_gemm``) copies in place.
 * ``SyncSender`` (trainer rank 0) and ``write_safetensors`` are the trainer's side.
 
 Tensors cannot be ``collective_rpc`` arguments (they do not serialise), so the control message is
@@ -214,7 +214,18 @@ class WeightSyncExtension:
             pg.shutdown()
 
     def _rlc_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
+        from rlc.runtime.rollout.cpu_gemm import keeps_weights
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        if not keeps_weights(model):
+            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
+            return
+        # Every weight is in place in checkpoint layout (cpu_gemm): copy into them; nothing to re-process.
+        expected = {name for name, _ in model.named_parameters()}
+        loaded = model.load_weights(weights)
+        if loaded is not None and set(loaded) != expected:
+            missing = sorted(expected - set(loaded))[:5]
+            raise RuntimeError(f"weight update left {len(expected - set(loaded))} weight(s) unchanged, e.g. {missing}")
 
 
 class SyncSender:

