@@ -44,6 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "quickstart.yaml"
 MAX_TOKENS = 64
+AIM = 0.95  # rlc's rollout path should cost at most 5% of plain vLLM's throughput
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the table readable; engines inherit it
 
 
@@ -279,7 +280,7 @@ def main() -> None:
     ratio = statistics.median(res["B"]) / base
     print(
         f"summary: rlc rollout (Ray actor + controller) runs at {ratio:.2f}x plain vLLM's tokens/s "
-        f"({'meets' if ratio >= 0.8 else 'below'} the 0.8 aim); the same actor fed whole batches "
+        f"({'meets' if ratio >= AIM else 'below'} the {AIM} aim); the same actor fed whole batches "
         f"{statistics.median(res['B1']) / base:.2f}x"
     )
 
