@@ -3,7 +3,7 @@
 The mutants (`spec_mutants`) are the examples and goldens with extreme numbers, infinities, NUL bytes, odd
 structures, YAML alias/merge bombs and recursive aliases, and `--set` overrides. Every one must end as a
 plan or as diagnostics with a code: no exception, no invariant break (strict JSON, no NUL in any file), and
-no blow-up (none over 3 CPU-seconds). About a minute in all; `scripts/fuzz_specs.py` runs many more.
+no blow-up (none over 10 CPU-seconds). About a minute in all; `scripts/fuzz_specs.py` runs many more.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from spec_mutants import mutated_specs, run_case
 
 from rlc.compiler.validate import check_text
 
-# The goal is 2 CPU-seconds a spec (`scripts/fuzz_specs.py` counts runs over it: 10,000 mutants, none, the
-# slowest 1.7 s on a loaded two-core machine); the bound leaves a loaded CI machine's slower cores a margin.
-SLOW_S = 3.0
+# A blow-up guard: the goal is 2 CPU-seconds a spec (`scripts/fuzz_specs.py` counts runs over it: 10,000
+# mutants, none, the slowest 1.7 s on a loaded two-core machine), and a blow-up costs minutes. A CI machine
+# once spent 1.3 CPU-s on a 20 ms case, so the bound leaves a loaded machine a wide margin.
+SLOW_S = 10.0
 
 
 @settings(max_examples=2500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

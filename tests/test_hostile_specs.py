@@ -1,7 +1,8 @@
 """Hostile specs: YAML shapes that used to crash or hang the loader, numbers past what hardware means, NUL bytes.
 
 Each must end as diagnostics with a code, quickly; every numeric field of the spec has an upper bound, and a
-spec with every bounded field at its bound still validates and compiles in under two seconds.
+spec with every bounded field at its bound still validates and compiles. The time bounds here are blow-up
+guards (`BLOWUP_CPU_S`); the speed goal, two CPU-seconds a spec, is measured by `scripts/fuzz_specs.py`.
 """
 
 from __future__ import annotations
@@ -31,11 +32,32 @@ def diagnostics(text: str, overrides: list[str] | None = None) -> list[tuple[str
     return [(d.code, d.path, d.message) for d in report.errors]
 
 
+#: A blow-up guard, not a speed test: each shape below costs milliseconds when bounded, and minutes (or all
+#: memory) when not; a loaded CI machine once took 1.3 CPU-s for a 20 ms case, so the guard leaves room.
+BLOWUP_CPU_S = 10.0
+
+
 def timed(text: str, overrides: list[str] | None = None) -> tuple[list[tuple[str, str, str]], float]:
     """Diagnostics and the CPU seconds they took (CPU time, so a busy machine does not fail the bound)."""
     start = time.process_time()
     found = diagnostics(text, overrides)
     return found, time.process_time() - start
+
+
+@pytest.fixture
+def node_visits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the loader's node visits (its recursion goes through the module name, so this sees every one)."""
+    from rlc.compiler import load
+
+    visits = [0]
+    walk = load._walk_nodes
+
+    def counted(*args: Any) -> None:
+        visits[0] += 1
+        walk(*args)
+
+    monkeypatch.setattr(load, "_walk_nodes", counted)
+    return visits
 
 
 # ----------------------------------------------------------------------------------------- YAML shapes
@@ -57,21 +79,23 @@ def loader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     "attack",
     ["recursive: &r [*r]", "recursive: &r {self: *r}", "model: &m {name: qwen3-8b, path: /m, arch: *m}"],
 )
-def test_recursive_aliases_are_a_diagnostic(attack: str, loader: str) -> None:
+def test_recursive_aliases_are_a_diagnostic(attack: str, loader: str, node_visits: list[int]) -> None:
     found, seconds = timed(GOOD + attack + "\n")
     assert [c for c, _, _ in found] == ["RLC007"], found
     assert "refers to a value that contains it" in found[0][2]
-    assert seconds < 1
+    assert node_visits[0] < 200  # the spec's own nodes, then the first repeat on the alias's path
+    assert seconds < BLOWUP_CPU_S
 
 
 @pytest.mark.parametrize("merge", [False, True], ids=["aliases", "merge-keys"])
-def test_alias_bombs_are_bounded(merge: bool, loader: str) -> None:
+def test_alias_bombs_are_bounded(merge: bool, loader: str, node_visits: list[int]) -> None:
     bomb = _bomb(9, 9, merge=merge)  # 9^9 ≈ 387 million values once expanded
     assert len(bomb) < 1000
     found, seconds = timed(GOOD + bomb + "\n")
     assert [c for c, _, _ in found] == ["RLC007"], found
     assert f"more than {MAX_NODES:,} values" in found[0][2]
-    assert seconds < 1
+    assert node_visits[0] == MAX_NODES + 1  # the walk stops at its budget, before anything is constructed
+    assert seconds < BLOWUP_CPU_S
 
 
 @pytest.mark.parametrize("depth", [50, 5000])
@@ -81,7 +105,7 @@ def test_deep_nesting_is_a_diagnostic(depth: int, loader: str) -> None:
     expected = "RLC001" if depth > 1000 and loader == "libyaml" else "RLC007"
     assert [c for c, _, _ in found] == [expected], found
     assert "nesting" in found[0][2]
-    assert seconds < (1 if loader == "libyaml" else 3)  # PyYAML's scanner is quadratic in flow depth
+    assert seconds < BLOWUP_CPU_S  # PyYAML's own scanner is quadratic in flow depth: about 1 s at 5,000
 
 
 def test_plain_anchors_and_merge_keys_still_work(loader: str) -> None:
@@ -100,7 +124,7 @@ def test_size_cap_covers_text_as_well_as_files() -> None:
     assert [c for c, _, _ in diagnostics(text)] == ["RLC004"]
 
 
-def test_override_values_are_bounded_too(loader: str) -> None:
+def test_override_values_are_bounded_too(loader: str, node_visits: list[int]) -> None:
     found, seconds = timed(GOOD, ["cluster.nodes=&a [*a]"])
     assert [c for c, _, _ in found] == ["RLC006"] and "contains it" in found[0][2]
     refs = ", ".join(["*a{}"] * 8)
@@ -108,7 +132,8 @@ def test_override_values_are_bounded_too(loader: str) -> None:
     bomb = "[" + ", ".join(levels) + "]"
     found, seconds = timed(GOOD, [f"cluster.nodes={bomb}"])
     assert [c for c, _, _ in found] == ["RLC006"] and "more than" in found[0][2]
-    assert seconds < 1
+    assert node_visits[0] < 2 * (MAX_NODES + 1)  # the spec's walk and the override's, each within budget
+    assert seconds < BLOWUP_CPU_S
 
 
 # ----------------------------------------------------------------------------------------- numbers and NUL
@@ -131,7 +156,7 @@ def test_huge_and_non_finite_numbers_are_refused(override: str, path: str, needl
     found, seconds = timed(GOOD, [override])
     assert [(c, p) for c, p, _ in found] in ([("RLC104", path)], [("RLC102", path)]), found
     assert needle in found[0][2]
-    assert seconds < 1
+    assert seconds < BLOWUP_CPU_S
     hint = check_loaded(load_spec_text(GOOD, "spec.yaml", overrides=[override])).report.errors[0].hint
     assert hint.startswith("allowed: ") and "value" in hint
 
@@ -247,7 +272,7 @@ def test_each_bound_is_enforced_and_compiles_fast_at_the_bound(
     _set_path(data, path, kind(at_bound))
     outcome = run_case(yaml.safe_dump(data, sort_keys=False), None, [], limit_s=10)
     assert outcome.kind in ("ok", "findings", "emit-refused"), (path, outcome)
-    assert outcome.cpu_seconds < 2, (path, outcome.cpu_seconds)
+    assert outcome.cpu_seconds < BLOWUP_CPU_S, (path, outcome.cpu_seconds)
     _set_path(data, path, kind(high + 1 if kind is int else high * 2 + 1))
     found = diagnostics(yaml.safe_dump(data, sort_keys=False))
     assert ("RLC104", ".".join(path)) in [(c, p) for c, p, _ in found], found
@@ -263,4 +288,4 @@ def test_every_bound_at_once_compiles_fast() -> None:
         _set_path(data, path, kind(high if inclusive else (high - 1 if kind is int else high * 0.999)))
     outcome = run_case(yaml.safe_dump(data, sort_keys=False), None, [], limit_s=10)
     assert outcome.kind in ("ok", "findings"), outcome
-    assert outcome.cpu_seconds < 2
+    assert outcome.cpu_seconds < BLOWUP_CPU_S

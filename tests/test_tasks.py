@@ -69,12 +69,14 @@ def test_tiny_model_warmup_beats_chance(tiny_model_dir: Path, tiny_model) -> Non
     assert acc > 3 / 19  # chance is ~1/19 (19 possible sums); the warm-up must clearly beat it
 
 
-def test_tiny_model_deterministic_and_idempotent(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_tiny_model_deterministic_and_idempotent(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    again = build_tiny_model(tmp_path / "a", seed=0)
-    other = build_tiny_model(tmp_path / "b", seed=1)
-    ref = load_file(tiny_model_dir / "model.safetensors")
+    # A short warm-up runs the same code as the quickstart's 40 steps (and takes a fraction of the time).
+    first = build_tiny_model(tmp_path / "a", seed=0, warmup_steps=3)
+    again = build_tiny_model(tmp_path / "b", seed=0, warmup_steps=3)
+    other = build_tiny_model(tmp_path / "c", seed=1, warmup_steps=3)
+    ref = load_file(first / "model.safetensors")
     same = load_file(again / "model.safetensors")
     diff = load_file(other / "model.safetensors")
     assert ref.keys() == same.keys()
@@ -82,10 +84,12 @@ def test_tiny_model_deterministic_and_idempotent(tmp_path: Path, tiny_model_dir:
     assert not all(torch.equal(ref[k], diff[k]) for k in ref)
     # Idempotent: a complete folder is reused untouched; a different recipe is refused.
     stamp = (again / "model.safetensors").stat().st_mtime_ns
-    assert build_tiny_model(again, seed=0) == again
+    assert build_tiny_model(again, seed=0, warmup_steps=3) == again
     assert (again / "model.safetensors").stat().st_mtime_ns == stamp
     with pytest.raises(ValueError, match="different recipe"):
-        build_tiny_model(again, seed=3)
+        build_tiny_model(again, seed=3, warmup_steps=3)
+    with pytest.raises(ValueError, match="different recipe"):
+        build_tiny_model(again, seed=0)  # the default warm-up is another recipe too
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("mine")
