@@ -58,10 +58,9 @@ class TeacherPool:
             t.name: [make_engine(t.role, i) for i in range(plan.role(t.role).replicas)] for t in self.teachers
         }
 
-    def wait_ready(self) -> None:
-        import ray
-
-        ray.get([e.ready.remote() for engines in self.engines.values() for e in engines])
+    def ready_refs(self) -> list[Any]:
+        """One reference per teacher engine that resolves once it is serving."""
+        return [e.ready.remote() for engines in self.engines.values() for e in engines]
 
     def route(self, domains: Sequence[str | None]) -> dict[str, list[int]]:
         """Which sequences each teacher scores."""

@@ -20,6 +20,7 @@ from rlc.runtime.errors import RunError, RuntimeGapError, RunUsageError
 from rlc.runtime.host_moves import HostMovesError
 from rlc.runtime.launch_request import ActorRequest, LaunchRequest, launch_request
 from rlc.runtime.preflight import Weights, check_model_folder
+from rlc.runtime.weight_push import sync_method
 from rlc.schemas.plan import Plan, Role
 
 __all__ = ["RunError", "RunUsageError", "prepare_model", "run_plan"]
@@ -166,6 +167,7 @@ def train_config(plan: Plan, role: Role) -> dict[str, Any]:
         "deterministic": plan.reproducibility.torch_deterministic,
         **{k: v for k, v in role.engine.items() if k in ("logprob_chunk_tokens", "packing", "packed_attention")},
         "lora": plan.lora.model_dump() if plan.lora else None,
+        "weight_sync": sync_method(plan),
     }
 
 
@@ -202,10 +204,9 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
             num_cpus=0,
             resources=members[0].resources,
             env=env,
+            wait=False,  # `_wait_started` waits for every role together
         )
 
-    trainer = group_of(ranks, train_cfg)
-    reference = group_of(refs, {**train_cfg, "lr": 0.0}) if refs else None
     engine_env = {**plan.env, **rollout.env}
     engine_args = {**rollout.engine, "model": str(model_path)}
     engines = [a for a in request.actors if a.role == rollout.name]
@@ -229,12 +230,51 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
         extra = (plan.agent.model_dump(), plan.sampling.model_dump()) if plan.agent is not None else ()
         return cls.remote(engine_args, plan.platform, engine_env, version if stamp == 0 else stamp, *extra)
 
+    def trainers() -> dict[str, Any]:
+        return {
+            "the trainer": group_of(ranks, train_cfg),
+            "the reference policy": group_of(refs, {**train_cfg, "lr": 0.0}) if refs else None,
+        }
+
+    # Every role starts at once, engines first (theirs is the longest start-up), except where trainers and
+    # engines share an accelerator: vLLM sizes its cache from the device memory it finds free, so there the
+    # trainers must be resident before any engine starts.
+    sharing = plan.platform != "cpu" and actor.ray is not None and rollout.ray is not None
+    sharing = sharing and actor.ray.placement_group == rollout.ray.placement_group  # type: ignore[union-attr]
+    started = trainers() if sharing else {}
+    if sharing:
+        _wait_started(started)
     pool = RolloutPool(plan, make_engine)
     teachers = build_teachers(plan, request, groups) if plan.distill else None
-    pool.wait_ready()
-    if teachers is not None:
-        teachers.wait_ready()
-    return trainer, pool, reference, teachers
+    started.update({"the rollout engines": pool, "the teachers": teachers})
+    if not sharing:
+        started.update(trainers())
+    _wait_started(started)
+    return started["the trainer"], pool, started["the reference policy"], teachers
+
+
+def _wait_started(roles: dict[str, Any]) -> None:
+    """Wait, within one bound, for every role's actors to be built, all starting at once. An actor that fails
+    while starting raises its RayActorError as soon as it does (the caller names it); a role still not ready
+    at the bound is named."""
+    import time
+
+    import ray
+
+    from rlc.runtime.rollout.pool import ENGINE_START_TIMEOUT_S
+
+    owner = {ref: name for name, role in roles.items() if role is not None for ref in role.ready_refs()}
+    waiting = list(owner)
+    deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+    while waiting:
+        ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = sorted({owner[ref] for ref in waiting})
+            raise RunError(
+                f"{', '.join(late)} did not start within {ENGINE_START_TIMEOUT_S} s; the actors' logs are in the "
+                "Ray session's logs folder"
+            )
+        ray.get(ready)  # raises the error of an actor that failed while starting
 
 
 def build_teachers(plan: Plan, request: LaunchRequest, groups: dict[str, Any]) -> Any:

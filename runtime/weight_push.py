@@ -27,6 +27,11 @@ __all__ = ["SYNC_TIMEOUT_S", "WeightPush"]
 SYNC_TIMEOUT_S = 1800
 
 
+def sync_method(plan: Plan) -> str:
+    """How weights reach the engines: adapter (LoRA served by vLLM), or the plan's broadcast, disk or inplace."""
+    return "adapter" if plan.lora is not None and plan.lora.rollout == "adapter" else plan.schedule.weight_sync
+
+
 class WeightPush:
     """The weight path of one run: its sync group, its colocated writers, the last version every engine holds."""
 
@@ -40,7 +45,7 @@ class WeightPush:
         version: int,
     ) -> None:
         self.plan, self.trainer, self.rollout, self.run_dir, self.message = plan, trainer, rollout, run_dir, message
-        self.lora_adapter = plan.lora is not None and plan.lora.rollout == "adapter"
+        self.lora_adapter = sync_method(plan) == "adapter"
         self.synced_version = version
         self._group: tuple[str, int] | None = None  # the broadcast group's address, once formed
         self._in_group: set[int] = set()
@@ -84,7 +89,7 @@ class WeightPush:
 
     def method(self) -> str:
         """adapter (LoRA served by vLLM), or the plan's broadcast, disk or inplace (see `host_moves`)."""
-        return "adapter" if self.lora_adapter else self.plan.schedule.weight_sync
+        return sync_method(self.plan)
 
     def prepare(self) -> None:
         """Check, before any step, that the plan's weight path works here; colocated runs find their writers."""

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Any
 
 from rlc.schemas.plan import Plan
 
 __all__ = ["ENGINE_START_TIMEOUT_S", "RolloutPool"]
 
-#: Seconds a restarted engine may take to load its model and start (vLLM start-up is tens of seconds here).
+#: Seconds an engine may take to load its model and start (vLLM start-up is tens of seconds here).
 ENGINE_START_TIMEOUT_S = 900
 
 
@@ -32,10 +33,14 @@ class RolloutPool:
         self.restarts = 0
         self._lock = threading.Lock()
 
-    def wait_ready(self) -> list[float]:
+    def ready_refs(self) -> list[Any]:
+        """One reference per engine that resolves once it is serving (or raises the error that stopped it)."""
+        return [e.ready.remote() for e in self.engines]
+
+    def wait_ready(self, timeout: float = ENGINE_START_TIMEOUT_S) -> list[float]:
         import ray
 
-        return ray.get([e.ready.remote() for e in self.engines])
+        return ray.get(self.ready_refs(), timeout=timeout)
 
     def _alive(self, index: int, timeout: float = 120.0) -> bool:
         import ray

@@ -129,6 +129,12 @@ def write_safetensors(
     return out / filename
 
 
+def preload_sync_group() -> None:
+    """Import the sync group's library now: in a trainer process that has not loaded vLLM, that import is
+    seconds of CPU, and a first sync that pays it keeps every engine waiting."""
+    import vllm.distributed.utils  # noqa: F401
+
+
 def _init_group(host: str, port: int, rank: int, world_size: int, backend: str) -> Any:
     # vLLM's helper builds a ProcessGroup outside torch.distributed's global state, so it can coexist
     # with the trainer's FSDP group on one side and vLLM's TP group on the other.

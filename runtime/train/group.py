@@ -60,8 +60,10 @@ class TrainerGroup:
         num_cpus: float = 1,
         resources: Mapping[str, float] | None = None,
         env: Mapping[str, str] | None = None,
+        wait: bool = True,
     ) -> None:
-        """Start the actors; returns once every rank has joined the group and sharded its model."""
+        """Start the actors; returns once every rank has joined the group and sharded its model, or at once
+        with ``wait=False`` (then `ready_refs` says when; a run starts its engines meanwhile)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -101,7 +103,13 @@ class TrainerGroup:
             )
             for rank in range(world_size)
         ]
-        ray.get([w.weight_meta.remote() for w in self.workers])  # wait for construction
+        self._constructed = [w.weight_meta.remote() for w in self.workers]
+        if wait:
+            ray.get(self._constructed)
+
+    def ready_refs(self) -> list[Any]:
+        """One reference per rank that resolves once the rank is built (or raises the error that stopped it)."""
+        return list(self._constructed)
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         import ray

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from rlc.schemas.layout import TrainLayout
 
 from ..platform import Platform, get_platform
-from ..rollout.weight_sync import SyncSender
+from ..rollout.weight_sync import SyncSender, preload_sync_group
 from . import lora as lora_lib
 from .checkpoints import TrainerCheckpoints
 from .memory_probe import PeakMemory, measured
@@ -57,6 +57,7 @@ DEFAULT_TRAIN_CFG: dict[str, Any] = {
     "deterministic": False,  # torch.use_deterministic_algorithms(True): the plan's reproducibility switch
     "local_rank": 0,  # device index inside this process's visible devices
     "lora": None,  # the plan's lora block (rank, alpha, dropout, target_modules, rollout): train adapters only
+    "weight_sync": None,  # the run's weight path (`weight_push.sync_method`); broadcast: rank 0 sends
 }
 
 _PER_TOKEN_KEYS = (
@@ -174,6 +175,8 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         self._sender_key: tuple[str, int, int] | None = None
         self._compute_dtype_seen: torch.dtype | None = None
         self._watch_compute_dtype()
+        if self.rank == 0 and self.cfg["weight_sync"] == "broadcast":
+            preload_sync_group()  # while the engines start, instead of inside the first step's sync
         self.memory.stop("load")
 
     # ---------------------------------------------------------------- the layout, as built
