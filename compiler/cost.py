@@ -28,9 +28,16 @@ RESPONSE_FRACTION = 0.5
 PROMPT_FRACTION = 0.5
 #: Latency of one small collective (ring start-up), seconds. HCCL small-message all-reduce on A2 measures in
 #: the tens of microseconds (research notes §1.3: 18 GB/s bus bandwidth for a 2-NPU all-reduce); NCCL ~10 µs.
-COLLECTIVE_LATENCY_S = {"npu": 30e-6, "gpu": 10e-6, "cpu": 100e-6}
+#: cpu: measured 0.72 ms, the median gloo all-reduce of 16 KB between two processes on a two-core machine.
+COLLECTIVE_LATENCY_S = {"npu": 30e-6, "gpu": 10e-6, "cpu": 720e-6}
 #: Fixed per-decode-step cost of the engine (scheduler, sampling, kernel launches in eager mode), seconds.
-DECODE_STEP_OVERHEAD_S = {"npu": 4e-3, "gpu": 2e-3, "cpu": 2e-3}
+#: cpu: measured 4 ms (the quickstart engine generating 4 tokens for 8 sequences, less their sequence cost).
+DECODE_STEP_OVERHEAD_S = {"npu": 4e-3, "gpu": 2e-3, "cpu": 4e-3}
+#: Host-side cost per sequence per decode step in the engine's own process (scheduling, sampler bookkeeping,
+#: output processing), which tensor parallelism does not split. cpu: measured 0.23 ms with the quickstart
+#: model (vLLM generate of 4 tokens for 8 vs 128 sequences, TP 1 and TP 2 alike). Accelerators: not measured
+#: here; a dedicated host core makes it small next to the device's step, so it is left in their efficiencies.
+DECODE_SEQUENCE_OVERHEAD_S = {"npu": 0.0, "gpu": 0.0, "cpu": 0.23e-3}
 #: Share of data-parallel gradient/parameter traffic hidden behind compute (FSDP2 prefetch, Megatron
 #: overlap_grad_reduce). Half is a conservative middle of what torchtitan and Megatron report.
 DP_OVERLAP = 0.5
@@ -232,7 +239,10 @@ def decode_step_s(
         volume = tokens_step * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep
         link = _link_gbps(target, layout.ep, devices_per_node)
         t += _collective_s(target, 2 * moe_layers * volume, link, 2 * moe_layers)
-    return t + DECODE_STEP_OVERHEAD_S[target.kind]
+    if layout.tp > 1:
+        # A multi-worker engine hands every step to its workers and collects the result: two more exchanges.
+        t += 2 * COLLECTIVE_LATENCY_S[target.kind]
+    return t + DECODE_STEP_OVERHEAD_S[target.kind] + engine_tokens * DECODE_SEQUENCE_OVERHEAD_S[target.kind]
 
 
 def rollout_chunk_prompts(batch_prompts: int, replicas: int, staleness: int) -> int:
@@ -315,6 +325,7 @@ def rollout_time(
     rank_devices = layout.engine_devices / layout.attention_dp
     prefill_flops = 2 * sizes.active * per_rank * work.prompt_tokens
     prefill = prefill_flops / (rank_devices * target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu)
+    prefill += per_rank * DECODE_SEQUENCE_OVERHEAD_S[target.kind]  # each sequence's prefill is one engine step
     sync = waves * mean_steps * step + tail + prefill
     tokens = per_rank * work.response_tokens
     rate = c * tau / step
