@@ -233,7 +233,7 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
     def trainers() -> dict[str, Any]:
         return {
             "the trainer": group_of(ranks, train_cfg),
-            "the reference policy": group_of(refs, {**train_cfg, "lr": 0.0}) if refs else None,
+            "the reference policy": group_of(refs, {**train_cfg, "lr": 0.0, "weight_sync": None}) if refs else None,
         }
 
     # Every role starts at once, engines first (theirs is the longest start-up), except where trainers and
