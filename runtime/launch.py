@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -239,8 +240,7 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
     # Every role starts at once, engines first (theirs is the longest start-up), except where trainers and
     # engines share an accelerator: vLLM sizes its cache from the device memory it finds free, so there the
     # trainers must be resident before any engine starts.
-    sharing = plan.platform != "cpu" and actor.ray is not None and rollout.ray is not None
-    sharing = sharing and actor.ray.placement_group == rollout.ray.placement_group  # type: ignore[union-attr]
+    sharing = plan.platform != "cpu" and plan.schedule.mode == "colocated"
     started = trainers() if sharing else {}
     if sharing:
         _wait_started(started)
@@ -257,8 +257,6 @@ def _wait_started(roles: dict[str, Any]) -> None:
     """Wait, within one bound, for every role's actors to be built, all starting at once. An actor that fails
     while starting raises its RayActorError as soon as it does (the caller names it); a role still not ready
     at the bound is named."""
-    import time
-
     import ray
 
     from rlc.runtime.rollout.pool import ENGINE_START_TIMEOUT_S

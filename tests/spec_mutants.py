@@ -61,6 +61,12 @@ override_values = st.one_of(
 )
 
 
+#: A blow-up guard for hostile specs, not a speed test: each costs milliseconds when bounded and minutes (or all
+#: memory) when not. A loaded CI machine once spent 1.3 CPU-s on a 20 ms case, so the guard leaves wide room;
+#: the speed goal, 2 CPU-seconds a spec, is measured by `scripts/fuzz_specs.py`.
+BLOWUP_CPU_S = 10.0
+
+
 def _paths(node: Any, prefix: tuple = ()) -> list[tuple]:
     found = [prefix]
     if isinstance(node, dict):

@@ -10,14 +10,9 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from spec_mutants import mutated_specs, run_case
+from spec_mutants import BLOWUP_CPU_S, mutated_specs, run_case
 
 from rlc.compiler.validate import check_text
-
-# A blow-up guard: the goal is 2 CPU-seconds a spec (`scripts/fuzz_specs.py` counts runs over it: 10,000
-# mutants, none, the slowest 1.7 s on a loaded two-core machine), and a blow-up costs minutes. A CI machine
-# once spent 1.3 CPU-s on a 20 ms case, so the bound leaves a loaded machine a wide margin.
-SLOW_S = 10.0
 
 
 @settings(max_examples=2500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -26,7 +21,7 @@ def test_mutated_specs_validate_and_compile_without_crashing(case: tuple[str, st
     text, target, overrides = case
     outcome = run_case(text, target, overrides, limit_s=10)
     assert outcome.kind in ("ok", "findings"), outcome
-    assert outcome.cpu_seconds < SLOW_S, outcome  # CPU time: a loaded CI machine does not make it fail
+    assert outcome.cpu_seconds < BLOWUP_CPU_S, outcome  # CPU time: a loaded CI machine does not make it fail
     assert all(code.startswith("RLC") for code in outcome.codes)
 
 

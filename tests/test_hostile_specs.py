@@ -18,7 +18,7 @@ import yaml
 from annotated_types import Le, Lt
 from plan_fixtures import A2_SPEC
 from pydantic import BaseModel
-from spec_mutants import ARCH, BASES, _bomb, run_case
+from spec_mutants import ARCH, BASES, BLOWUP_CPU_S, _bomb, run_case
 
 from rlc.compiler.load import MAX_NODES, MAX_SPEC_BYTES, load_spec_text
 from rlc.compiler.validate import check_loaded
@@ -30,11 +30,6 @@ GOOD = A2_SPEC
 def diagnostics(text: str, overrides: list[str] | None = None) -> list[tuple[str, str, str]]:
     report = check_loaded(load_spec_text(text, "spec.yaml", overrides=overrides)).report
     return [(d.code, d.path, d.message) for d in report.errors]
-
-
-#: A blow-up guard, not a speed test: each shape below costs milliseconds when bounded, and minutes (or all
-#: memory) when not; a loaded CI machine once took 1.3 CPU-s for a 20 ms case, so the guard leaves room.
-BLOWUP_CPU_S = 10.0
 
 
 def timed(text: str, overrides: list[str] | None = None) -> tuple[list[tuple[str, str, str]], float]:
