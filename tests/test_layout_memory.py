@@ -78,12 +78,13 @@ def test_trainer_peak_is_within_a_quarter_of_the_plan(name: str, long_model: Pat
     role = plan.role("actor")
     layout = role.layout
     assert layout is not None
-    # Ray actors with the plan's environment and settings, as `rlc run` starts them (no engines needed here).
+    # Ray actors with the plan's environment and settings, as `rlc run` starts them (no engines needed here, and
+    # no weight-sync group: its sender would load the group's library, the plan's `sync_group` item left out below).
     group = TrainerGroup(
         layout.world_size,
         str(long_model),
         "cpu",
-        train_config(plan, role),
+        {**train_config(plan, role), "weight_sync": None},
         layout=layout,
         num_cpus=1,
         env={**plan.env, **role.env},
