@@ -7,6 +7,7 @@ The padded path is the reference: it runs each sequence in its own row, so it ca
 
 from __future__ import annotations
 
+import itertools
 import socket
 from pathlib import Path
 
@@ -164,20 +165,36 @@ def test_attention_adapters() -> None:
     assert attn_implementation_for(npu, False, "varlen") is None
 
 
-def test_varlen_sdpa_equals_block_causal_mask() -> None:
+@pytest.mark.parametrize(
+    ("bounds", "padded"),
+    [
+        ([0, 1, 7, 20, 21], False),  # lengths 1, 6, 13, 1: padding would triple the work, one call per length
+        ([0, 5, 11, 17, 21], True),  # lengths 5, 6, 6, 4: one call over the sequences padded to 6
+    ],
+)
+def test_varlen_sdpa_equals_block_causal_mask(bounds: list[int], padded: bool) -> None:
+    """Both cpu varlen paths give the block-causal reference's outputs and gradients."""
     from rlc.runtime.packing import block_causal_mask
-    from rlc.runtime.train.packed_forward import varlen_sdpa_attention
+    from rlc.runtime.train import packed_forward as pf
 
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    takes_padded = len(lengths) * max(lengths) ** 2 <= pf.PADDED_ATTENTION_WASTE * sum(n * n for n in lengths)
+    assert takes_padded == padded
     g = torch.Generator().manual_seed(0)
-    cu = torch.tensor([0, 1, 7, 20, 21], dtype=torch.int32)
-    q = torch.randn(1, 4, 21, 8, generator=g)
-    k, v = torch.randn(1, 2, 21, 8, generator=g), torch.randn(1, 2, 21, 8, generator=g)
-    out, _ = varlen_sdpa_attention(torch.nn.Identity(), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu)
+    total = bounds[-1]
+    inputs = [torch.randn(1, h, total, 8, generator=g, requires_grad=True) for h in (4, 2, 2)]
+    out, _ = pf.varlen_sdpa_attention(torch.nn.Identity(), *inputs, None, scaling=0.3, cu_seq_lens_q=cu)
+    weights = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out * weights).sum(), inputs)
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=block_causal_mask(cu), scale=0.3, enable_gqa=True
-    )
-    assert out.shape == (1, 21, 4, 8)
-    assert (out - ref.transpose(1, 2)).abs().max().item() < 1e-6
+        *inputs, attn_mask=block_causal_mask(cu), scale=0.3, enable_gqa=True
+    ).transpose(1, 2)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), inputs)
+    assert out.shape == (1, total, 4, 8)
+    assert (out - ref).abs().max().item() < 1e-6
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert (got - want).abs().max().item() < 1e-5
 
 
 # ------------------------------------------------------------------ two ranks, uneven micro-batch counts

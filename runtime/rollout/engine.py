@@ -48,7 +48,7 @@ RL_ENGINE_DEFAULTS: dict[str, Any] = {
     # (after temperature and top-k/top-p), else the importance weights are biased. vLLM's default
     # "raw_logprobs" reports the untempered model distribution.
     "logprobs_mode": "processed_logprobs",
-    # Metrics feed spec_decode_metrics(); the cost is negligible next to generation.
+    # Metrics feed spec_decode_metrics(); plans turn them off where nothing reads them (they cost host time).
     "disable_log_stats": False,
     "worker_extension_cls": EXTENSION_CLS,
 }

@@ -8,6 +8,11 @@ split changes nothing: AdamW updates each parameter independently.
 Gradient clipping: `clip_grad_norm_` cannot combine DTensor gradients that live on different meshes (TP
 weights on the 2-D dp·cp × tp mesh, embeddings and norms on the dp·cp mesh), so the norm is computed per
 mesh and the parts are combined: sqrt(Σ_mesh ‖g_mesh‖²).
+
+The update is one fused kernel per parameter group (``fused=True`` where torch has one for the device, else
+``foreach``): torch's default on cpu is a Python loop over tensors, which took 9.4 ms of a 2-layer model's
+step against 1.1 ms fused (same model, one thread). Fused and foreach kernels take tensors of one mesh at a
+time, so each unit's parameters are grouped by the mesh they live on.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["UnitOptimizer", "clip_grad_norm"]
+__all__ = ["FUSED_ADAMW_DEVICES", "UnitOptimizer", "clip_grad_norm"]
+
+#: Device types with a fused AdamW kernel in torch (elsewhere the multi-tensor ``foreach`` path runs).
+FUSED_ADAMW_DEVICES = frozenset({"cpu", "cuda"})
 
 
 class UnitOptimizer:
@@ -34,8 +42,9 @@ class UnitOptimizer:
         device: torch.device,
         offload: bool,
     ) -> None:
+        kernel = {"fused": True} if device.type in FUSED_ADAMW_DEVICES else {"foreach": True}
         self.optimizers = [
-            torch.optim.AdamW(list(params), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+            torch.optim.AdamW(_groups_by_mesh(params), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kernel)
             for params in units
             if params
         ]
@@ -73,6 +82,14 @@ class UnitOptimizer:
         for opt in self.optimizers:
             for state in opt.state.values():
                 yield from (v for k, v in state.items() if torch.is_tensor(v) and k != "step")
+
+
+def _groups_by_mesh(params: Sequence[torch.nn.Parameter]) -> list[dict[str, Any]]:
+    """Parameter groups of one mesh each (plain tensors form their own group), in first-seen order."""
+    groups: dict[Any, list[torch.nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
+    return [{"params": group} for group in groups.values()]
 
 
 def _move_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
