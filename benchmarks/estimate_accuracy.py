@@ -48,7 +48,12 @@ def estimate(run: dict[str, Any]) -> Any:
         errors = [f"{d.code} {d.message}" for d in checked.report.diagnostics if d.severity == "error"]
         return "; ".join(errors) or "no plan"
     ctx = search.make_context(checked.problem)
-    prompt = run["mean_prompt_tokens"] if run["mean_prompt_tokens"] is not None else ctx.work.prompt_tokens
+    prompt = run["mean_prompt_tokens"]
+    if prompt is None:
+        # Unpublished: the measured sample split between prompt and response in proportion to the run's caps (the
+        # planner's half-the-cap prompt can exceed a short run's whole sample).
+        caps = ctx.work.max_prompt + ctx.work.max_response
+        prompt = run["mean_sample_tokens"] * ctx.work.max_prompt / caps
     work = dataclasses.replace(
         ctx.work,
         prompt_tokens=prompt,

@@ -10,7 +10,7 @@ Pure functions only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import ceil
+from math import ceil, log, log2
 
 from rlc.compiler.memory import (
     ModelSizes,
@@ -30,6 +30,12 @@ PROMPT_FRACTION = 0.5
 #: the tens of microseconds (research notes §1.3: 18 GB/s bus bandwidth for a 2-NPU all-reduce); NCCL ~10 µs.
 #: cpu: measured 0.72 ms, the median gloo all-reduce of 16 KB between two processes on a two-core machine.
 COLLECTIVE_LATENCY_S = {"npu": 30e-6, "gpu": 10e-6, "cpu": 720e-6}
+#: Latency one scale-out hop adds to a collective whose group spans nodes, seconds. NCCL's own cost model
+#: (src/graph/tuning.cc, hwLat[NET][Tree][LL] = 5 µs) prices a tree all-reduce at
+#: baseLat + 2 · (intra-node hops · intra latency + log2(nodes) · network latency): a group over n nodes pays
+#: 2 · log2(n) network hops on top of its in-node latency. HCCL over RoCE has no published figure; the same RDMA
+#: hop is assumed. cpu: 0 (the cpu target is one host).
+NET_HOP_LATENCY_S = {"npu": 5e-6, "gpu": 5e-6, "cpu": 0.0}
 #: Fixed per-decode-step cost of the engine (scheduler, sampling, kernel launches in eager mode), seconds.
 #: cpu: measured 4 ms (the quickstart engine generating 4 tokens for 8 sequences, less their sequence cost).
 DECODE_STEP_OVERHEAD_S = {"npu": 4e-3, "gpu": 2e-3, "cpu": 4e-3}
@@ -63,6 +69,26 @@ CHUNK_MAX_PROMPTS = 8
 #: Concurrency left in the long tail of a synchronous rollout, as a fraction of the full batch: the last
 #: sequences to finish decode almost alone (bandwidth-bound steps at tiny batch).
 TAIL_CONCURRENCY_FRACTION = 0.125
+#: Euler–Mascheroni constant, for the harmonic numbers in `expected_longest_response`.
+EULER_GAMMA = 0.5772156649
+
+
+def expected_longest_response(mean: float, cap: int, samples: int) -> float:
+    """Expected length of the longest of `samples` responses: min(cap, mean · H_n), H_n = Σ_{k≤n} 1/k.
+
+    A synchronous step waits for the slowest sample of the whole batch. Response lengths are modelled as
+    exponential with the workload's mean (the maximum-entropy law for a known mean on [0, ∞), and right-skewed as
+    RL lengths are: StreamRL, Zhong et al. 2025, §2.3; RLHFuse, Zhong et al. 2025, §2.2, both report the longest
+    samples of a batch dominating generation time); the expected maximum of n i.i.d. exponentials is
+    mean · H_n (Rényi's representation of exponential order statistics; David & Nagaraja, Order Statistics, 2003,
+    §3.1), H_n ≈ ln n + γ + 1/(2n). The engine stops a sample at the cap, which bounds it: with a mean near half
+    the cap any batch of 4 or more samples reaches the cap.
+    """
+    if samples <= 0 or mean <= 0:
+        return float(min(cap, max(0.0, mean)))
+    n = samples
+    harmonic = sum(1.0 / k for k in range(1, n + 1)) if n <= 64 else log(n) + EULER_GAMMA + 1 / (2 * n)
+    return min(float(cap), mean * harmonic)
 
 
 @dataclass(frozen=True)
@@ -158,10 +184,21 @@ def accepted_tokens_per_step(k: int, a: float) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-def _collective_s(target: TargetProfile, num_bytes: float, bandwidth_gbps: float, count: float = 1.0) -> float:
-    """α–β model: count × latency + bytes / (link bandwidth × collective efficiency)."""
+def _collective_s(
+    target: TargetProfile, num_bytes: float, bandwidth_gbps: float, count: float = 1.0, nodes: int = 1
+) -> float:
+    """α–β model: count × latency + bytes / (link bandwidth × collective efficiency). The latency of a group that
+    spans `nodes` nodes grows by 2 · log2(nodes) scale-out hops (NET_HOP_LATENCY_S, NCCL's tree model)."""
     bw = bandwidth_gbps * 1e9 * target.efficiency.collective_efficiency
-    return count * COLLECTIVE_LATENCY_S[target.kind] + num_bytes / bw
+    alpha = COLLECTIVE_LATENCY_S[target.kind]
+    if nodes > 1:
+        alpha += 2 * log2(nodes) * NET_HOP_LATENCY_S[target.kind]
+    return count * alpha + num_bytes / bw
+
+
+def _nodes(group: int, devices_per_node: int) -> int:
+    """Nodes a group of consecutive devices spans (groups are placed from node boundaries)."""
+    return max(1, -(-group // max(1, devices_per_node)))
 
 
 def _link_gbps(target: TargetProfile, group: int, devices_per_node: int) -> float:
@@ -231,14 +268,15 @@ def decode_step_s(
     if layout.tp > 1:
         volume = tokens_step * arch.hidden_size * b * 2 * (layout.tp - 1) / layout.tp
         link = _link_gbps(target, layout.tp, devices_per_node)  # a pinned TP across nodes uses the scale-out link
-        t += _collective_s(target, 2 * arch.num_layers * volume, link, 2 * arch.num_layers)
+        nodes = _nodes(layout.tp, devices_per_node)
+        t += _collective_s(target, 2 * arch.num_layers * volume, link, 2 * arch.num_layers, nodes)
         logits = tokens_step * arch.vocab_size * b * (layout.tp - 1) / layout.tp
-        t += _collective_s(target, logits, link)
+        t += _collective_s(target, logits, link, nodes=nodes)
     if arch.moe is not None and layout.ep > 1:
         moe_layers = arch.num_layers - arch.moe.first_dense_layers
         volume = tokens_step * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep
         link = _link_gbps(target, layout.ep, devices_per_node)
-        t += _collective_s(target, 2 * moe_layers * volume, link, 2 * moe_layers)
+        t += _collective_s(target, 2 * moe_layers * volume, link, 2 * moe_layers, _nodes(layout.ep, devices_per_node))
     if layout.tp > 1:
         # A multi-worker engine hands every step to its workers and collects the result: two more exchanges.
         t += 2 * COLLECTIVE_LATENCY_S[target.kind]
@@ -293,7 +331,8 @@ def rollout_time(
     of KV. Decode steps per sequence = mean response / accepted tokens per step. Synchronous: continuous
     batching refills a slot as soon as a sequence finishes, so a rank's samples take samples / c mean-length
     passes (fractional: 64 samples on 54 slots cost 1.19 passes, not 2 whole waves), then the long tail
-    (max − mean response) decodes at 1/8 concurrency. Streaming (async, staleness > 0): only the
+    (the batch's expected longest response, `expected_longest_response`, less the mean) decodes at 1/8
+    concurrency. Streaming (async, staleness > 0): only the
     throughput counts, tokens / (c · tokens-per-step / step time). Prefill: 2 · active params · a rank's prompt
     tokens / (its devices · peak · prefill MFU) (Kaplan et al. 2020 forward FLOPs).
     """
@@ -320,7 +359,8 @@ def rollout_time(
         k,
         work.mtp_draft_layers,
     )
-    tail = max(0.0, work.max_response - work.response_tokens) / tau * tail_step
+    longest = expected_longest_response(work.response_tokens, work.max_response, work.samples)
+    tail = max(0.0, longest - work.response_tokens) / tau * tail_step
     # Each attention rank prefills its own samples on its share of the engine's devices.
     rank_devices = layout.engine_devices / layout.attention_dp
     prefill_flops = 2 * sizes.active * per_rank * work.prompt_tokens
@@ -452,13 +492,15 @@ def train_time(
             width = (2 * arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim
             volume = (layout.cp - 1) / layout.cp * local * width * b / layout.tp
             count = 4 * passes * stage_layers
-        cp_s = _collective_s(target, passes * stage_layers * volume, link, count * micro)
+        cp_nodes = _nodes(layout.tp * layout.cp, devices_per_node)
+        cp_s = _collective_s(target, passes * stage_layers * volume, link, count * micro, cp_nodes)
     if arch.moe is not None and layout.ep > 1:
         moe_share = (arch.num_layers - arch.moe.first_dense_layers) / arch.num_layers
         volume = local * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep
         link = _link_gbps(target, layout.ep * layout.etp, devices_per_node)
         count = 2 * passes * stage_layers * moe_share
-        ep_s = _collective_s(target, count * volume / layout.tp, link, count * micro)
+        ep_nodes = _nodes(layout.ep * layout.etp, devices_per_node)
+        ep_s = _collective_s(target, count * volume / layout.tp, link, count * micro, ep_nodes)
     dp_s = 0.0
     group = layout.shard_group if fsdp else layout.dp * layout.cp
     if group > 1:
@@ -471,8 +513,9 @@ def train_time(
         else:
             volume = 2 * b * replica * ring
             count = 2
-        dp_s = max(0.0, _collective_s(target, volume, link, count) - DP_OVERLAP * compute)
-        dp_s = max(dp_s, (1 - DP_OVERLAP) * _collective_s(target, volume, link, count))
+        dp_nodes = _nodes(layout.world_size, devices_per_node)
+        dp_s = max(0.0, _collective_s(target, volume, link, count, dp_nodes) - DP_OVERLAP * compute)
+        dp_s = max(dp_s, (1 - DP_OVERLAP) * _collective_s(target, volume, link, count, dp_nodes))
     offload_s = 0.0
     host = target.host_to_device_bandwidth_gbps * 1e9
     shard = sizes.total / layout.world_size if fsdp else sizes.total / (layout.tp * layout.pp)
