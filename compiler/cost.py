@@ -419,13 +419,30 @@ def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
     return flops + extra * fwd
 
 
+def train_mfu(sizes: ModelSizes, target: TargetProfile) -> float:
+    """Training MFU for this model on this target: train_mfu, times `moe_train_ratio` for a mixture of experts.
+
+    MoE layers add work a dense layer has not (router, top-k, permuting tokens to their experts and back) and
+    run their expert GEMMs as grouped GEMMs of uneven, smaller shapes, so the same framework reaches a lower
+    share of peak on them: NeMo AutoModel's published DGX-H100 BF16 pre-training table measures 277 model
+    TFLOP/s/GPU for Qwen3-MoE-30B-A3B (EP 8 inside one node, DeepEP) against 389 for dense Llama3-70B, a
+    ratio of 0.71 (the targets' `moe_train_ratio`). That MoE entry keeps its all-to-all inside NVLink, where
+    DeepEP hides it, so the ratio is the compute side only; wider EP groups pay their all-to-alls in
+    `train_time`'s EP term, which is not folded in here (its wider-EP entries, DeepSeek-V3 at 22-25%, include it).
+    """
+    mfu = target.efficiency.train_mfu
+    if sizes.arch.moe is not None:
+        mfu *= target.efficiency.moe_train_ratio
+    return mfu
+
+
 def train_compute_s(sizes: ModelSizes, layout: TrainLayout, target: TargetProfile, work: Workload) -> float:
-    """Compute seconds of a training step on its busiest rank: train_flops / (devices · peak · train MFU),
+    """Compute seconds of a training step on its busiest rank: train_flops / (devices · peak · `train_mfu`),
     times the data-parallel imbalance `rank_tokens(dp) · dp / trained_tokens` (1 when dp divides the samples;
     past one sample per rank, more ranks add nothing)."""
     flops = train_flops(sizes, work, layout.recompute)
     imbalance = work.rank_tokens(layout.dp) * layout.dp / work.trained_tokens if work.trained_tokens else 1.0
-    return flops * imbalance / (layout.world_size * target.bf16_tflops * 1e12 * target.efficiency.train_mfu)
+    return flops * imbalance / (layout.world_size * target.bf16_tflops * 1e12 * train_mfu(sizes, target))
 
 
 def expert_gemm_efficiency(sizes: ModelSizes, layout: TrainLayout, target: TargetProfile) -> float:
