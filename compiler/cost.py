@@ -36,6 +36,15 @@ COLLECTIVE_LATENCY_S = {"npu": 30e-6, "gpu": 10e-6, "cpu": 720e-6}
 #: 2 · log2(n) network hops on top of its in-node latency. HCCL over RoCE has no published figure; the same RDMA
 #: hop is assumed. cpu: 0 (the cpu target is one host).
 NET_HOP_LATENCY_S = {"npu": 5e-6, "gpu": 5e-6, "cpu": 0.0}
+#: Achieved all-to-all bandwidth of an expert-parallel group that spans n nodes, as a fraction of what a group
+#: over two nodes achieves. Each rank's tokens split into smaller messages to more peers as the group widens,
+#: so per-message costs and incast take a growing share: DeepEP's published low-latency kernels (deepseek-ai/DeepEP
+#: README, H800 with one CX7 400 Gb/s InfiniBand NIC per GPU, 128 tokens, hidden 7168, top-8) reach per-rank RDMA
+#: bandwidths, mean of dispatch and combine, of 68.5 GB/s at EP 16 (2 nodes), 50.5 at EP 32, 44.5 at EP 64, 39 at
+#: EP 128 and 39.5 at EP 256: the ratios below. A group inside one node uses the intra-node link and no entry; a
+#: group between two listed widths takes the wider one's entry, one wider than the table the last. HCCL's
+#: all-to-all over RoCE has no published width series; the same shape is assumed.
+EP_WIDTH_BANDWIDTH = {2: 1.0, 4: 0.74, 8: 0.65, 16: 0.57, 32: 0.58}
 #: Fixed per-decode-step cost of the engine (scheduler, sampling, kernel launches in eager mode), seconds.
 #: cpu: measured 4 ms (the quickstart engine generating 4 tokens for 8 sequences, less their sequence cost).
 DECODE_STEP_OVERHEAD_S = {"npu": 4e-3, "gpu": 2e-3, "cpu": 4e-3}
@@ -201,6 +210,15 @@ def _nodes(group: int, devices_per_node: int) -> int:
     return max(1, -(-group // max(1, devices_per_node)))
 
 
+def ep_width_bandwidth(nodes: int) -> float:
+    """Share of the scale-out all-to-all bandwidth an EP group over `nodes` nodes achieves (EP_WIDTH_BANDWIDTH,
+    DeepEP's published width series); 1 for a group inside one node or over two."""
+    if nodes <= 2:
+        return 1.0
+    wider = [k for k in sorted(EP_WIDTH_BANDWIDTH) if k >= nodes]
+    return EP_WIDTH_BANDWIDTH[wider[0]] if wider else EP_WIDTH_BANDWIDTH[max(EP_WIDTH_BANDWIDTH)]
+
+
 def _link_gbps(target: TargetProfile, group: int, devices_per_node: int) -> float:
     """Intra-node bandwidth when a group fits in one node, else the scale-out bandwidth."""
     return target.intra_node_bandwidth_gbps if group <= devices_per_node else target.inter_node_bandwidth_gbps
@@ -238,7 +256,8 @@ def decode_step_s(
     the step's tokens touch: E_local·(1 − (1 − k/E)^tokens)) + the KV of every sequence; FLOPs = 2 · active
     params per token / t, plus attention 4·n_q·d_h·context per full layer. Verification of k draft tokens
     multiplies the FLOPs by k + 1; an MTP drafter reads its layer k more times. TP adds two all-reduces per
-    layer, EP two all-to-alls per MoE layer; a fixed engine overhead covers scheduling and launches.
+    layer, EP two all-to-alls per MoE layer (at `ep_width_bandwidth` of the link when the group spans several
+    nodes); a fixed engine overhead covers scheduling and launches.
 
     What TP does not split is charged per engine: the vocab-parallel logits are all-gathered
     ((t−1)/t · tokens · V · bytes) and every rank samples the whole batch (SAMPLER_PASSES over fp32 logits).
@@ -275,8 +294,9 @@ def decode_step_s(
     if arch.moe is not None and layout.ep > 1:
         moe_layers = arch.num_layers - arch.moe.first_dense_layers
         volume = tokens_step * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep
-        link = _link_gbps(target, layout.ep, devices_per_node)
-        t += _collective_s(target, 2 * moe_layers * volume, link, 2 * moe_layers, _nodes(layout.ep, devices_per_node))
+        ep_nodes = _nodes(layout.ep, devices_per_node)
+        link = _link_gbps(target, layout.ep, devices_per_node) * ep_width_bandwidth(ep_nodes)
+        t += _collective_s(target, 2 * moe_layers * volume, link, 2 * moe_layers, ep_nodes)
     if layout.tp > 1:
         # A multi-worker engine hands every step to its workers and collects the result: two more exchanges.
         t += 2 * COLLECTIVE_LATENCY_S[target.kind]
@@ -474,7 +494,8 @@ def train_time(
     per pipeline (Narayanan et al. 2021, 1F1B). TP: 4 all-reduces per layer per micro-batch (2 forward,
     2 backward; Shoeybi et al. 2019), ring volume 2(t−1)/t · tokens · h · bytes. CP (Ulysses, Jacobs et al.
     2023): 4 all-to-alls of q,k,v,o forward and backward, (c−1)/c of the local tokens' heads. EP: dispatch and
-    combine all-to-alls per MoE layer, forward and backward (Lepikhin et al. 2020). DP: FSDP2 all-gathers
+    combine all-to-alls per MoE layer, forward and backward (Lepikhin et al. 2020), at `ep_width_bandwidth` of
+    the scale-out link for a group over several nodes. DP: FSDP2 all-gathers
     parameters for forward and backward of every micro-batch and reduce-scatters gradients once; Megatron's
     distributed optimizer reduce-scatters gradients and all-gathers parameters once per step; half of it hides
     behind compute. Offload: parameters cross the host link per micro-batch (forward, backward), also for a
@@ -514,9 +535,9 @@ def train_time(
     if arch.moe is not None and layout.ep > 1:
         moe_share = (arch.num_layers - arch.moe.first_dense_layers) / arch.num_layers
         volume = local * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep
-        link = _link_gbps(target, layout.ep * layout.etp, devices_per_node)
-        count = 2 * passes * stage_layers * moe_share
         ep_nodes = _nodes(layout.ep * layout.etp, devices_per_node)
+        link = _link_gbps(target, layout.ep * layout.etp, devices_per_node) * ep_width_bandwidth(ep_nodes)
+        count = 2 * passes * stage_layers * moe_share
         ep_s = _collective_s(target, count * volume / layout.tp, link, count * micro, ep_nodes)
     dp_s = 0.0
     group = layout.shard_group if fsdp else layout.dp * layout.cp

@@ -313,8 +313,8 @@ ROLLOUT_WIDTH_EXCEPTIONS = {
     "(TP 1, EP 128-256: 232 vs 222 s) beat the published TP 4 EP 64 (345 s) by the model; MindSpeed-RL's choice "
     "also serves its training resharding",
     "msrl-verl-dapo-deepseekv3-671b-megatron-a3": "as the DeepSeek-R1 A2 entry: priced synchronously, one attention-DP "
-    "engine of EP 256 beats the published TP 8 EP 64 by the model, which charges wide EP only its scale-out "
-    "latency hops, not the lower all-to-all bandwidth that wide EP groups achieve",
+    "engine of EP 256 beats the published TP 8 EP 64 by the model, even with the lower all-to-all bandwidth of "
+    "wide EP groups priced (cost.EP_WIDTH_BANDWIDTH): the wider engine's larger batches outweigh it",
 }
 
 
