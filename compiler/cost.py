@@ -48,6 +48,22 @@ EP_WIDTH_BANDWIDTH = {2: 1.0, 4: 0.74, 8: 0.65, 16: 0.57, 32: 0.58}
 #: Fixed per-decode-step cost of the engine (scheduler, sampling, kernel launches in eager mode), seconds.
 #: cpu: measured 4 ms (the quickstart engine generating 4 tokens for 8 sequences, less their sequence cost).
 DECODE_STEP_OVERHEAD_S = {"npu": 4e-3, "gpu": 2e-3, "cpu": 4e-3}
+#: Host time to launch one decoder layer's kernels in an eager engine (vLLM enforce_eager, no graph capture),
+#: seconds, for a dense and for an MoE layer. Launches run ahead of the device on an asynchronous queue, so an
+#: eager decode step takes max(device time, layers × launch time): small models at small batches are host-bound.
+#: npu, MoE: 1.86 ms, the published eager − graph difference of vllm-ascend issue 7723 (Qwen3-Coder-480B-A35B
+#: W8A8, 62 layers, one request: 171 ms eager vs 55.6 ms FULL_DECODE_ONLY TPOT). gpu, dense: 0.34 ms, the
+#: published difference of vllm-omni issue 7960 (Qwen2.5-Omni-7B thinker on A800, 28 layers: ~22.5 ms eager vs
+#: ~13 ms CUDA-graph TPOT). [estimate] The other two scale by kernels per layer: a dense vLLM decoder layer
+#: launches ~12 (two norms, QKV, rotary, cache write, attention, O, gate-up, activation, down, two TP
+#: all-reduces), a quantised MoE layer ~33 (router, top-k, token permutation, grouped GEMMs with their
+#: quantisation, un-permutation, shared expert): npu dense 1.86 · 12/33, gpu MoE 0.34 · 33/12. cpu: 0 (its
+#: engines always run eager and DECODE_STEP_OVERHEAD_S / DECODE_SEQUENCE_OVERHEAD_S were measured that way).
+EAGER_LAYER_LAUNCH_S = {
+    "npu": {"dense": 1.86e-3 * 12 / 33, "moe": 1.86e-3},
+    "gpu": {"dense": 0.34e-3, "moe": 0.34e-3 * 33 / 12},
+    "cpu": {"dense": 0.0, "moe": 0.0},
+}
 #: Host-side cost per sequence per decode step in the engine's own process (scheduling, sampler bookkeeping,
 #: output processing), which tensor parallelism does not split. cpu: measured 0.23 ms with the quickstart
 #: model (vLLM generate of 4 tokens for 8 vs 128 sequences, TP 1 and TP 2 alike). Accelerators: not measured
@@ -262,6 +278,7 @@ def decode_step_s(
     What TP does not split is charged per engine: the vocab-parallel logits are all-gathered
     ((t−1)/t · tokens · V · bytes) and every rank samples the whole batch (SAMPLER_PASSES over fp32 logits).
     Small next to the weights at TP 1, they are what a wide engine pays for batching every sequence at once.
+    An eager engine (`layout.eager`) takes at least `eager_launch_s`, its host's kernel launches.
     """
     arch = sizes.arch
     b = dtype_bytes(target)
@@ -297,10 +314,21 @@ def decode_step_s(
         ep_nodes = _nodes(layout.ep, devices_per_node)
         link = _link_gbps(target, layout.ep, devices_per_node) * ep_width_bandwidth(ep_nodes)
         t += _collective_s(target, 2 * moe_layers * volume, link, 2 * moe_layers, ep_nodes)
+    if layout.eager:
+        t = max(t, eager_launch_s(sizes, target))
     if layout.tp > 1:
         # A multi-worker engine hands every step to its workers and collects the result: two more exchanges.
         t += 2 * COLLECTIVE_LATENCY_S[target.kind]
     return t + DECODE_STEP_OVERHEAD_S[target.kind] + engine_tokens * DECODE_SEQUENCE_OVERHEAD_S[target.kind]
+
+
+def eager_launch_s(sizes: ModelSizes, target: TargetProfile) -> float:
+    """Host time to launch one eager decode step's kernels: Σ over layers of EAGER_LAYER_LAUNCH_S (dense layers
+    and MoE layers at their own rates). The step takes at least this long however little the device does."""
+    arch = sizes.arch
+    rates = EAGER_LAYER_LAUNCH_S[target.kind]
+    moe_layers = 0 if arch.moe is None else arch.num_layers - arch.moe.first_dense_layers
+    return (arch.num_layers - moe_layers) * rates["dense"] + moe_layers * rates["moe"]
 
 
 def rollout_chunk_prompts(batch_prompts: int, replicas: int, staleness: int) -> int:

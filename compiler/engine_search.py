@@ -103,7 +103,8 @@ def _rollout_option(
     planner's schedule sets staleness 0 for every colocated plan, so each engine gets its whole share as one
     request (`cost.rollout_chunk_prompts`), whatever the spec's max_staleness."""
     pin = ctx.spec.placement.rollout
-    layout = RolloutLayout(n, tp, ep, fraction, pin.max_num_seqs or 0, _batched_tokens(ctx))
+    eager = bool(pin.eager)
+    layout = RolloutLayout(n, tp, ep, fraction, pin.max_num_seqs or 0, _batched_tokens(ctx), eager)
     mem, seqs = memory.rollout_memory(
         ctx.sizes,
         layout,
@@ -118,7 +119,7 @@ def _rollout_option(
     if not mem.fits:
         return None, (mem, layout)
     max_seqs = pin.max_num_seqs or max(1, min(seqs, MAX_AUTO_SEQS))
-    layout = RolloutLayout(n, tp, ep, fraction, max_seqs, max(_batched_tokens(ctx), max_seqs))
+    layout = RolloutLayout(n, tp, ep, fraction, max_seqs, max(_batched_tokens(ctx), max_seqs), eager)
     work = replace(ctx.work, staleness=0) if sync else ctx.work
     t = cost.rollout_time(ctx.sizes, layout, ctx.target, work, ctx.devices_per_node, max_seqs)
     return RolloutOption(layout, mem, seqs, t), None
