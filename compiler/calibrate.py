@@ -147,6 +147,7 @@ def _rollout_layout(plan: Plan) -> RolloutLayout:
         float(args.get("gpu_memory_utilization", 0.9)),
         int(args.get("max_num_seqs", 1)),
         int(args.get("max_num_batched_tokens", 2048)),
+        bool(args.get("enforce_eager", False)),
     )
 
 

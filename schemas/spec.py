@@ -415,6 +415,13 @@ class RolloutPin(StrictModel):
     max_num_seqs: Annotated[int, Field(ge=1, le=65536)] | None = Field(
         None, description="Concurrent sequences per engine."
     )
+    eager: bool | None = Field(
+        None,
+        description=(
+            "Run the engines without graph capture (vLLM enforce_eager), e.g. where a model's graph mode fails; "
+            "every decode step then launches its kernels from the host. Default: graph mode on accelerators."
+        ),
+    )
 
 
 class TeacherPin(StrictModel):

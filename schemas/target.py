@@ -39,6 +39,13 @@ class Efficiency(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     train_mfu: Fraction = Field(description="Fraction of bf16_tflops achieved by training (model FLOPs utilisation).")
+    moe_train_ratio: Fraction = Field(
+        1.0,
+        description=(
+            "A mixture-of-experts model's training MFU as a fraction of train_mfu (routing, token permutation and "
+            "grouped expert GEMMs run below a dense layer's efficiency)."
+        ),
+    )
     prefill_mfu: Fraction = Field(description="Fraction of bf16_tflops achieved by rollout prefill.")
     decode_bandwidth_efficiency: Fraction = Field(
         description="Fraction of hbm_bandwidth_gbps achieved by memory-bound decode (weights + KV reads)."

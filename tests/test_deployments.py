@@ -308,6 +308,13 @@ ROLLOUT_WIDTH_EXCEPTIONS = {
     "with rollout TP = Megatron TP = 8 for resharding, not a rollout-throughput choice",
     "verl-grpo-qwen3-235b-a3-256k": "16 sequences of up to 256K tokens on 256 devices: latency-bound, every "
     "layout idles most devices, so per-sequence speed (wide TP) wins the estimate; not a throughput reference",
+    "msrl-grpo-deepseek-r1-671b-a2-8k-prompt": "a colocated step is synchronous (each engine gets its whole share); "
+    "with 8K prompts the MLA latent KV, which TP replicates, dominates a decode step, so attention-DP engines "
+    "(TP 1, EP 128-256: 232 vs 222 s) beat the published TP 4 EP 64 (345 s) by the model; MindSpeed-RL's choice "
+    "also serves its training resharding",
+    "msrl-verl-dapo-deepseekv3-671b-megatron-a3": "as the DeepSeek-R1 A2 entry: priced synchronously, one attention-DP "
+    "engine of EP 256 beats the published TP 8 EP 64 by the model, even with the lower all-to-all bandwidth of "
+    "wide EP groups priced (cost.EP_WIDTH_BANDWIDTH): the wider engine's larger batches outweigh it",
 }
 
 
