@@ -7,8 +7,9 @@ measured mean prompt and response lengths) is what the cost model is asked about
 hardware terms, not of the length assumptions. Each phase is fitted with the parameters only it reads:
 
   train    train_mfu, micro_batch_overhead_s       (cost.train_time)
-  rollout  decode_bandwidth_efficiency, prefill_mfu (cost.rollout_time; synchronous runs only, where
-           time/rollout_s is the generation itself rather than a wait for the streaming pool)
+  rollout  decode_bandwidth_efficiency, prefill_mfu, decode_step_overhead_s, decode_sequence_overhead_s
+           (cost.rollout_time; synchronous runs only, where time/rollout_s is the generation itself rather
+           than a wait for the streaming pool)
   sync     weight_sync_overhead_s, weight_reload_gbps (cost.weight_sync_s)
   step     step_overhead_s                          (the rest of time/step_s, cost.step_time)
 
@@ -42,7 +43,7 @@ SPAN = 100.0
 MIN_UNCERTAINTY = 1.15
 PHASE_PARAMS: dict[str, tuple[str, ...]] = {
     "train": ("train_mfu", "micro_batch_overhead_s"),
-    "rollout": ("decode_bandwidth_efficiency", "prefill_mfu"),
+    "rollout": ("decode_bandwidth_efficiency", "prefill_mfu", "decode_step_overhead_s", "decode_sequence_overhead_s"),
     "sync": ("weight_sync_overhead_s", "weight_reload_gbps"),
     "step": ("step_overhead_s",),
 }
@@ -194,9 +195,18 @@ def _loss(target: TargetProfile, base: TargetProfile, runs: list[Run], phase: st
             predicted = predict(run.plan, target, run.work)[phase]
             total += log(max(predicted, 1e-9) / run.measured[phase]) ** 2
     for name in PHASE_PARAMS[phase]:
-        now, was = getattr(target.efficiency, name), getattr(base.efficiency, name)
+        now, was = _value(target, name), _value(base, name)
         total += RIDGE * log(max(now, 1e-9) / max(was, 1e-9)) ** 2
     return total
+
+
+def _value(target: TargetProfile, name: str) -> float:
+    """An efficiency as the cost model reads it (an unset host overhead is the kind's default)."""
+    if name == "decode_step_overhead_s":
+        return cost.decode_step_overhead_s(target)
+    if name == "decode_sequence_overhead_s":
+        return cost.decode_sequence_overhead_s(target)
+    return float(getattr(target.efficiency, name))
 
 
 def _bounds(name: str, value: float) -> tuple[float, float]:
@@ -233,13 +243,13 @@ def fit(base: TargetProfile, runs: list[Run]) -> tuple[TargetProfile, dict[str, 
             continue
         for _ in range(3):
             for name in names:
-                lo, hi = _bounds(name, getattr(base.efficiency, name))
+                lo, hi = _bounds(name, _value(base, name))
 
                 def f(x: float, name: str = name, now: TargetProfile = target, phase: str = phase) -> float:
                     return _loss(_with(now, {name: exp(x)}), base, runs, phase)
 
                 target = _with(target, {name: exp(_golden(f, lo, hi))})
-        fitted.update({n: getattr(target.efficiency, n) for n in names})
+        fitted.update({n: _value(target, n) for n in names})
     return target, fitted
 
 
@@ -249,6 +259,7 @@ def calibrate(base: TargetProfile, runs: list[Run]) -> TargetProfile:
     if kinds != {base.id}:
         raise CalibrationError(f"runs are on target(s) {', '.join(sorted(kinds))}, not {base.id}")
     target, fitted = fit(base, runs)
+    runs = _distinct_names(runs)
     ratios = []
     record = {
         "base": f"{base.id} (sha256 of the base profile below)",
@@ -270,6 +281,14 @@ def calibrate(base: TargetProfile, runs: list[Run]) -> TargetProfile:
         sources[f"efficiency.{name}"] = f"rlc calibrate: fitted to {record['runs']}"
     sources["estimate_uncertainty"] = "rlc calibrate: twice the largest step-time residual of the fit, at least 1.15"
     return target.model_copy(update={"estimate_uncertainty": uncertainty, "sources": sources, "calibration": record})
+
+
+def _distinct_names(runs: list[Run]) -> list[Run]:
+    """Runs named apart in the record: folders of one name (every `rlc run` writes `.../run`) are numbered."""
+    names = [r.name for r in runs]
+    if len(set(names)) == len(names):
+        return runs
+    return [replace(r, name=f"{r.name}-{i}") for i, r in enumerate(runs, start=1)]
 
 
 def measured_phases(run_dir: Path) -> dict[str, float]:

@@ -319,7 +319,19 @@ def decode_step_s(
     if layout.tp > 1:
         # A multi-worker engine hands every step to its workers and collects the result: two more exchanges.
         t += 2 * COLLECTIVE_LATENCY_S[target.kind]
-    return t + DECODE_STEP_OVERHEAD_S[target.kind] + engine_tokens * DECODE_SEQUENCE_OVERHEAD_S[target.kind]
+    return t + decode_step_overhead_s(target) + engine_tokens * decode_sequence_overhead_s(target)
+
+
+def decode_step_overhead_s(target: TargetProfile) -> float:
+    """Host seconds per engine step: the profile's (e.g. `rlc calibrate`'s fit), else DECODE_STEP_OVERHEAD_S."""
+    value = target.efficiency.decode_step_overhead_s
+    return DECODE_STEP_OVERHEAD_S[target.kind] if value is None else value
+
+
+def decode_sequence_overhead_s(target: TargetProfile) -> float:
+    """Host seconds per sequence per engine step: the profile's, else DECODE_SEQUENCE_OVERHEAD_S."""
+    value = target.efficiency.decode_sequence_overhead_s
+    return DECODE_SEQUENCE_OVERHEAD_S[target.kind] if value is None else value
 
 
 def eager_launch_s(sizes: ModelSizes, target: TargetProfile) -> float:
@@ -413,7 +425,7 @@ def rollout_time(
     rank_devices = layout.engine_devices / layout.attention_dp
     prefill_flops = 2 * sizes.active * per_rank * work.prompt_tokens
     prefill = prefill_flops / (rank_devices * target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu)
-    prefill += per_rank * DECODE_SEQUENCE_OVERHEAD_S[target.kind]  # each sequence's prefill is one engine step
+    prefill += per_rank * decode_sequence_overhead_s(target)  # each sequence's prefill is one engine step
     sync = waves * mean_steps * step + tail + prefill
     tokens = per_rank * work.response_tokens
     rate = c * tau / step

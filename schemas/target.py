@@ -65,6 +65,18 @@ class Efficiency(BaseModel):
     weight_reload_gbps: PositiveFloat = Field(
         1000.0, description="Rate at which an engine takes in new weights (reload_weights: copies, repacking), GB/s."
     )
+    decode_step_overhead_s: float | None = Field(
+        None,
+        ge=0.0,
+        description="Host seconds per engine step (scheduling, sampling, output handling); unset: the cost model's "
+        "default for the target's kind.",
+    )
+    decode_sequence_overhead_s: float | None = Field(
+        None,
+        ge=0.0,
+        description="Host seconds per running sequence per engine step (per-request bookkeeping on hosts where "
+        "it shows); unset: the cost model's default for the target's kind.",
+    )
 
 
 class Determinism(BaseModel):
