@@ -16,8 +16,8 @@ Paths (only one engine is alive at a time, because every path competes for the s
      frees the batch's slots in the staleness gate once a batch is complete (the policy version stays 0),
      so rollout is the bottleneck and the gate keeps the engine fed as in a run whose training is free.
   B1 the same Ray actor, one ``generate`` call per whole batch (measured alternately with B on the same
-     engine): A -> B1 is the cost of rlc's engine wrapper (its RL engine defaults
-     ``logprobs_mode=processed_logprobs`` and stats on, the conversion to ``Sample``) plus the Ray hop;
+     engine): A -> B1 is the cost of rlc's engine wrapper (its RL engine default
+     ``logprobs_mode=processed_logprobs``, the conversion to ``Sample``) plus the Ray hop;
      B1 -> B is the cost of the controller (chunking, admission, polling, reward scoring).
 
 Engine lifetimes run in the order A B B A (each path twice, balanced around the middle against
