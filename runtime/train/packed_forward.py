@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -44,6 +44,8 @@ __all__ = [
 ]
 
 PackedAttention = Literal["varlen", "mask"]
+#: Causal attention over batched rows ``[n, H, L, D]`` (SDPA with the layer's scale, dropout and GQA settings).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 VARLEN_SDPA = "rlc_varlen_sdpa"
 LOGPROB_METHOD = "rlc_token_logprobs"
 
@@ -86,7 +88,7 @@ def varlen_sdpa_attention(
         n * n for n in lengths
     ):
         return _padded_causal(query, key, value, bounds[:-1], lengths, width, attend), None
-    return _grouped_causal(query, key, value, bounds, attend), None
+    return _grouped_causal(query, key, value, bounds[:-1], lengths, attend), None
 
 
 #: The single padded call is taken for short sequences, where a call's fixed cost outweighs its arithmetic, while
@@ -106,7 +108,7 @@ def _padded_causal(
     starts: Sequence[int],
     lengths: Sequence[int],
     width: int,
-    attend: Any,
+    attend: Attend,
 ) -> torch.Tensor:
     """Every sequence right-padded to ``width`` in one batched causal call; pad rows are dropped after.
 
@@ -128,20 +130,25 @@ def _padded_causal(
 
 
 def _grouped_causal(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: Sequence[int], attend: Any
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    attend: Attend,
 ) -> torch.Tensor:
     """One batched causal call per distinct sequence length (no padding at all); for widely spread lengths.
 
     Tokens are gathered per length and put back in packed order with the inverse permutation.
     """
     starts_by_length: dict[int, list[int]] = {}
-    for start, end in itertools.pairwise(bounds):
-        starts_by_length.setdefault(end - start, []).append(start)
+    for start, length in zip(starts, lengths, strict=True):
+        starts_by_length.setdefault(length, []).append(start)
     outs, order = [], []
-    for length, starts in starts_by_length.items():
-        positions = (torch.tensor(starts)[:, None] + torch.arange(length)[None, :]).reshape(-1)
+    for length, same in starts_by_length.items():
+        positions = (torch.tensor(same)[:, None] + torch.arange(length)[None, :]).reshape(-1)
         order.append(positions)
-        n = len(starts)
+        n = len(same)
 
         def rows(
             t: torch.Tensor, positions: torch.Tensor = positions, n: int = n, length: int = length
