@@ -80,8 +80,19 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str, layou
         if p.grad is not None
     }
     weights = w.full_state_dict()
+    # torch's canonical gather, which the trainer's own walk over its state dict must equal (names and values)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    canonical = get_model_state_dict(w.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     torch.save(
-        {"lp": lp, "stats": stats, "grads": grads, "weights": weights, "built": w.built_layout()},
+        {
+            "lp": lp,
+            "stats": stats,
+            "grads": grads,
+            "weights": weights,
+            "canonical": canonical if rank == 0 else None,
+            "built": w.built_layout(),
+        },
         f"{out}/rank{rank}.pt",
     )
     w.shutdown()
@@ -128,6 +139,9 @@ def test_layout_matches_one_rank(name: str, reference: dict, tiny_model_dir: Pat
         at = int(diff.argmax())
         assert worst < WEIGHT_TOL, (k, worst, diff.max().item(), grad.flatten()[at].item())
         assert diff.max().item() <= 2 * LR + 1e-6, k
+    canonical = ranks[0]["canonical"]
+    assert list(ranks[0]["weights"]) == list(canonical)
+    assert all(torch.equal(ranks[0]["weights"][k], v) for k, v in canonical.items())
     built = ranks[0]["built"]["built"]
     assert built["mesh"] == {"dp": dp, "cp": layout.get("cp", 1), "tp": layout.get("tp", 1)}
     assert built["tp"] == layout.get("tp", 1) and built["shard_group"] == dp * layout.get("cp", 1)
