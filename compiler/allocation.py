@@ -85,6 +85,7 @@ def _bound(ctx: Context, mode: str, n_train: int, ro: RolloutOption, teachers: T
         sync_method(ctx, mode),
         cross_node=crosses_nodes(ctx, mode, n_train, rollout_end),
         adapter_params=ctx.adapter_params,
+        engine_share=cost.engine_weight_share(ctx.sizes, ro.layout),
     )
     teacher_s = max((t.seconds for t in teachers[0]), default=0.0)
     lower = train_lower_bound_s(ctx, n_train)
@@ -326,6 +327,7 @@ class _TrainerPool:
             sync_method(ctx, self.mode),
             cross_node=self.mode == "colocated" and self.train_devices > ctx.devices_per_node,
             adapter_params=ctx.adapter_params,
+            engine_share=0.0,  # no engine layout yet: the smallest share keeps this a lower bound
         )
         teacher_s = max((t.seconds for t in self.teachers[0]), default=0.0)
         lower = train_lower_bound_s(ctx, self.train_devices)

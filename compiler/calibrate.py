@@ -167,7 +167,12 @@ def predict(plan: Plan, target: TargetProfile, work: cost.Workload) -> dict[str,
     if plan.lora is not None and plan.lora.rollout == "adapter":
         adapter = memory.lora_params(sizes.arch, plan.lora.rank, plan.lora.target_modules)
     sync = cost.weight_sync_s(
-        sizes, target, plan.schedule.weight_sync, cross_node=len(nodes) > 1, adapter_params=adapter
+        sizes,
+        target,
+        plan.schedule.weight_sync,
+        cross_node=len(nodes) > 1,
+        adapter_params=adapter,
+        engine_share=cost.engine_weight_share(sizes, rl),
     )
     step = cost.step_time(
         mode, work, rollout_t, train, 0.0, sync, plan.estimates.switch_s, target.efficiency.step_overhead_s

@@ -123,7 +123,10 @@ def combine(
     sizes, target, work = ctx.sizes, ctx.target, ctx.work
     adapter = ctx.adapter_params
     cross = crosses_nodes(ctx, mode, tr.layout.world_size, starts[1] + ro.layout.devices)
-    sync = cost.weight_sync_s(sizes, target, sync_method(ctx, mode), cross_node=cross, adapter_params=adapter)
+    share = cost.engine_weight_share(sizes, ro.layout)
+    sync = cost.weight_sync_s(
+        sizes, target, sync_method(ctx, mode), cross_node=cross, adapter_params=adapter, engine_share=share
+    )
     switch = tr.switch_s if mode == "colocated" else 0.0
     teacher_s = max((t.seconds for t in teachers), default=0.0)
     step = cost.step_time(mode, work, ro.time, tr.seconds, teacher_s, sync, switch, target.efficiency.step_overhead_s)

@@ -103,20 +103,29 @@ def test_colocated_npu_sleeps_and_offloads() -> None:
 
 def test_colocated_weight_moves_cost_host_memory_on_every_node() -> None:
     """Colocated weights go through each node's host memory; across nodes the gather to every node's leader
-    rank crosses the scale-out link."""
+    rank crosses the scale-out link. Each engine device copies back and reloads only its own shard."""
     from rlc.compiler import cost
-    from rlc.compiler.memory import model_sizes
+    from rlc.compiler.memory import RolloutLayout, model_sizes
     from rlc.schemas.registry import load_arch, load_target
 
     one, _ = plan_for("model: {name: qwen3-8b, path: /m}\nmode: colocated\n")
     two, _ = plan_for("model: {name: qwen3-8b, path: /m}\ncluster: {nodes: 2}\nmode: colocated\n")
     assert one is not None and two is not None
     sizes, a2 = model_sizes(load_arch("qwen3-8b")), load_target("a2")
+
+    def sync(plan, cross: bool) -> float:  # type: ignore[no-untyped-def]
+        engine = plan.role("rollout").parallel
+        share = cost.engine_weight_share(sizes, RolloutLayout(plan.role("rollout").devices, engine.tp, engine.ep))
+        return cost.weight_sync_s(sizes, a2, "inplace", cross_node=cross, engine_share=share)
+
+    assert one.estimates.weight_sync_s == pytest.approx(sync(one, False), abs=1e-3)
+    assert two.estimates.weight_sync_s == pytest.approx(sync(two, True), abs=1e-3)
     shm = cost.weight_sync_s(sizes, a2, "inplace", cross_node=False)
     across = cost.weight_sync_s(sizes, a2, "inplace", cross_node=True)
-    assert one.estimates.weight_sync_s == pytest.approx(shm, abs=1e-3)
-    assert two.estimates.weight_sync_s == pytest.approx(across, abs=1e-3)
     assert shm < across < cost.weight_sync_s(sizes, a2, "disk", cross_node=True)
+    # A TP 4 engine's devices each copy back and reload a quarter of the dense weights.
+    wide = cost.weight_sync_s(sizes, a2, "inplace", cross_node=False, engine_share=0.25)
+    assert wide < shm
 
 
 def test_mtp_and_lora_engine_args() -> None:
