@@ -428,6 +428,8 @@ class Controller:
         stats, spans = future.result()
         self.version += 1
         self.step += 1
+        if self.step < self.total_steps and not self._stop.is_set():
+            self._fill()  # the next rollouts start before this step's bookkeeping (logging, trace, checkpoint)
         for name, (begin, end) in spans.items():
             self.trace.trainer_span(name, begin, end, self.step)
         # Rollout that ran while this step trained and synced (about 0 when the run is synchronous).

@@ -89,6 +89,29 @@ def test_in_place_updates_only_where_every_weight_is_kept(monkeypatch: pytest.Mo
         apply_cpu_gemm_choice()
 
 
+def test_plain_weight_dispatch_keeps_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the torch GEMM path vLLM's weight parameters skip their Python torch-function detour; an op on one gives
+    the same plain tensor as before. Elsewhere nothing changes."""
+    from vllm.model_executor.parameter import BasevLLMParameter, ModelWeightParameter
+
+    from rlc.runtime.rollout.cpu_gemm import ENV, plain_weight_dispatch
+
+    original = BasevLLMParameter.__dict__["__torch_function__"]
+    # Built without __init__, which needs vLLM's tensor-parallel group; the class decides the dispatch.
+    weight = ModelWeightParameter.__new__(ModelWeightParameter, data=torch.randn(3, 4))
+    x = torch.randn(2, 4)
+    before = torch.nn.functional.linear(x, weight)
+    monkeypatch.setattr(BasevLLMParameter, "__torch_function__", original)  # restored after the test
+    monkeypatch.delenv(ENV, raising=False)
+    assert not plain_weight_dispatch()
+    assert BasevLLMParameter.__dict__["__torch_function__"] is original
+    monkeypatch.setenv(ENV, "torch")
+    assert plain_weight_dispatch()
+    after = torch.nn.functional.linear(x, weight)
+    assert type(after) is torch.Tensor and torch.equal(after, before)
+    assert isinstance(weight, BasevLLMParameter)  # vLLM's loaders still recognise it
+
+
 # ------------------------------------------------------------------ engine fixtures
 
 

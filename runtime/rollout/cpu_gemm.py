@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ENV", "apply_cpu_gemm_choice", "keeps_weights"]
+__all__ = ["ENV", "apply_cpu_gemm_choice", "keeps_weights", "plain_weight_dispatch"]
 
 ENV = "RLC_VLLM_CPU_GEMM"
 CHOICES = ("onednn", "torch")
@@ -37,3 +37,21 @@ def keeps_weights(model: object) -> bool:
     if os.environ.get(ENV) != "torch" or not isinstance(model, torch.nn.Module):
         return False
     return all(p.numel() > 0 and p.device.type == "cpu" for p in model.parameters())
+
+
+def plain_weight_dispatch() -> bool:
+    """Let torch call its kernels on vLLM's weight parameters directly; run in a worker on the torch path.
+
+    vLLM's ``BasevLLMParameter`` defines ``__torch_function__`` in Python only to call ``Parameter``'s, which is
+    torch's disabled implementation (results are plain tensors). Defining it at all makes torch route every
+    operation that touches a weight through that Python method. Setting the disabled implementation itself
+    keeps the results identical and skips the detour: 5% of a quickstart generate's CPU time (measured in one
+    engine, alternating both settings). Returns whether the torch path is in use (nothing changes otherwise).
+    """
+    if os.environ.get(ENV) != "torch":
+        return False
+    import torch
+    from vllm.model_executor.parameter import BasevLLMParameter
+
+    BasevLLMParameter.__torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    return True
