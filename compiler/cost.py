@@ -20,6 +20,7 @@ from rlc.compiler.memory import (
     kv_bytes_per_token_device,
     rollout_weights_bytes,
 )
+from rlc.schemas.arch import ModelArch
 from rlc.schemas.target import TargetProfile
 
 #: Mean response length as a fraction of max_response_len. RL responses are long-tailed: most finish well
@@ -55,13 +56,17 @@ DECODE_STEP_OVERHEAD_S = {"npu": 4e-3, "gpu": 2e-3, "cpu": 4e-3}
 #: npu, MoE: 1.86 ms, the published eager − graph difference of vllm-ascend issue 7723 (Qwen3-Coder-480B-A35B
 #: W8A8, 62 layers, one request: 171 ms eager vs 55.6 ms FULL_DECODE_ONLY TPOT). gpu, dense: 0.34 ms, the
 #: published difference of vllm-omni issue 7960 (Qwen2.5-Omni-7B thinker on A800, 28 layers: ~22.5 ms eager vs
-#: ~13 ms CUDA-graph TPOT). [estimate] The other two scale by kernels per layer: a dense vLLM decoder layer
-#: launches ~12 (two norms, QKV, rotary, cache write, attention, O, gate-up, activation, down, two TP
-#: all-reduces), a quantised MoE layer ~33 (router, top-k, token permutation, grouped GEMMs with their
-#: quantisation, un-permutation, shared expert): npu dense 1.86 · 12/33, gpu MoE 0.34 · 33/12. cpu: 0 (its
-#: engines always run eager and DECODE_STEP_OVERHEAD_S / DECODE_SEQUENCE_OVERHEAD_S were measured that way).
+#: ~13 ms CUDA-graph TPOT). npu, dense: 1.11 ms, a floor from verl issue 6747 (Qwen2.5-0.5B GRPO on one 910B,
+#: verl 0.7.1 with vllm-ascend in its default graph mode, 16 samples capped at 1,024 response tokens: 31.27 s
+#: of generation, so at least 31.27 s / 1,024 = 30.5 ms per decode step; less DECODE_STEP_OVERHEAD_S over its
+#: 24 layers). An eager engine launches at least what a piecewise graph engine launches, so its per-layer host
+#: time is no lower. [estimate] gpu MoE scales by kernels per layer: a dense vLLM decoder layer launches ~12
+#: (two norms, QKV, rotary, cache write, attention, O, gate-up, activation, down, two TP all-reduces), a
+#: quantised MoE layer ~33 (router, top-k, token permutation, grouped GEMMs with their quantisation,
+#: un-permutation, shared expert): 0.34 · 33/12. cpu: 0 (its engines always run eager and
+#: DECODE_STEP_OVERHEAD_S / DECODE_SEQUENCE_OVERHEAD_S were measured that way).
 EAGER_LAYER_LAUNCH_S = {
-    "npu": {"dense": 1.86e-3 * 12 / 33, "moe": 1.86e-3},
+    "npu": {"dense": (31.27 / 1024 - DECODE_STEP_OVERHEAD_S["npu"]) / 24, "moe": 1.86e-3},
     "gpu": {"dense": 0.34e-3, "moe": 0.34e-3 * 33 / 12},
     "cpu": {"dense": 0.0, "moe": 0.0},
 }
@@ -298,7 +303,7 @@ def decode_step_s(
     flops = 2 * active_dense / layout.tp * tokens_step
     flops += 2 * sizes.active_expert * engine_tokens / layout.engine_devices
     full_layers = sizes.full_attention_layers
-    flops += 4 * arch.num_attention_heads * arch.head_dim * full_layers * context * tokens_step / layout.tp
+    flops += decode_attention_flops(arch) * full_layers * context * tokens_step / layout.tp
     hbm = target.hbm_bandwidth_gbps * 1e9 * target.efficiency.decode_bandwidth_efficiency
     t = max(read / hbm, flops / (target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu))
     t += tokens_step * arch.vocab_size * 4 * SAMPLER_PASSES / hbm
@@ -321,6 +326,20 @@ def decode_step_s(
         # A multi-worker engine hands every step to its workers and collects the result: two more exchanges.
         t += 2 * COLLECTIVE_LATENCY_S[target.kind]
     return t + decode_step_overhead_s(target) + engine_tokens * decode_sequence_overhead_s(target)
+
+
+def decode_attention_flops(arch: ModelArch) -> float:
+    """Attention FLOPs of one decode token per cached token per layer.
+
+    Multi-head attention: QKᵀ and PV, 2 · 2 · n_q · d_h. MLA decodes in its absorbed form (DeepSeek-V2 report
+    §2.1.2: W_UK folds into the query and W_UV into the output, so attention runs over the cached latent; vLLM's
+    MLA backends and FlashMLA decode this way): every head scores against the kv_lora_rank + rope latent and
+    sums kv_lora_rank-wide values, 2 · n_q · (2 · kv_lora_rank + d_rope), 2.8x the MHA figure for DeepSeek-V3.
+    """
+    a = arch.attention
+    if a.kind == "mla" and a.kv_lora_rank and a.qk_rope_head_dim:
+        return 2 * arch.num_attention_heads * (2 * a.kv_lora_rank + a.qk_rope_head_dim)
+    return 4 * arch.num_attention_heads * arch.head_dim
 
 
 def decode_step_overhead_s(target: TargetProfile) -> float:
