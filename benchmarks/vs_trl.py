@@ -25,6 +25,10 @@ The work, made equal (each figure is read from the compiled quickstart plan, so 
     its rollout actor while its trainer actor holds the other core.
   - output: TRL saves nothing and rlc writes only its final checkpoint (``checkpoint_every`` = steps).
 
+``--staleness N`` runs rlc at another ``max_staleness`` (TRL has no asynchronous mode): at 0 the work is equal
+step for step; above 0 rlc generates while it trains, on samples up to N policy versions old, and the reward
+columns show whether it still learns as fast.
+
 Not equal, by design or because TRL has no switch for it: TRL's group std is unbiased with eps 1e-4 (rlc:
 population std, eps 1e-6); rlc's loss is the decoupled PPO objective, whose importance weight (proximal over
 vLLM's behaviour log-probs) is 1 up to numerics at the quickstart's staleness 0; the sampling streams
@@ -37,8 +41,8 @@ program written to a temporary folder. Make that environment once with
     python3 -m venv ~/trl-venv && ~/trl-venv/bin/pip install trl
 and pass ``--trl-python ~/trl-venv/bin/python`` (or set ``RLC_TRL_PYTHON``).
 
-Run: python benchmarks/vs_trl.py [--steps 600] [--json out.json] [--work DIR]   (the quickstart's 600 steps:
-about 10 minutes on 2 cores; ``--steps 20`` for a smoke run, about 2)
+Run: python benchmarks/vs_trl.py [--steps 600] [--staleness N] [--json out.json] [--work DIR]
+(the quickstart's 600 steps: about 10 minutes on 2 cores; ``--steps 20`` for a smoke run, about 2)
 """
 
 from __future__ import annotations
@@ -291,11 +295,13 @@ def steady_cpu_per_step(series: list[Sample], first: int) -> float | None:
 # ------------------------------------------------------------------ the shared inputs
 
 
-def compile_plan(work: Path, steps: int) -> Any:
+def compile_plan(work: Path, steps: int, staleness: int | None = None) -> Any:
     from rlc.compiler.manifest import load_plan
 
     out = work / "plan"
     sets = {"output.dir": str(work / "run"), "algorithm.steps": str(steps), "output.checkpoint_every": str(steps)}
+    if staleness is not None:
+        sets["algorithm.max_staleness"] = str(staleness)
     cmd = [sys.executable, "-m", "rlc", "compile", str(SPEC), "-o", str(out)]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
@@ -377,7 +383,7 @@ def run_rlc(plan: Any, work: Path) -> Result:
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     samples = plan.schedule.batch_samples
     return summarise(
-        "rlc",
+        f"rlc, max_staleness {plan.schedule.max_staleness}",
         [r["time/step_s"] for r in rows],
         [r["reward/mean"] for r in rows],
         [r["response_len/mean"] * samples for r in rows],
@@ -492,11 +498,18 @@ def main() -> None:
         default=os.environ.get("RLC_TRL_PYTHON"),
         help="python of a separate venv with trl installed (default: $RLC_TRL_PYTHON)",
     )
+    parser.add_argument(
+        "--staleness",
+        type=int,
+        help="rlc's algorithm.max_staleness (default: the quickstart's own); TRL is always on-policy",
+    )
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     parser.add_argument("--work", type=Path, help="keep the plan, runs and logs in this (empty) folder")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.staleness is not None and args.staleness < 0:
+        parser.error("--staleness must be at least 0")
     python = check_trl_python(args.trl_python)
 
     if args.work is not None and args.work.exists() and any(args.work.iterdir()):
@@ -505,7 +518,7 @@ def main() -> None:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rlc-bench-vs-trl-")))
         work = work.resolve()
         work.mkdir(parents=True, exist_ok=True)
-        plan = compile_plan(work, args.steps)
+        plan = compile_plan(work, args.steps, args.staleness)
         if plan.data.reward != "exact_match":
             raise SystemExit(f"the quickstart's reward is {plan.data.reward!r}; the TRL side replicates exact_match")
         model = build_model(plan, work)

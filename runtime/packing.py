@@ -12,6 +12,7 @@ Pure torch: no transformers import here.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -246,19 +247,28 @@ class PackedBatch:
 
 
 def pack_sequences(sequences: Sequence[torch.Tensor | Sequence[int]]) -> PackedBatch:
-    """Concatenate token-id sequences into a ``PackedBatch`` (empty sequences are rejected)."""
-    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
-    if not seqs:
+    """Concatenate token-id sequences into a ``PackedBatch`` (empty sequences are rejected).
+
+    Lists become one tensor from one flat list, and so do the positions: a tensor per sequence cost more than the
+    packing itself on many short sequences (the quickstart's 128 per micro-batch).
+    """
+    if not sequences:
         raise ValueError("cannot pack zero sequences")
-    lengths = [int(s.numel()) for s in seqs]
+    if any(isinstance(s, torch.Tensor) for s in sequences):
+        seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+        lengths = [int(s.numel()) for s in seqs]
+        input_ids = torch.cat(seqs)
+    else:
+        lengths = [len(s) for s in sequences]
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)
     if min(lengths) == 0:
         raise ValueError(f"sequence {lengths.index(0)} is empty; every packed sequence needs a token")
-    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), dim=0)
-    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    position_ids = torch.tensor(list(itertools.chain.from_iterable(map(range, lengths))), dtype=torch.long)
     return PackedBatch(
-        input_ids=torch.cat(seqs).unsqueeze(0),
-        position_ids=position_ids,
+        input_ids=input_ids.unsqueeze(0),
+        position_ids=position_ids.unsqueeze(0),
         cu_seqlens=cu,
         max_seqlen=max(lengths),
         lengths=lengths,
