@@ -99,7 +99,7 @@ def _check_resources(plan: Plan) -> None:
 
 #: The embedded local Ray keeps no idle worker processes: the run's actors have workers of their own and its only
 #: plain task (the trainer's address probe) runs once, while each idle worker polls its raylet (measured on the
-#: quickstart: two idle workers, ~2 ms of CPU each per 0.22 s step, on the same two cores as the actors).
+#: quickstart: three idle workers, ~2 ms of CPU each per 0.24 s step, on the same two cores as the actors).
 EMBEDDED_RAY_CONFIG = {"num_workers_soft_limit": 0}
 
 
