@@ -26,6 +26,7 @@ def apply_cpu_gemm_choice() -> str:
         import vllm._custom_ops as ops
 
         ops._supports_onednn = False  # read when each layer's weights are processed after loading
+        plain_weight_dispatch()
     return choice
 
 
@@ -40,7 +41,7 @@ def keeps_weights(model: object) -> bool:
 
 
 def plain_weight_dispatch() -> bool:
-    """Let torch call its kernels on vLLM's weight parameters directly; run in a worker on the torch path.
+    """Let torch call its kernels on vLLM's weight parameters directly (part of the torch path's choice).
 
     vLLM's ``BasevLLMParameter`` defines ``__torch_function__`` in Python only to call ``Parameter``'s, which is
     torch's disabled implementation (results are plain tensors). Defining it at all makes torch route every

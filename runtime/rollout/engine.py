@@ -181,11 +181,6 @@ class RolloutEngine:
         t0 = time.perf_counter()
         self.llm = LLM(**args)
         self.startup_s = time.perf_counter() - t0
-        if self.platform.name == "cpu" and args.get("worker_extension_cls") in (
-            EXTENSION_CLS,
-            SPEC_DECODE_EXTENSION_CLS,
-        ):
-            self.llm.collective_rpc("plain_weight_dispatch")
         self._sync_world: tuple[int, int] | None = None
         # What the repair did per worker ("repaired", "ok", "triton", or "skipped") and what it cost; None
         # where no repair applies (no speculative decoding, or not cpu).

@@ -158,12 +158,6 @@ class WeightSyncExtension:
 
         return process_facts()
 
-    def plain_weight_dispatch(self) -> bool:
-        """See `cpu_gemm.plain_weight_dispatch` (in this worker's process)."""
-        from rlc.runtime.rollout.cpu_gemm import plain_weight_dispatch
-
-        return plain_weight_dispatch()
-
     def load_from_safetensors(self, path: str) -> int:
         """Reload every weight from a safetensors file or directory; returns the tensor count."""
         count = 0
