@@ -121,7 +121,10 @@ def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
     devices = plan.cluster.total_devices
     cpus = max(os.cpu_count() or 1, devices + 2)
     log(f"starting a local Ray with {devices} logical `{resource}` device(s)")
+    # "local": a new instance even where `ray start` left a cluster on this machine (Ray would otherwise join
+    # the one named in its temp dir's ray_current_cluster and then refuse the sizes given here).
     ray.init(
+        address="local",
         num_cpus=cpus,
         resources={resource: devices},
         include_dashboard=False,

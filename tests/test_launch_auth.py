@@ -26,23 +26,23 @@ import pytest
 from plan_fixtures import CPU_SPEC, cpu_plan, spec_from
 
 from rlc.compiler.emit import emit_plan_dir
+from rlc.compiler.node_setup import RAY_PORTS
 
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
-#: The ports launch.sh gives Ray's per-node services (fixed, for firewalled clusters): they must be free here.
-FIXED_PORTS = (6380, 6381, 6382, 6383, 6384, 10001, 52365)
+#: The per-node service ports launch.sh fixes for firewalled clusters (GCS and dashboard have their own variables).
+#: The test moves them to free ports: another Ray on this machine (a parallel test's) holds some defaults, e.g.
+#: every local Ray's dashboard agent listens on 52365.
+NODE_PORT_FLAGS = [
+    flag for flag in RAY_PORTS if flag not in ("port", "dashboard-port", "min-worker-port", "max-worker-port")
+]
 
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _pids_with(marker: bytes) -> list[int]:
@@ -93,11 +93,15 @@ def _other_address() -> str | None:
 
 
 def test_tokenless_job_submission_to_a_launched_head_is_refused(tmp_path: Path) -> None:
-    busy = [p for p in FIXED_PORTS if _port_in_use(p)]
-    if busy:
-        pytest.skip(f"ports launch.sh uses are taken here: {busy}")
     plan_dir = tmp_path / "plan"
     emit_plan_dir(cpu_plan(run_dir=str(tmp_path / "run")), spec_from(CPU_SPEC), plan_dir, provenance={})
+    script = plan_dir / "launch.sh"
+    text = script.read_text()
+    for flag in NODE_PORT_FLAGS:
+        fixed = f"--{flag}={RAY_PORTS[flag]}"
+        assert fixed in text
+        text = text.replace(fixed, f"--{flag}={_free_port()}")
+    script.write_text(text)
     ray_tmp = tempfile.mkdtemp(prefix="rlc-ray-", dir="/tmp")  # short: Ray's unix sockets live under it
     marker = f"RAY_TMPDIR={ray_tmp}".encode()
     home, stranger = tmp_path / "home", tmp_path / "stranger"

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -144,3 +146,35 @@ def test_tampered_plan_is_refused_before_any_import(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "plan.json" in result.stderr
     assert "recompile" in result.stderr
+
+
+def test_a_cluster_left_by_ray_start_does_not_capture_the_embedded_ray(tmp_path: Path) -> None:
+    """`ray start` records its cluster in Ray's temp dir; without RAY_ADDRESS, `rlc run` still starts its own."""
+    from rlc.compiler.manifest import load_plan
+
+    plan = load_plan(compile_quickstart(tmp_path))
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rlc-ray-", dir="/tmp"))  # short: Ray's unix sockets live under it
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9\n")  # a cluster that is gone
+    program = (
+        "import json, sys, ray\n"
+        "from rlc.compiler.manifest import load_plan\n"
+        "from rlc.runtime.launch import start_ray\n"
+        f"started = start_ray(load_plan({str(tmp_path / 'plan')!r}), print)\n"
+        "print(json.dumps({'started': started, 'devices': ray.cluster_resources().get('rlc_device')}))\n"
+        "ray.shutdown()\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", program],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**clean, "RAY_TMPDIR": str(ray_tmp)},
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found == {"started": True, "devices": float(plan.cluster.total_devices)}
