@@ -152,16 +152,19 @@ def test_a_cluster_left_by_ray_start_does_not_capture_the_embedded_ray(tmp_path:
     """`ray start` records its cluster in Ray's temp dir; without RAY_ADDRESS, `rlc run` still starts its own."""
     from rlc.compiler.manifest import load_plan
 
-    plan = load_plan(compile_quickstart(tmp_path))
+    plan_dir = compile_quickstart(tmp_path)
+    plan = load_plan(plan_dir)
     ray_tmp = Path(tempfile.mkdtemp(prefix="rlc-ray-", dir="/tmp"))  # short: Ray's unix sockets live under it
     (ray_tmp / "ray").mkdir()
     (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9\n")  # a cluster that is gone
     program = (
-        "import json, sys, ray\n"
+        "import json, ray\n"
         "from rlc.compiler.manifest import load_plan\n"
         "from rlc.runtime.launch import start_ray\n"
-        f"started = start_ray(load_plan({str(tmp_path / 'plan')!r}), print)\n"
-        "print(json.dumps({'started': started, 'devices': ray.cluster_resources().get('rlc_device')}))\n"
+        f"plan = load_plan({str(plan_dir)!r})\n"
+        "started = start_ray(plan, print)\n"
+        "devices = ray.cluster_resources().get(plan.cluster.ray_resource)\n"
+        "print(json.dumps({'started': started, 'devices': devices}))\n"
         "ray.shutdown()\n"
     )
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
