@@ -41,7 +41,7 @@ program written to a temporary folder. Make that environment once with
     python3 -m venv ~/trl-venv && ~/trl-venv/bin/pip install trl
 and pass ``--trl-python ~/trl-venv/bin/python`` (or set ``RLC_TRL_PYTHON``).
 
-Run: python benchmarks/vs_trl.py [--steps 600] [--staleness N] [--json out.json] [--work DIR]
+Run: python benchmarks/vs_trl.py [--steps 600] [--staleness N] [--seed N] [--json out.json] [--work DIR]
 (the quickstart's 600 steps: about 10 minutes on 2 cores; ``--steps 20`` for a smoke run, about 2)
 """
 
@@ -295,13 +295,15 @@ def steady_cpu_per_step(series: list[Sample], first: int) -> float | None:
 # ------------------------------------------------------------------ the shared inputs
 
 
-def compile_plan(work: Path, steps: int, staleness: int | None = None) -> Any:
+def compile_plan(work: Path, steps: int, staleness: int | None = None, seed: int | None = None) -> Any:
     from rlc.compiler.manifest import load_plan
 
     out = work / "plan"
     sets = {"output.dir": str(work / "run"), "algorithm.steps": str(steps), "output.checkpoint_every": str(steps)}
     if staleness is not None:
         sets["algorithm.max_staleness"] = str(staleness)
+    if seed is not None:
+        sets["algorithm.seed"] = str(seed)
     cmd = [sys.executable, "-m", "rlc", "compile", str(SPEC), "-o", str(out)]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
@@ -503,6 +505,12 @@ def main() -> None:
         type=int,
         help="rlc's algorithm.max_staleness (default: the quickstart's own); TRL is always on-policy",
     )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        help="the plan's algorithm.seed (default: the quickstart's own): another model warm-up, prompt order and "
+        "sampling stream for both systems, to see how far the reward curves move between seeds",
+    )
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     parser.add_argument("--work", type=Path, help="keep the plan, runs and logs in this (empty) folder")
     args = parser.parse_args()
@@ -518,7 +526,7 @@ def main() -> None:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rlc-bench-vs-trl-")))
         work = work.resolve()
         work.mkdir(parents=True, exist_ok=True)
-        plan = compile_plan(work, args.steps, args.staleness)
+        plan = compile_plan(work, args.steps, args.staleness, args.seed)
         if plan.data.reward != "exact_match":
             raise SystemExit(f"the quickstart's reward is {plan.data.reward!r}; the TRL side replicates exact_match")
         model = build_model(plan, work)

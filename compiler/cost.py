@@ -91,12 +91,12 @@ DISK_GBPS = 2.0
 #: is per engine, not split by TP.
 SAMPLER_PASSES = 4
 #: How the controller feeds engines (plan.schedule.rollout_chunk_prompts / rollout_chunks_per_engine, which
-#: the planner sets from `rollout_chunk_prompts` and `engine_chunks` below and the controller obeys): streaming
-#: steps (staleness > 0) keep ENGINE_CHUNKS generate requests per engine, each of
-#: max(1, min(CHUNK_MAX_PROMPTS, batch_prompts // (2 · engines))) prompts; synchronous steps send each engine
-#: its whole share as one request.
-ENGINE_CHUNKS = 2
-CHUNK_MAX_PROMPTS = 8
+#: the planner sets from `rollout_chunk_prompts` and `ENGINE_CHUNKS` below and the controller obeys): one generate
+#: request per engine at a time, holding the engine's whole share of a step, at any staleness. An engine actor
+#: serves one call at a time (vLLM's `LLM` is not thread-safe), so a second queued request would not add
+#: concurrency, only per-request overhead (two half-share requests took 1.34x as long as one on the quickstart's
+#: engine) and a longer wait for a weight update queued behind it.
+ENGINE_CHUNKS = 1
 #: Concurrency left in the long tail of a synchronous rollout, as a fraction of the full batch: the last
 #: sequences to finish decode almost alone (bandwidth-bound steps at tiny batch).
 TAIL_CONCURRENCY_FRACTION = 0.125
@@ -363,35 +363,19 @@ def eager_launch_s(sizes: ModelSizes, target: TargetProfile) -> float:
     return (arch.num_layers - moe_layers) * rates["dense"] + moe_layers * rates["moe"]
 
 
-def rollout_chunk_prompts(batch_prompts: int, replicas: int, staleness: int) -> int:
-    """Prompts per generate request.
-
-    Streaming (staleness > 0): half an engine's share of a step, at most CHUNK_MAX_PROMPTS; two requests per
-    engine overlap the driver's bookkeeping with generation, and the cap keeps a request short enough that
-    finished groups reach the trainer steadily and a lost engine loses little work. Synchronous: the engine's
-    whole share, since nothing trains before the batch is complete; one request batches every sequence in
-    the engine at once (a synchronous engine runs two half requests one after the other: on the quickstart's
-    engine 16 prompts × 8 samples as two requests took 1.34x as long as one).
-    """
-    share = -(-batch_prompts // max(1, replicas))
-    if staleness == 0:
-        return max(1, share)
-    return max(1, min(CHUNK_MAX_PROMPTS, batch_prompts // max(1, 2 * replicas)))
+def rollout_chunk_prompts(batch_prompts: int, replicas: int) -> int:
+    """Prompts per generate request: the engine's whole share of a step (see ENGINE_CHUNKS)."""
+    return max(1, -(-batch_prompts // max(1, replicas)))
 
 
-def engine_chunks(staleness: int) -> int:
-    """Generate requests kept in flight per engine: ENGINE_CHUNKS when streaming, one when synchronous."""
-    return ENGINE_CHUNKS if staleness > 0 else 1
-
-
-def engine_inflight_samples(batch_prompts: int, group_size: int, replicas: int, staleness: int) -> int:
-    """Sequences the controller keeps in flight on one engine: `engine_chunks` requests of
+def engine_inflight_samples(batch_prompts: int, group_size: int, replicas: int) -> int:
+    """Sequences the controller keeps in flight on one engine: ENGINE_CHUNKS requests of
     `rollout_chunk_prompts` prompts, group_size samples each.
 
     This is per engine, whatever its width: one TP 8 engine is fed as many sequences at once as one TP 1
     engine, so on a fixed pool, replicas (not TP) multiply the concurrency that amortises each weight read.
     """
-    return engine_chunks(staleness) * rollout_chunk_prompts(batch_prompts, replicas, staleness) * group_size
+    return ENGINE_CHUNKS * rollout_chunk_prompts(batch_prompts, replicas) * group_size
 
 
 def rollout_time(
@@ -418,9 +402,7 @@ def rollout_time(
     """
     ranks = layout.replicas * layout.attention_dp
     per_rank = ceil(work.samples / ranks)
-    fed = engine_inflight_samples(
-        work.samples // max(1, work.group_size), work.group_size, layout.replicas, work.staleness
-    )
+    fed = engine_inflight_samples(work.samples // max(1, work.group_size), work.group_size, layout.replicas)
     c = max(1, min(max_seqs, per_rank, ceil(fed / layout.attention_dp)))
     ctx = work.inflight_context
     k = work.mtp_tokens

@@ -537,10 +537,8 @@ def _schedule(problem: Problem, ctx: search.Context, best: search.Candidate) -> 
         logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
         packing=spec.train.packing,
         max_staleness=staleness,
-        rollout_chunk_prompts=cost.rollout_chunk_prompts(
-            spec.algorithm.batch_prompts, best.rollout.layout.replicas, staleness
-        ),
-        rollout_chunks_per_engine=cost.engine_chunks(staleness),
+        rollout_chunk_prompts=cost.rollout_chunk_prompts(spec.algorithm.batch_prompts, best.rollout.layout.replicas),
+        rollout_chunks_per_engine=cost.ENGINE_CHUNKS,
         weight_sync=search.sync_method(ctx, best.mode),  # type: ignore[arg-type]
         offload=_offload_steps(problem, colocated, best),
         checkpoint_every=spec.output.checkpoint_every,

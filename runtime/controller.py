@@ -400,20 +400,27 @@ class Controller:
         try:
             while self.step < total and not self._stop.is_set():
                 self._fill()
-                self._collect(timeout=0.005 if self._training is not None else 0.05)
-                groups = self._next_batch() if self._training is None else None
-                if groups is not None:
-                    rollout_wait = time.perf_counter() - self._step_started
-                    self._training = self._trainer_thread.submit(self._train_and_sync, groups)
-                    self._training.rollout_wait = rollout_wait  # type: ignore[attr-defined]
-                    self._training.groups = [(g.request, g.item.cursor) for g in groups]  # type: ignore[attr-defined]
+                self._collect(timeout=self._collect_timeout())
+                if self._training is None:
+                    self._start_training()
                 if self._training is not None and self._training.done():
-                    self._finish_step(self._training)
-                    self._training = None
+                    done, self._training = self._training, None
+                    self._finish_step(done)
             return self.step
         finally:
             if self._training is not None:
                 self._training.cancel()
+
+    def _collect_timeout(self) -> float:
+        """How long one loop turn may wait for a rollout to finish.
+
+        While the trainer works, briefly (its end is checked between waits). While it is idle, longer, since
+        only a rollout can give it work, unless a whole batch is already waiting: then not at all, or an
+        asynchronous run would leave the trainer idle for the wait while the next batch generates.
+        """
+        if self._training is not None:
+            return 0.005
+        return 0.0 if len(self.finished) >= self.batch_prompts else 0.05
 
     def _next_batch(self) -> list[Group] | None:
         """The next step's groups once enough have finished: the oldest prompts first, whichever engine
@@ -424,19 +431,36 @@ class Controller:
         groups, self.finished = self.finished[: self.batch_prompts], self.finished[self.batch_prompts :]
         return groups
 
+    def _start_training(self) -> None:
+        """Hand the next batch to the trainer thread, once enough groups have finished."""
+        groups = self._next_batch()
+        if groups is None:
+            return
+        rollout_wait = time.perf_counter() - self._step_started
+        self._training = self._trainer_thread.submit(self._train_and_sync, groups)
+        self._training.rollout_wait = rollout_wait  # type: ignore[attr-defined]
+        self._training.groups = [(g.request, g.item.cursor) for g in groups]  # type: ignore[attr-defined]
+
     def _finish_step(self, future: Future) -> None:
         stats, spans = future.result()
         self.version += 1
         self.step += 1
+        now = time.perf_counter()
+        step_s = now - self._step_started
+        self._step_started = now
+        every = self.plan.schedule.checkpoint_every
+        checkpoint_due = self.step % every == 0 or self.step == self.total_steps
         if self.step < self.total_steps and not self._stop.is_set():
-            self._fill()  # the next rollouts start before this step's bookkeeping (logging, trace, checkpoint)
+            # The next rollouts, and the next training when its batch is ready, start before this step's
+            # bookkeeping (logging, trace); not past a checkpoint, which must save this step's weights.
+            self._fill()
+            if not checkpoint_due:
+                self._start_training()
         for name, (begin, end) in spans.items():
             self.trace.trainer_span(name, begin, end, self.step)
         # Rollout that ran while this step trained and synced (about 0 when the run is synchronous).
         stats["time/overlap_s"] = self.trace.overlap(spans["build batch"][0], spans["weight sync"][1])
         self.rollout_log.batch(self.step, future.groups)  # type: ignore[attr-defined]
-        now = time.perf_counter()
-        step_s = now - self._step_started
         metrics = {
             "step": self.step,
             "version": self.version,
@@ -450,11 +474,9 @@ class Controller:
         }
         metrics.update(self._timeline)
         self._timeline = dict.fromkeys(self._timeline, 0.0)
-        self._step_started = now
         self._rollout_tokens = 0
         self.logger.log(metrics)
-        every = self.plan.schedule.checkpoint_every
-        if self.step % every == 0 or self.step == self.total_steps:
+        if checkpoint_due:
             self._trainer_thread.submit(self._checkpoint).result()
 
     def _spec_decode_metrics(self) -> dict[str, float]:

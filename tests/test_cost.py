@@ -95,24 +95,24 @@ def test_engine_feed_is_what_the_plan_tells_the_controller() -> None:
     source = inspect.getsource(controller)
     assert "self.chunk_prompts = sched.rollout_chunk_prompts" in source
     assert "self.chunks_per_engine = sched.rollout_chunks_per_engine" in source
-    assert cost.rollout_chunk_prompts(64, 1, 2) == 8 and cost.rollout_chunk_prompts(64, 8, 2) == 4
-    assert cost.engine_inflight_samples(64, 8, 1, 2) == 2 * 8 * 8
-    assert cost.engine_inflight_samples(64, 8, 8, 2) == 2 * 4 * 8
-    assert cost.engine_inflight_samples(4, 8, 16, 2) == 2 * 1 * 8
-    # Synchronous steps: each engine gets its whole share as one request.
-    assert cost.rollout_chunk_prompts(64, 1, 0) == 64 and cost.rollout_chunk_prompts(64, 3, 0) == 22
-    assert cost.engine_chunks(0) == 1 and cost.engine_inflight_samples(64, 8, 8, 0) == 8 * 8
+    # One request per engine at a time, holding its whole share of the step, at any staleness.
+    assert cost.ENGINE_CHUNKS == 1
+    assert cost.rollout_chunk_prompts(64, 1) == 64 and cost.rollout_chunk_prompts(64, 3) == 22
+    assert cost.rollout_chunk_prompts(4, 16) == 1
+    assert cost.engine_inflight_samples(64, 8, 1) == 64 * 8
+    assert cost.engine_inflight_samples(64, 8, 8) == 8 * 8
 
 
-def test_concurrency_is_bounded_per_engine_not_per_device() -> None:
-    """One TP 8 engine is fed as many sequences as the controller gives any engine; eight TP 1 engines get
-    eight times the aggregate concurrency, which is what amortises their weight reads."""
+def test_concurrency_is_an_engines_share_capped_by_its_slots() -> None:
+    """Each engine is fed its whole share of the step, so one TP 8 engine holds the whole batch in flight and
+    eight TP 1 engines an eighth each; vLLM's max_num_seqs caps either."""
     work = _work(max_response_len=8192, max_prompt_len=2048)
     wide = cost.rollout_time(SIZES, RolloutLayout(8, tp=8), A2, work, 8, 1024)
     narrow = cost.rollout_time(SIZES, RolloutLayout(8, tp=1), A2, work, 8, 90)
-    assert wide.concurrency == cost.engine_inflight_samples(64, 8, 1, 2) == 128
-    assert narrow.concurrency == 64
-    assert 8 * narrow.concurrency > wide.concurrency
+    capped = cost.rollout_time(SIZES, RolloutLayout(8, tp=8), A2, work, 8, 256)
+    assert wide.concurrency == cost.engine_inflight_samples(64, 8, 1) == 512
+    assert narrow.concurrency == 64 and 8 * narrow.concurrency == wide.concurrency
+    assert capped.concurrency == 256
 
 
 def test_continuous_batching_refills_slots() -> None:
