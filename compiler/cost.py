@@ -372,8 +372,8 @@ def engine_inflight_samples(batch_prompts: int, group_size: int, replicas: int) 
     """Sequences the controller keeps in flight on one engine: ENGINE_CHUNKS requests of
     `rollout_chunk_prompts` prompts, group_size samples each.
 
-    This is per engine, whatever its width: one TP 8 engine is fed as many sequences at once as one TP 1
-    engine, so on a fixed pool, replicas (not TP) multiply the concurrency that amortises each weight read.
+    The share is per engine, whatever its width: one TP 8 engine holds the whole batch in flight, eight TP 1
+    engines an eighth each (vLLM's max_num_seqs caps either, in `rollout_time`).
     """
     return ENGINE_CHUNKS * rollout_chunk_prompts(batch_prompts, replicas) * group_size
 
