@@ -7,31 +7,39 @@ which vLLM stops even with ``ignore_eos``; actual tokens are counted).
 Every path samples the same prompts (the plan's seeded arithmetic stream), ``n = group_size`` (8),
 temperature 1.0, top-p 1.0, one behaviour log-prob per token, no detokenization.
 
-Paths (only one engine is alive at a time, because every path competes for the same cores):
+Paths:
   A  plain ``vllm.LLM(**plan_engine_args).generate(batch_prompts prompts, SamplingParams(n, logprobs=0))``
      in this process: the baseline.
   B  the runtime's path: the engine as a Ray actor (``rollout_engine_actor``, as ``rlc run`` starts it)
-     driven by the real ``Controller``'s rollout side (``_fill``/``_collect``: its chunking, staleness
+     driven by the real ``Controller``'s rollout side (``_fill``/``_collect``: its feed, staleness
      admission, ray.wait polling and reward scoring). The trainer is replaced by an instant step that
      frees the batch's slots in the staleness gate once a batch is complete (the policy version stays 0),
      so rollout is the bottleneck and the gate keeps the engine fed as in a run whose training is free.
-  B1 the same Ray actor, one ``generate`` call per whole batch (measured alternately with B on the same
-     engine): A -> B1 is the cost of rlc's engine wrapper (its RL engine default
-     ``logprobs_mode=processed_logprobs``, the conversion to ``Sample``) plus the Ray hop;
-     B1 -> B is the cost of the controller (chunking, admission, polling, reward scoring).
+  B1 the same Ray actor, one ``generate`` call per whole batch: A -> B1 is the cost of rlc's engine wrapper
+     (its RL engine default ``logprobs_mode=processed_logprobs``, the conversion to ``Sample``) plus the Ray
+     hop.
+  B1s B1 with the per-request seeds the controller gives every request (``runtime/seeds.py``, what makes runs
+     repeat exactly and replay): B1 -> B1s is their cost inside vLLM's sampler; B1s -> B is the rest of the
+     controller (admission, polling, reward scoring while the engine waits at max_staleness 0).
 
-Engine lifetimes run in the order A B B A (each path twice, balanced around the middle against
-drift); within each lifetime, after a warm-up, several repetitions of a few batches each are timed. The
-table shows the median tokens/s of each path over all its repetitions and the ratio to A's median.
+Both engines are alive for the whole run and every repetition times all three paths back to back, in an
+order that rotates from one repetition to the next: this machine's speed drifts by tens of percent from
+minute to minute, so a baseline measured minutes apart from its path decides nothing. Neither engine uses
+CPU while the other path runs (vLLM runs in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the idle engine's
+CPU-seconds during the other paths are measured and printed). Each path gets the threads the plan gives the
+rollout role (the cpu target's one device per engine is one core: the Ray actor runs with
+``OMP_NUM_THREADS=1``, so plain vLLM does too).
+The table shows each path's median tokens/s over the repetitions, the median of the per-repetition ratios to
+A (the paired figure the summary reports), and the generating process's CPU-milliseconds per 1,000 tokens (the
+engine actor's for B1, B1s and B: the controller's own work is in the driver and shows in B's tokens/s).
 
-Run: python benchmarks/rollout_overhead.py [--reps 5] [--batches 4]   (about 4 minutes on 2 cores)
+Run: python benchmarks/rollout_overhead.py [--reps 12] [--batches 3]   (about 4 minutes on 2 cores)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import statistics
 import subprocess
@@ -46,6 +54,9 @@ SPEC = ROOT / "examples" / "quickstart.yaml"
 MAX_TOKENS = 64
 AIM = 0.95  # rlc's rollout path should cost at most 5% of plain vLLM's throughput
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the table readable; engines inherit it
+# Ray starts rlc's engine actors (num_cpus=0) with OMP_NUM_THREADS=1, one core per cpu-target device: plain vLLM in
+# this process gets the same, set before torch is imported.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def log(text: str) -> None:
@@ -84,7 +95,18 @@ def batches_of_prompts(plan: Any, tokenizer: Any, count: int) -> list[list[list[
     return [[list(item.prompt_ids) for item in stream.take(plan.schedule.batch_prompts)] for _ in range(count)]
 
 
+PATHS = ("A", "B1", "B1s", "B")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU-seconds of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Bench:
+    """Both engines (plain vLLM in this process, rlc's engine actor with the controller) and the timed paths."""
+
     def __init__(self, plan: Any, work: Path, reps: int, batches: int) -> None:
         from rlc.runtime.launch import load_inputs, prepare_model
 
@@ -101,7 +123,12 @@ class Bench:
         self.n = plan.schedule.group_size
         # warm-up + reps × batches, the same prompt sequence for every path
         self.prompts = batches_of_prompts(plan, self.tokenizer, 2 + reps * batches)
-        self.results: dict[str, list[float]] = {"A": [], "B": [], "B1": []}
+        self.results: dict[str, list[float]] = {name: [] for name in PATHS}
+        self.idle_cpu: dict[str, float] = {"A": 0.0, "B": 0.0}  # each engine's CPU-s while the other one ran
+        # The generating process's CPU-ms per 1,000 tokens: steadier than tokens/s when the machine's speed drifts.
+        self.cpu_per_ktok: dict[str, list[float]] = {name: [] for name in PATHS}
+        self.threads: dict[str, int] = {}
+        self.cursor = 0  # B1s's request seeds, as the controller derives them from each prompt's cursor
 
     def request(self, ids: list[int]) -> dict[str, Any]:
         s = self.plan.sampling
@@ -116,7 +143,9 @@ class Bench:
 
     # ------------------------------------------------------------------ A: plain vLLM
 
-    def plain_vllm(self) -> None:
+    def plain_vllm(self, stack: contextlib.ExitStack) -> Any:
+        """Start plain vLLM in this process; returns ``run(batch) -> tokens``."""
+        import torch
         from vllm import LLM, SamplingParams
 
         s = self.plan.sampling
@@ -130,34 +159,25 @@ class Bench:
             detokenize=False,
         )
         llm = LLM(**self.engine_args)
+        stack.callback(llm.llm_engine.engine_core.shutdown)
+        self.threads["A"] = torch.get_num_threads()
 
         def run(batch: list[list[int]]) -> int:
             outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
             return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
-        try:
-            self._timed("A", run)
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            gc.collect()
-
-    def _timed(self, name: str, run: Any) -> None:
-        for batch in self.prompts[:2]:
-            run(batch)
-        for rep in range(self.reps):
-            chunk = self.prompts[2 + rep * self.batches : 2 + (rep + 1) * self.batches]
-            t0 = time.perf_counter()
-            tokens = sum(run(batch) for batch in chunk)
-            self.results[name].append(tokens / (time.perf_counter() - t0))
+        return run
 
     # ------------------------------------------------------------------ B: Ray actor + Controller
 
-    def runtime_path(self) -> None:
+    def runtime_path(self, stack: contextlib.ExitStack) -> tuple[Any, Any, int]:
+        """Start rlc's engine actor and a rollout-only controller; returns ``(B, B1, actor pid)`` runners."""
         import ray
 
         from rlc.runtime.controller import Controller
         from rlc.runtime.rollout.engine import rollout_engine_actor
         from rlc.runtime.rollout.pool import RolloutPool
+        from rlc.runtime.seeds import request_seed
         from rlc.schemas.registry import load_target
 
         bench = self
@@ -181,21 +201,29 @@ class Bench:
                 return [{**r, **full} for r in super()._requests(items)]
 
         pool = RolloutPool(self.plan, make_engine)
+        stack.callback(pool.shutdown)
         pool.wait_ready()
+        actor = pool.engines[0]
+        stack.callback(lambda: ray.get(actor.shutdown.remote(), timeout=60))
         run_dir = self.work / "controller"
         run_dir.mkdir(exist_ok=True)
         ctl = RolloutOnly(self.plan, run_dir, self.tokenizer, self.reward_fn, pool, trainer=None)
-        actor = pool.engines[0]
+        stack.callback(ctl.close)
+        # Self-contained: the actor cannot import this module, so the probe names nothing from it.
+        probe = lambda _: (__import__("os").getpid(), __import__("torch").get_num_threads())  # noqa: E731
+        pid, threads = ray.get(actor.__ray_call__.remote(probe))
+        self.threads["B"] = threads
 
-        def controller_batches(count: int) -> int:
-            """Drive the controller until ``count`` batches are complete.
+        def controller_batches(batches: list[list[list[int]]]) -> int:
+            """Drive the controller until ``len(batches)`` batches are complete (it draws its own prompts from
+            the same stream, so the count is what matters).
 
             An instant 'train' consumes each batch and gives its samples' slots back to the staleness gate (as a
             version bump would) while the policy version stays 0, so no sample is ever too stale.
             """
             tokens = 0
             done = 0
-            while done < count:
+            while done < len(batches):
                 ctl._fill()
                 ctl._collect(timeout=0.05)
                 while len(ctl.finished) >= ctl.batch_prompts:
@@ -204,43 +232,61 @@ class Bench:
                     tokens += sum(len(ids) for g in groups for ids in g.output_ids)
                     ctl.gate.retract(ctl.gate.batch_samples)
                     done += 1
-            return tokens
-
-        def drain() -> None:
+            # Leave nothing in flight: the other paths must not share the engine with a request of this one.
             ray.get(list(ctl.inflight))
             ctl.inflight.clear()
             ctl.finished.clear()
             ctl.gate.submitted = 0  # the discarded samples give back their slots
+            return tokens
 
-        def whole_batch(batch: list[list[int]]) -> int:
-            groups = ray.get(actor.generate.remote([bench.request(ids) for ids in batch]))
-            return sum(len(s.output_ids) for g in groups for s in g)
+        def whole_batch(batches: list[list[list[int]]], seeded: bool = False) -> int:
+            total = 0
+            for batch in batches:
+                requests = [bench.request(ids) for ids in batch]
+                if seeded:
+                    for request in requests:
+                        bench.cursor += 1
+                        request["seed"] = request_seed(bench.plan.algorithm.seed, bench.cursor)
+                groups = ray.get(actor.generate.remote(requests))
+                total += sum(len(s.output_ids) for g in groups for s in g)
+            return total
 
-        try:
-            controller_batches(2)
-            drain()
-            whole_batch(self.prompts[0])
+        return controller_batches, whole_batch, pid
+
+    def measure(self) -> None:
+        """Start both engines, warm each path, then time every path in each repetition, rotating the order."""
+        with contextlib.ExitStack() as stack:
+            plain = self.plain_vllm(stack)
+            controller_batches, whole_batch, actor_pid = self.runtime_path(stack)
+            runners = {
+                "A": lambda batches: sum(plain(b) for b in batches),
+                "B1": whole_batch,
+                "B1s": lambda batches: whole_batch(batches, seeded=True),
+                "B": controller_batches,
+            }
+            for run in runners.values():
+                run(self.prompts[:2])
             for rep in range(self.reps):
-                t0 = time.perf_counter()
-                tokens = controller_batches(self.batches)
-                self.results["B"].append(tokens / (time.perf_counter() - t0))
-                drain()
                 chunk = self.prompts[2 + rep * self.batches : 2 + (rep + 1) * self.batches]
-                t0 = time.perf_counter()
-                tokens = sum(whole_batch(batch) for batch in chunk)
-                self.results["B1"].append(tokens / (time.perf_counter() - t0))
-        finally:
-            ctl.close()
-            with contextlib.suppress(Exception):
-                ray.get(actor.shutdown.remote(), timeout=60)
-            pool.shutdown()
-            time.sleep(2)  # let the engine-core process exit before the next engine starts
+                order = PATHS[rep % len(PATHS) :] + PATHS[: rep % len(PATHS)]
+                for name in order:
+                    other = actor_pid if name == "A" else os.getpid()
+                    engine = os.getpid() if name == "A" else actor_pid
+                    idle0, busy0 = cpu_seconds(other), cpu_seconds(engine)
+                    t0 = time.perf_counter()
+                    tokens = runners[name](chunk)
+                    self.results[name].append(tokens / (time.perf_counter() - t0))
+                    self.cpu_per_ktok[name].append(1e6 * (cpu_seconds(engine) - busy0) / tokens)
+                    if name != "B":  # the controller (B) runs in this process, so A's engine is not idle there
+                        self.idle_cpu["B" if name == "A" else "A"] += cpu_seconds(other) - idle0
+                log(f"repetition {rep + 1}/{self.reps} done")
+            time.sleep(1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per engine lifetime")
-    parser.add_argument("--batches", type=int, default=4, help="batches (batch_prompts × n samples) per repetition")
+    parser.add_argument("--reps", type=int, default=12, help="timed repetitions (each times every path once)")
+    parser.add_argument("--batches", type=int, default=3, help="batches per path and repetition")
     args = parser.parse_args()
 
     import ray
@@ -253,35 +299,46 @@ def main() -> None:
         bench = Bench(plan, work, args.reps, args.batches)
         start_ray(plan, log)
         try:
-            for name in ("A", "B", "B", "A"):
-                t0 = time.perf_counter()
-                {"A": bench.plain_vllm, "B": bench.runtime_path}[name]()
-                log(f"path {name} done in {time.perf_counter() - t0:.0f} s")
+            t0 = time.perf_counter()
+            bench.measure()
+            log(f"measured in {time.perf_counter() - t0:.0f} s")
         finally:
             ray.shutdown()
 
     res = bench.results
     base = statistics.median(res["A"])
+    paired = {name: statistics.median(v / a for v, a in zip(res[name], res["A"], strict=True)) for name in PATHS}
     s = plan.schedule
     print(
         f"rollout tokens/s, tiny model, {s.batch_prompts} prompts x n={s.group_size} x {MAX_TOKENS} tokens per batch, "
-        f"{args.reps * 2} reps x {args.batches} batches per path (median, min-max)"
+        f"{args.reps} reps x {args.batches} batches per path, paths alternating (median, min-max)"
     )
     labels = {
         "A": "plain vllm.LLM.generate, whole batch",
         "B1": "RolloutEngine Ray actor, whole batch",
-        "B": f"Ray actor + Controller ({plan.schedule.rollout_chunk_prompts}-prompt chunks)",
+        "B1s": "  the same, per-request seeds",
+        "B": f"Ray actor + Controller ({s.rollout_chunk_prompts}-prompt requests)",
     }
-    print(f"{'path':4s} {'':44s} {'tokens/s':>10s} {'min':>9s} {'max':>9s} {'ratio':>7s}")
-    for name in ("A", "B1", "B"):
+    print(
+        f"{'path':4s} {'':44s} {'tokens/s':>10s} {'min':>9s} {'max':>9s} {'ratio':>7s} {'paired':>7s} "
+        f"{'engine CPU-ms/1k tok':>21s}"
+    )
+    for name in PATHS:
         vals = res[name]
         med = statistics.median(vals)
-        print(f"{name:4s} {labels[name]:44s} {med:10.0f} {min(vals):9.0f} {max(vals):9.0f} {med / base:7.2f}")
-    ratio = statistics.median(res["B"]) / base
+        print(
+            f"{name:4s} {labels[name]:44s} {med:10.0f} {min(vals):9.0f} {max(vals):9.0f} {med / base:7.2f} "
+            f"{paired[name]:7.2f} {statistics.median(bench.cpu_per_ktok[name]):21.1f}"
+        )
+    print(
+        f"torch threads: plain vLLM {bench.threads['A']}, engine actor {bench.threads['B']}; idle engine's CPU-s "
+        f"while the other ran: actor during A {bench.idle_cpu['B']:.2f}, plain during B1/B1s {bench.idle_cpu['A']:.2f}"
+    )
+    ratio = paired["B"]
     print(
         f"summary: rlc rollout (Ray actor + controller) runs at {ratio:.2f}x plain vLLM's tokens/s "
-        f"({'meets' if ratio >= AIM else 'below'} the {AIM} aim); the same actor fed whole batches "
-        f"{statistics.median(res['B1']) / base:.2f}x"
+        f"({'meets' if ratio >= AIM else 'below'} the {AIM} aim; median of per-repetition ratios); the same actor "
+        f"fed whole batches {paired['B1']:.2f}x, with the controller's per-request seeds {paired['B1s']:.2f}x"
     )
 
 
