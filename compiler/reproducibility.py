@@ -3,9 +3,11 @@
 Three things make two runs of the same plan differ (measured on the cpu target; see README "Reproducible
 runs"): unseeded sampling (vLLM's engine-wide generator, whose state depends on how requests were batched),
 kernels whose reduction order varies (accelerators), and asynchronous admission (with max_staleness > 0
-which policy version generates a sample depends on timing). The first is always removed (per-request
-seeds, `runtime/seeds.py`); the second by the target's deterministic switches when the plan turns them
-on; the third cannot be removed, so such runs log their admission for `rlc run --replay`.
+which policy version generates a sample depends on timing). The first is removed by per-request seeds
+(`runtime/seeds.py`) unless `algorithm.deterministic` is false (the seeds cost engine CPU at every decode step:
+vLLM draws each seeded sequence's noise from its own generator, one call per sequence); the second by the
+target's deterministic switches when the plan turns them on; the third cannot be removed, so such runs log
+their admission for `rlc run --replay`.
 """
 
 from __future__ import annotations
@@ -39,9 +41,14 @@ def reproducibility(spec: Spec, target: TargetProfile, mode: str, max_staleness:
             "agent rollouts: the agent's own code and tools, their timing, and which engine serves each turn decide "
             "what is generated, so two runs are not expected to repeat"
         )
+    seeded = spec.algorithm.deterministic is not False
     if not on:
-        if spec.algorithm.deterministic is False:
-            reasons.append("algorithm.deterministic is false: the target's kernels may reduce in a varying order")
+        if not seeded:
+            reasons.append(
+                "algorithm.deterministic is false: sampling draws from each engine's own generator (no per-request "
+                "seeds), so a sample depends on how requests were batched, and the target's kernels may reduce in "
+                "a varying order"
+            )
         elif det.env or det.torch_deterministic:
             reasons.append(
                 f"deterministic kernels are off on {target.id} by default, since they cost step time; set "
@@ -52,7 +59,7 @@ def reproducibility(spec: Spec, target: TargetProfile, mode: str, max_staleness:
     return Reproducibility(
         deterministic=not reasons,
         reasons=reasons,
-        seeded_sampling=True,
+        seeded_sampling=seeded,
         deterministic_kernels=on,
         torch_deterministic=on and det.torch_deterministic,
         switches=dict(sorted(det.env.items())) if on else {},

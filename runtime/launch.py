@@ -485,7 +485,10 @@ def _replay_schedule(plan: Plan, recorded: Path, run_dir: Path, resume: bool) ->
             f"{plan.spec_hash[:12]}); replay it with the plan that made it"
         )
     if not plan.reproducibility.seeded_sampling:
-        raise RunError("--replay: this plan does not seed its sampling (compiled by an older rlc); recompile it")
+        raise RunError(
+            "--replay: this plan does not seed its sampling (algorithm.deterministic is false, or an older rlc "
+            "compiled it), so its samples cannot be generated again; compile it with deterministic auto or true"
+        )
     return ReplaySchedule.load(recorded, plan.schedule.batch_prompts)
 
 

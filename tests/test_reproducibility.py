@@ -105,11 +105,23 @@ def test_deterministic_true_puts_the_switches_into_the_plan_env() -> None:
     assert gpu.switches["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and gpu.switches["VLLM_BATCH_INVARIANT"] == "1"
 
 
-def test_deterministic_false_on_cpu_turns_the_switches_off() -> None:
+def test_deterministic_false_on_cpu_turns_the_switches_and_the_seeds_off() -> None:
     plan = plan_for(TINY + "algorithm: {max_staleness: 0, deterministic: false}\nmode: disaggregated\n")
     r = plan.reproducibility
     assert not r.deterministic and not r.torch_deterministic and "deterministic is false" in r.reasons[0]
-    assert r.seeded_sampling  # seeds cost nothing; they stay
+    assert not r.seeded_sampling and "no per-request seeds" in r.reasons[0]
+    assert plan_for(TINY + "algorithm: {deterministic: auto}\n").reproducibility.seeded_sampling
+
+
+def test_replay_refuses_a_plan_without_seeds(tmp_path: Path) -> None:
+    from rlc.runtime.launch import _replay_schedule
+
+    plan = plan_for(TINY + "algorithm: {max_staleness: 0, deterministic: false}\nmode: disaggregated\n")
+    recorded = tmp_path / "run"
+    recorded.mkdir()
+    (recorded / "plan.json").write_text(json.dumps({"spec_hash": plan.spec_hash}))
+    with pytest.raises(RunError, match=r"does not seed its sampling.*deterministic is false"):
+        _replay_schedule(plan, recorded, tmp_path / "replay", resume=False)
 
 
 def test_summary_and_explain_show_the_verdict() -> None:
