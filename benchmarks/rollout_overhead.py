@@ -18,9 +18,10 @@ Paths:
   B1 the same Ray actor, one ``generate`` call per whole batch: A -> B1 is the cost of rlc's engine wrapper
      (its RL engine default ``logprobs_mode=processed_logprobs``, the conversion to ``Sample``) plus the Ray
      hop.
-  B1s B1 with the per-request seeds the controller gives every request (``runtime/seeds.py``, what makes runs
-     repeat exactly and replay): B1 -> B1s is their cost inside vLLM's sampler; B1s -> B is the rest of the
-     controller (admission, polling, reward scoring while the engine waits at max_staleness 0).
+  Bu the controller of the same plan compiled with ``algorithm.deterministic: false``, which drops the
+     per-request seeds (``runtime/seeds.py``, what makes runs repeat exactly and replay): B1 -> Bu is the
+     controller's feed itself (admission, polling, reward scoring while the engine waits at max_staleness 0),
+     Bu -> B what the seeds cost inside vLLM's sampler.
 
 Both engines are alive for the whole run and every repetition times all three paths back to back, in an
 order that rotates from one repetition to the next: this machine's speed drifts by tens of percent from
@@ -31,15 +32,16 @@ rollout role (the cpu target's one device per engine is one core: the Ray actor 
 ``OMP_NUM_THREADS=1``, so plain vLLM does too).
 The table shows each path's median tokens/s over the repetitions, the median of the per-repetition ratios to
 A (the paired figure the summary reports), and the generating process's CPU-milliseconds per 1,000 tokens (the
-engine actor's for B1, B1s and B: the controller's own work is in the driver and shows in B's tokens/s).
+engine actor's for B1, Bu and B: the controller's own work is in the driver and shows in their tokens/s).
 
-Run: python benchmarks/rollout_overhead.py [--reps 12] [--batches 3]   (about 4 minutes on 2 cores)
+Run: python benchmarks/rollout_overhead.py [--reps 12] [--batches 3]   (about 5 minutes on 2 cores)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import subprocess
@@ -95,7 +97,7 @@ def batches_of_prompts(plan: Any, tokenizer: Any, count: int) -> list[list[list[
     return [[list(item.prompt_ids) for item in stream.take(plan.schedule.batch_prompts)] for _ in range(count)]
 
 
-PATHS = ("A", "B1", "B1s", "B")
+PATHS = ("A", "B1", "Bu", "B")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -128,7 +130,6 @@ class Bench:
         # The generating process's CPU-ms per 1,000 tokens: steadier than tokens/s when the machine's speed drifts.
         self.cpu_per_ktok: dict[str, list[float]] = {name: [] for name in PATHS}
         self.threads: dict[str, int] = {}
-        self.cursor = 0  # B1s's request seeds, as the controller derives them from each prompt's cursor
 
     def request(self, ids: list[int]) -> dict[str, Any]:
         s = self.plan.sampling
@@ -177,7 +178,6 @@ class Bench:
         from rlc.runtime.controller import Controller
         from rlc.runtime.rollout.engine import rollout_engine_actor
         from rlc.runtime.rollout.pool import RolloutPool
-        from rlc.runtime.seeds import request_seed
         from rlc.schemas.registry import load_target
 
         bench = self
@@ -205,18 +205,23 @@ class Bench:
         pool.wait_ready()
         actor = pool.engines[0]
         stack.callback(lambda: ray.get(actor.shutdown.remote(), timeout=60))
-        run_dir = self.work / "controller"
-        run_dir.mkdir(exist_ok=True)
-        ctl = RolloutOnly(self.plan, run_dir, self.tokenizer, self.reward_fn, pool, trainer=None)
-        stack.callback(ctl.close)
+        # What `algorithm.deterministic: false` changes on the rollout side: no per-request seeds.
+        unseeded = self.plan.model_copy(deep=True)
+        unseeded.reproducibility.seeded_sampling = False
+        controllers = {}
+        for name, plan in (("B", self.plan), ("Bu", unseeded)):
+            run_dir = self.work / f"controller-{name}"
+            run_dir.mkdir(exist_ok=True)
+            controllers[name] = RolloutOnly(plan, run_dir, self.tokenizer, self.reward_fn, pool, trainer=None)
+            stack.callback(controllers[name].close)
         # Self-contained: the actor cannot import this module, so the probe names nothing from it.
         probe = lambda _: (__import__("os").getpid(), __import__("torch").get_num_threads())  # noqa: E731
         pid, threads = ray.get(actor.__ray_call__.remote(probe))
         self.threads["B"] = threads
 
-        def controller_batches(batches: list[list[list[int]]]) -> int:
-            """Drive the controller until ``len(batches)`` batches are complete (it draws its own prompts from
-            the same stream, so the count is what matters).
+        def controller_batches(ctl: Controller, batches: list[list[list[int]]]) -> int:
+            """Drive ``ctl`` until ``len(batches)`` batches are complete (it draws its own prompts from the same
+            stream, so the count is what matters).
 
             An instant 'train' consumes each batch and gives its samples' slots back to the staleness gate (as a
             version bump would) while the policy version stays 0, so no sample is ever too stale.
@@ -239,31 +244,22 @@ class Bench:
             ctl.gate.submitted = 0  # the discarded samples give back their slots
             return tokens
 
-        def whole_batch(batches: list[list[list[int]]], seeded: bool = False) -> int:
+        def whole_batch(batches: list[list[list[int]]]) -> int:
             total = 0
             for batch in batches:
-                requests = [bench.request(ids) for ids in batch]
-                if seeded:
-                    for request in requests:
-                        bench.cursor += 1
-                        request["seed"] = request_seed(bench.plan.algorithm.seed, bench.cursor)
-                groups = ray.get(actor.generate.remote(requests))
+                groups = ray.get(actor.generate.remote([bench.request(ids) for ids in batch]))
                 total += sum(len(s.output_ids) for g in groups for s in g)
             return total
 
-        return controller_batches, whole_batch, pid
+        runners = {name: functools.partial(controller_batches, ctl) for name, ctl in controllers.items()}
+        return {"B1": whole_batch, **runners}, pid
 
     def measure(self) -> None:
         """Start both engines, warm each path, then time every path in each repetition, rotating the order."""
         with contextlib.ExitStack() as stack:
             plain = self.plain_vllm(stack)
-            controller_batches, whole_batch, actor_pid = self.runtime_path(stack)
-            runners = {
-                "A": lambda batches: sum(plain(b) for b in batches),
-                "B1": whole_batch,
-                "B1s": lambda batches: whole_batch(batches, seeded=True),
-                "B": controller_batches,
-            }
+            actor_runners, actor_pid = self.runtime_path(stack)
+            runners = {"A": lambda batches: sum(plain(b) for b in batches), **actor_runners}
             for run in runners.values():
                 run(self.prompts[:2])
             for rep in range(self.reps):
@@ -277,7 +273,7 @@ class Bench:
                     tokens = runners[name](chunk)
                     self.results[name].append(tokens / (time.perf_counter() - t0))
                     self.cpu_per_ktok[name].append(1e6 * (cpu_seconds(engine) - busy0) / tokens)
-                    if name != "B":  # the controller (B) runs in this process, so A's engine is not idle there
+                    if name in ("A", "B1"):  # a controller (B, Bu) runs in this process: A's engine is not idle
                         self.idle_cpu["B" if name == "A" else "A"] += cpu_seconds(other) - idle0
                 log(f"repetition {rep + 1}/{self.reps} done")
             time.sleep(1)
@@ -316,7 +312,7 @@ def main() -> None:
     labels = {
         "A": "plain vllm.LLM.generate, whole batch",
         "B1": "RolloutEngine Ray actor, whole batch",
-        "B1s": "  the same, per-request seeds",
+        "Bu": "Ray actor + Controller, deterministic: false",
         "B": f"Ray actor + Controller ({s.rollout_chunk_prompts}-prompt requests)",
     }
     print(
@@ -332,13 +328,14 @@ def main() -> None:
         )
     print(
         f"torch threads: plain vLLM {bench.threads['A']}, engine actor {bench.threads['B']}; idle engine's CPU-s "
-        f"while the other ran: actor during A {bench.idle_cpu['B']:.2f}, plain during B1/B1s {bench.idle_cpu['A']:.2f}"
+        f"while the other ran: actor during A {bench.idle_cpu['B']:.2f}, plain during B1 {bench.idle_cpu['A']:.2f}"
     )
     ratio = paired["B"]
     print(
         f"summary: rlc rollout (Ray actor + controller) runs at {ratio:.2f}x plain vLLM's tokens/s "
         f"({'meets' if ratio >= AIM else 'below'} the {AIM} aim; median of per-repetition ratios); the same actor "
-        f"fed whole batches {paired['B1']:.2f}x, with the controller's per-request seeds {paired['B1s']:.2f}x"
+        f"fed whole batches {paired['B1']:.2f}x; the controller without per-request seeds (algorithm.deterministic: "
+        f"false) {paired['Bu']:.2f}x"
     )
 
 
