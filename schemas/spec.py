@@ -164,7 +164,7 @@ class Algorithm(StrictModel):
         "HCCL_DETERMINISTIC, vLLM batch invariance) so that two runs of a colocated or max_staleness 0 plan "
         "give the same per-step metrics. auto: on where they cost nothing measurable (the cpu target), off "
         "on accelerators, where they slow training and rollout. Sampling is seeded per request unless this is "
-        "false: false also drops the seeds (vLLM draws each seeded sequence's noise separately, measured at 15% "
+        "false: false also drops the seeds (vLLM draws each seeded sequence's noise separately, measured at 5-15% "
         "more engine CPU per token on the cpu target) and with them exact repeats and `rlc run --replay`.",
     )
 
