@@ -171,8 +171,9 @@ class Bench:
 
     # ------------------------------------------------------------------ B: Ray actor + Controller
 
-    def runtime_path(self, stack: contextlib.ExitStack) -> tuple[Any, Any, int]:
-        """Start rlc's engine actor and a rollout-only controller; returns ``(B, B1, actor pid)`` runners."""
+    def runtime_path(self, stack: contextlib.ExitStack) -> tuple[dict[str, Any], int]:
+        """Start rlc's engine actor and two rollout-only controllers; returns the B1, Bu and B runners (each
+        ``run(batches) -> tokens``) and the actor's pid."""
         import ray
 
         from rlc.runtime.controller import Controller
