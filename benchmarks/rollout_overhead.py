@@ -18,8 +18,8 @@ Paths:
   B1 the same Ray actor, one ``generate`` call per whole batch: A -> B1 is the cost of rlc's engine wrapper
      (its RL engine default ``logprobs_mode=processed_logprobs``, the conversion to ``Sample``) plus the Ray
      hop.
-  Bu the controller of the same plan compiled with ``algorithm.deterministic: false``, which drops the
-     per-request seeds (``runtime/seeds.py``, what makes runs repeat exactly and replay): B1 -> Bu is the
+  Bu the controller of the same plan with what ``algorithm.deterministic: false`` changes on the rollout side:
+     no per-request seeds (``runtime/seeds.py``, what makes runs repeat exactly and replay): B1 -> Bu is the
      controller's feed itself (admission, polling, reward scoring while the engine waits at max_staleness 0),
      Bu -> B what the seeds cost inside vLLM's sampler.
 
