@@ -100,10 +100,10 @@ def batches_of_prompts(plan: Any, tokenizer: Any, count: int) -> list[list[list[
 PATHS = ("A", "B1", "Bu", "B")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU-seconds of process ``pid`` so far (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(process: Any) -> float:
+    """User + system CPU-seconds of a ``psutil.Process`` so far."""
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 class Bench:
@@ -126,7 +126,9 @@ class Bench:
         # warm-up + reps × batches, the same prompt sequence for every path
         self.prompts = batches_of_prompts(plan, self.tokenizer, 2 + reps * batches)
         self.results: dict[str, list[float]] = {name: [] for name in PATHS}
-        self.idle_cpu: dict[str, float] = {"A": 0.0, "B": 0.0}  # each engine's CPU-s while the other one ran
+        # Each engine's CPU-s while the other one generated: the actor's during A, this process's during B1 (not
+        # during B or Bu, whose controller runs in this process).
+        self.idle_cpu: dict[str, float] = {"actor": 0.0, "plain": 0.0}
         # The generating process's CPU-ms per 1,000 tokens: steadier than tokens/s when the machine's speed drifts.
         self.cpu_per_ktok: dict[str, list[float]] = {name: [] for name in PATHS}
         self.threads: dict[str, int] = {}
@@ -257,27 +259,35 @@ class Bench:
 
     def measure(self) -> None:
         """Start both engines, warm each path, then time every path in each repetition, rotating the order."""
+        import psutil
+
         with contextlib.ExitStack() as stack:
             plain = self.plain_vllm(stack)
             actor_runners, actor_pid = self.runtime_path(stack)
             runners = {"A": lambda batches: sum(plain(b) for b in batches), **actor_runners}
+            this, actor = psutil.Process(), psutil.Process(actor_pid)
+            # name -> (the process that generates, the idle engine's process and its idle_cpu key, if measured)
+            roles = {
+                "A": (this, (actor, "actor")),
+                "B1": (actor, (this, "plain")),
+                "Bu": (actor, None),
+                "B": (actor, None),
+            }
             for run in runners.values():
                 run(self.prompts[:2])
             for rep in range(self.reps):
                 chunk = self.prompts[2 + rep * self.batches : 2 + (rep + 1) * self.batches]
-                order = PATHS[rep % len(PATHS) :] + PATHS[: rep % len(PATHS)]
-                for name in order:
-                    other = actor_pid if name == "A" else os.getpid()
-                    engine = os.getpid() if name == "A" else actor_pid
-                    idle0, busy0 = cpu_seconds(other), cpu_seconds(engine)
+                for name in PATHS[rep % len(PATHS) :] + PATHS[: rep % len(PATHS)]:
+                    engine, idle = roles[name]
+                    busy0 = cpu_seconds(engine)
+                    idle0 = cpu_seconds(idle[0]) if idle else 0.0
                     t0 = time.perf_counter()
                     tokens = runners[name](chunk)
                     self.results[name].append(tokens / (time.perf_counter() - t0))
                     self.cpu_per_ktok[name].append(1e6 * (cpu_seconds(engine) - busy0) / tokens)
-                    if name in ("A", "B1"):  # a controller (B, Bu) runs in this process: A's engine is not idle
-                        self.idle_cpu["B" if name == "A" else "A"] += cpu_seconds(other) - idle0
+                    if idle:
+                        self.idle_cpu[idle[1]] += cpu_seconds(idle[0]) - idle0
                 log(f"repetition {rep + 1}/{self.reps} done")
-            time.sleep(1)
 
 
 def main() -> None:
@@ -328,8 +338,8 @@ def main() -> None:
             f"{paired[name]:7.2f} {statistics.median(bench.cpu_per_ktok[name]):21.1f}"
         )
     print(
-        f"torch threads: plain vLLM {bench.threads['A']}, engine actor {bench.threads['B']}; idle engine's CPU-s "
-        f"while the other ran: actor during A {bench.idle_cpu['B']:.2f}, plain during B1 {bench.idle_cpu['A']:.2f}"
+        f"torch threads: plain vLLM {bench.threads['A']}, engine actor {bench.threads['B']}; idle engine's CPU-s while "
+        f"the other ran: actor during A {bench.idle_cpu['actor']:.2f}, plain during B1 {bench.idle_cpu['plain']:.2f}"
     )
     ratio = paired["B"]
     print(
