@@ -98,11 +98,22 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
-            step = int(metrics["step"])
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+            self._write_tensorboard(record)
         self._progress.update(record)
+
+    def _write_tensorboard(self, record: dict[str, Any]) -> None:
+        """One event per step holding every scalar: ``add_scalar`` writes an event per key, each checksummed
+        by TensorBoard's pure-Python CRC, which cost the driver about 2 ms of CPU per step for 27 keys (0.5 ms
+        as one event). TensorBoard reads both forms the same way."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [
+            Summary.Value(tag=key, simple_value=float(value))
+            for key, value in record.items()
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)
+        ]
+        # The writer's own file writer (what add_scalar calls) keeps its purge-on-resume and flush thread.
+        self._tb._get_file_writer().add_summary(Summary(value=values), int(record["step"]))
 
     def message(self, text: str) -> None:
         self._progress.message(text)
