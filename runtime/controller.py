@@ -19,7 +19,7 @@ import random
 import statistics
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +103,7 @@ class Controller:
         self.chunks_per_engine = sched.rollout_chunks_per_engine
         self.finished: list[Group] = []
         self.inflight: dict[Any, Chunk] = {}
+        self._results: dict[Any, Future] = {}  # in-flight request -> the future its result arrives through
         self._trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlc-trainer")
         self._training: Future | None = None
         self._warming: set[int] = set()
@@ -172,21 +173,27 @@ class Controller:
                 per_engine[engine] += 1
 
     def _collect(self, timeout: float) -> None:
-        import ray
+        """Take in every finished request; wait up to ``timeout`` for one, or for the trainer to finish.
 
-        if not self.inflight:
-            # Nothing to collect: wake as soon as the trainer finishes instead of sleeping a fixed slice.
-            if self._training is not None:
-                wait_futures([self._training], timeout=timeout)
-            else:
-                time.sleep(min(timeout, 0.005))
+        Event-driven: each request's result arrives through a future that Ray completes, so one wait covers
+        the rollouts and the trainer alike. Polling ``ray.wait`` with a short timeout while the trainer worked
+        cost the driver about 3.5 ms of CPU per 0.1 s of training.
+        """
+        # A future per request, made once (requests the engine-death path dropped lose theirs here).
+        self._results = {ref: self._results.get(ref) or ref.future() for ref in self.inflight}
+        waiting = list(self._results.values()) + ([self._training] if self._training is not None else [])
+        if not waiting:
+            time.sleep(min(timeout, 0.005))
             return
-        ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=timeout)
-        for ref in ready:
-            chunk = self.inflight.pop(ref)
+        wait_futures(waiting, timeout=timeout, return_when=FIRST_COMPLETED)
+        for ref in [ref for ref, result in self._results.items() if result.done()]:
+            future = self._results.pop(ref)
+            chunk = self.inflight.pop(ref, None)
+            if chunk is None:  # dropped with its engine when an earlier request of this turn found it dead
+                continue
             t0 = time.perf_counter()
             try:
-                results = ray.get(ref)
+                results = future.result()
             except Exception as exc:
                 if not engine_is_dead(exc):
                     raise
@@ -412,15 +419,15 @@ class Controller:
                 self._training.cancel()
 
     def _collect_timeout(self) -> float:
-        """How long one loop turn may wait for a rollout to finish.
+        """How long one loop turn may wait for a rollout (or the trainer) to finish.
 
-        While the trainer works, briefly (its end is checked between waits). While it is idle, longer, since
-        only a rollout can give it work, unless a whole batch is already waiting: then not at all, or an
-        asynchronous run would leave the trainer idle for the wait while the next batch generates.
+        A finished rollout or the trainer's end cuts the wait short, so the bound only paces the loop's other
+        checks (a stop request, an engine back from a restart). Not at all while the trainer is idle with a
+        whole batch waiting, or an asynchronous run would leave it idle while the next batch generates.
         """
-        if self._training is not None:
-            return 0.005
-        return 0.0 if len(self.finished) >= self.batch_prompts else 0.05
+        if self._training is None and len(self.finished) >= self.batch_prompts:
+            return 0.0
+        return 0.05
 
     def _next_batch(self) -> list[Group] | None:
         """The next step's groups once enough have finished: the oldest prompts first, whichever engine

@@ -79,7 +79,6 @@ def test_an_idle_trainer_with_a_whole_batch_waiting_does_not_wait_on_rollouts() 
     """Asynchronous runs finish the next batch while the trainer works; once that step is done the loop must
     hand the waiting batch over at once, not first wait out a rollout still generating (that wait cost the
     quickstart at max_staleness 1 about 50 ms of a ~150 ms step)."""
-    import types
 
     from rlc.runtime.controller import Controller
 
@@ -88,5 +87,28 @@ def test_an_idle_trainer_with_a_whole_batch_waiting_does_not_wait_on_rollouts() 
     assert c._collect_timeout() > 0  # short of a batch: only a rollout can give the trainer work
     c.finished = [object()] * 4
     assert c._collect_timeout() == 0
-    c._training = types.SimpleNamespace()  # training: wait briefly, its end is checked between waits
-    assert 0 < c._collect_timeout() <= 0.005
+
+
+def test_the_trainers_end_wakes_a_wait_on_rollouts() -> None:
+    """The loop waits on rollouts and the trainer at once (no polling): a step that ends while every request
+    is still generating ends the wait at once, not when the wait's bound runs out."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from rlc.runtime.controller import Controller
+
+    generating: Future = Future()  # never finishes during the test
+
+    class Request:
+        def future(self) -> Future:
+            return generating
+
+    c = object.__new__(Controller)
+    c.inflight, c._results, c._training = {Request(): object()}, {}, Future()
+    threading.Timer(0.05, c._training.set_result, [None]).start()
+    t0 = time.perf_counter()
+    c._collect(timeout=30.0)
+    assert time.perf_counter() - t0 < 5.0
+    assert c._training.done() and len(c.inflight) == 1  # nothing collected: the request is still running
+    assert c._collect_timeout() > 0  # a bound remains for the loop's other checks (stop, engine restarts)
