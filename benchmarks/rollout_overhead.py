@@ -10,6 +10,9 @@ temperature 1.0, top-p 1.0, one behaviour log-prob per token, no detokenization.
 Paths:
   A  plain ``vllm.LLM(**plan_engine_args).generate(batch_prompts prompts, SamplingParams(n, logprobs=0))``
      in this process: the baseline.
+  As plain vLLM again, each prompt's ``SamplingParams`` carrying the seed the plan gives it
+     (``runtime/seeds.py``): the baseline for B, whose requests carry the same seeds. A -> As is what
+     vLLM's seeded sampler costs by itself.
   B  the runtime's path: the engine as a Ray actor (``rollout_engine_actor``, as ``rlc run`` starts it)
      driven by the real ``Controller``'s rollout side (``_fill``/``_collect``: its feed, staleness
      admission, ray.wait polling and reward scoring). The trainer is replaced by an instant step that
@@ -21,9 +24,9 @@ Paths:
   Bu the controller of the same plan with what ``algorithm.deterministic: false`` changes on the rollout side:
      no per-request seeds (``runtime/seeds.py``, what makes runs repeat exactly and replay): B1 -> Bu is the
      controller's feed itself (admission, polling, reward scoring while the engine waits at max_staleness 0),
-     Bu -> B what the seeds cost inside vLLM's sampler.
+     Bu -> B what the seeds cost inside vLLM's sampler. B / As is the controller's cost at equal sampling work.
 
-Both engines are alive for the whole run and every repetition times all three paths back to back, in an
+Both engines are alive for the whole run and every repetition times every path back to back, in an
 order that rotates from one repetition to the next: this machine's speed drifts by tens of percent from
 minute to minute, so a baseline measured minutes apart from its path decides nothing. Neither engine uses
 CPU while the other path runs (vLLM runs in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the idle engine's
@@ -34,7 +37,7 @@ The table shows each path's median tokens/s over the repetitions, the median of 
 A (the paired figure the summary reports), and the generating process's CPU-milliseconds per 1,000 tokens (the
 engine actor's for B1, Bu and B: the controller's own work is in the driver and shows in their tokens/s).
 
-Run: python benchmarks/rollout_overhead.py [--reps 12] [--batches 3]   (about 5 minutes on 2 cores)
+Run: python benchmarks/rollout_overhead.py [--reps 12] [--batches 3]   (about 6 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -89,15 +92,22 @@ def compile_plan(work: Path) -> Any:
     return plan
 
 
-def batches_of_prompts(plan: Any, tokenizer: Any, count: int) -> list[list[list[int]]]:
+#: One prompt as the controller sees it: (its cursor in the plan's prompt stream, its token ids).
+Prompt = tuple[int, list[int]]
+
+
+def batches_of_prompts(plan: Any, tokenizer: Any, count: int) -> list[list[Prompt]]:
     """The first ``count`` batches of the plan's prompt stream, as the controller would see them."""
     from rlc.runtime.prompts import PromptStream
 
     stream = PromptStream(plan.data, tokenizer, plan.algorithm.seed, plan.sampling.max_prompt_len)
-    return [[list(item.prompt_ids) for item in stream.take(plan.schedule.batch_prompts)] for _ in range(count)]
+    return [
+        [(item.cursor, list(item.prompt_ids)) for item in stream.take(plan.schedule.batch_prompts)]
+        for _ in range(count)
+    ]
 
 
-PATHS = ("A", "B1", "Bu", "B")
+PATHS = ("A", "As", "B1", "Bu", "B")
 
 
 def cpu_seconds(process: Any) -> float:
@@ -146,30 +156,46 @@ class Bench:
 
     # ------------------------------------------------------------------ A: plain vLLM
 
-    def plain_vllm(self, stack: contextlib.ExitStack) -> Any:
-        """Start plain vLLM in this process; returns ``run(batch) -> tokens``."""
+    def plain_vllm(self, stack: contextlib.ExitStack) -> dict[str, Any]:
+        """Start plain vLLM in this process; returns the A and As runners (``run(batch) -> tokens``)."""
         import torch
         from vllm import LLM, SamplingParams
 
+        from rlc.runtime.seeds import request_seed
+
         s = self.plan.sampling
-        params = SamplingParams(
-            n=self.n,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            max_tokens=MAX_TOKENS,
-            ignore_eos=True,
-            logprobs=0,
-            detokenize=False,
-        )
+
+        def params(seed: int | None) -> Any:
+            return SamplingParams(
+                n=self.n,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_tokens=MAX_TOKENS,
+                ignore_eos=True,
+                logprobs=0,
+                detokenize=False,
+                seed=seed,
+            )
+
         llm = LLM(**self.engine_args)
         stack.callback(llm.llm_engine.engine_core.shutdown)
         self.threads["A"] = torch.get_num_threads()
+        unseeded = params(None)
 
-        def run(batch: list[list[int]]) -> int:
-            outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+        def run(batch: list[Prompt], seeded: bool) -> int:
+            if seeded:
+                per_prompt = [params(request_seed(self.plan.algorithm.seed, cursor)) for cursor, _ in batch]
+            outs = llm.generate(
+                [{"prompt_token_ids": ids} for _, ids in batch],
+                per_prompt if seeded else unseeded,
+                use_tqdm=False,
+            )
             return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
-        return run
+        return {
+            "A": lambda batches: sum(run(b, seeded=False) for b in batches),
+            "As": lambda batches: sum(run(b, seeded=True) for b in batches),
+        }
 
     # ------------------------------------------------------------------ B: Ray actor + Controller
 
@@ -222,7 +248,7 @@ class Bench:
         pid, threads = ray.get(actor.__ray_call__.remote(probe))
         self.threads["B"] = threads
 
-        def controller_batches(ctl: Controller, batches: list[list[list[int]]]) -> int:
+        def controller_batches(ctl: Controller, batches: list[list[Prompt]]) -> int:
             """Drive ``ctl`` until ``len(batches)`` batches are complete (it draws its own prompts from the same
             stream, so the count is what matters).
 
@@ -247,10 +273,10 @@ class Bench:
             ctl.gate.submitted = 0  # the discarded samples give back their slots
             return tokens
 
-        def whole_batch(batches: list[list[list[int]]]) -> int:
+        def whole_batch(batches: list[list[Prompt]]) -> int:
             total = 0
             for batch in batches:
-                groups = ray.get(actor.generate.remote([bench.request(ids) for ids in batch]))
+                groups = ray.get(actor.generate.remote([bench.request(ids) for _, ids in batch]))
                 total += sum(len(s.output_ids) for g in groups for s in g)
             return total
 
@@ -262,13 +288,14 @@ class Bench:
         import psutil
 
         with contextlib.ExitStack() as stack:
-            plain = self.plain_vllm(stack)
+            plain_runners = self.plain_vllm(stack)
             actor_runners, actor_pid = self.runtime_path(stack)
-            runners = {"A": lambda batches: sum(plain(b) for b in batches), **actor_runners}
+            runners = {**plain_runners, **actor_runners}
             this, actor = psutil.Process(), psutil.Process(actor_pid)
             # name -> (the process that generates, the idle engine's process and its idle_cpu key, if measured)
             roles = {
                 "A": (this, (actor, "actor")),
+                "As": (this, None),
                 "B1": (actor, (this, "plain")),
                 "Bu": (actor, None),
                 "B": (actor, None),
@@ -322,6 +349,7 @@ def main() -> None:
     )
     labels = {
         "A": "plain vllm.LLM.generate, whole batch",
+        "As": "plain vllm.LLM.generate, the plan's seeds",
         "B1": "RolloutEngine Ray actor, whole batch",
         "Bu": "Ray actor + Controller, deterministic: false",
         "B": f"Ray actor + Controller ({s.rollout_chunk_prompts}-prompt requests)",
@@ -342,11 +370,14 @@ def main() -> None:
         f"the other ran: actor during A {bench.idle_cpu['actor']:.2f}, plain during B1 {bench.idle_cpu['plain']:.2f}"
     )
     ratio = paired["B"]
+    # B against plain vLLM given the same seeded requests: the controller's cost at equal sampling work.
+    same_seeds = statistics.median(b / a for b, a in zip(res["B"], res["As"], strict=True))
     print(
-        f"summary: rlc rollout (Ray actor + controller) runs at {ratio:.2f}x plain vLLM's tokens/s "
-        f"({'meets' if ratio >= AIM else 'below'} the {AIM} aim; median of per-repetition ratios); the same actor "
-        f"fed whole batches {paired['B1']:.2f}x; the controller without per-request seeds (algorithm.deterministic: "
-        f"false) {paired['Bu']:.2f}x"
+        f"summary: rlc rollout (Ray actor + controller) runs at {same_seeds:.2f}x plain vLLM given the same seeded "
+        f"requests ({'meets' if same_seeds >= AIM else 'below'} the {AIM} aim; median of per-repetition ratios) and "
+        f"{ratio:.2f}x unseeded plain vLLM; seeds alone cost plain vLLM {paired['As']:.2f}x; the actor fed whole "
+        f"batches {paired['B1']:.2f}x; the controller without per-request seeds (algorithm.deterministic: false) "
+        f"{paired['Bu']:.2f}x"
     )
 
 

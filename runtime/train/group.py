@@ -15,6 +15,7 @@ from rlc.schemas.layout import TrainLayout
 
 from ..platform import Platform, get_platform
 from ..rollout.weight_sync import TensorMeta
+from .rendezvous import probe_address
 
 __all__ = ["TrainerGroup", "split_batch"]
 
@@ -31,17 +32,6 @@ def split_batch(batch: Mapping[str, Any], parts: int) -> list[dict[str, Any]]:
         lo, hi = bounds[i], bounds[i + 1]
         shares.append({k: (v[lo:hi] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in batch.items()})
     return shares
-
-
-def _probe_address() -> tuple[str, int]:
-    import socket
-
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
 
 
 class TrainerGroup:
@@ -94,7 +84,7 @@ class TrainerGroup:
                 )
             return opts
 
-        probe = ray.remote(_probe_address).options(**{k: v for k, v in options(0).items() if k != "runtime_env"})
+        probe = ray.remote(probe_address).options(**{k: v for k, v in options(0).items() if k != "runtime_env"})
         self.master_addr, self.master_port = ray.get(probe.remote())
         actor_cls = ray.remote(TrainerWorker)
         self.workers = [
