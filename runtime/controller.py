@@ -19,8 +19,7 @@ import random
 import statistics
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from rlc.runtime.colocate import PhaseSwitcher
 from rlc.runtime.distill import teacher_metrics
 from rlc.runtime.metrics import MetricsLogger
 from rlc.runtime.prompts import PromptItem, PromptStream
+from rlc.runtime.result_futures import ResultFutures
 from rlc.runtime.rollout.failures import engine_is_dead
 from rlc.runtime.rollout.pool import RolloutPool
 from rlc.runtime.rollout_log import RolloutLog
@@ -103,7 +103,7 @@ class Controller:
         self.chunks_per_engine = sched.rollout_chunks_per_engine
         self.finished: list[Group] = []
         self.inflight: dict[Any, Chunk] = {}
-        self._results: dict[Any, Future] = {}  # in-flight request -> the future its result arrives through
+        self._results = ResultFutures()  # the in-flight requests' results, waited on with the trainer's step
         self._trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlc-trainer")
         self._training: Future | None = None
         self._warming: set[int] = set()
@@ -115,8 +115,9 @@ class Controller:
         self.eos_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
         self._step_started = time.perf_counter()
         self._rollout_tokens = 0
-        # Driver-thread time per step outside the engines and the trainer: fetching finished requests from
-        # the engines (gather) and scoring them (reward); the trainer thread adds batch, train and sync.
+        # Driver-thread time per step outside the engines and the trainer: taking finished requests' results
+        # (gather; Ray delivers them through their futures off this thread) and scoring them (reward); the
+        # trainer thread adds batch, train and sync.
         self._timeline = dict.fromkeys(("time/gather_s", "time/reward_s"), 0.0)
         self.logger = MetricsLogger(run_dir, plan.loggers, plan.schedule.steps, self.step)
         self.weights = WeightPush(plan, trainer, rollout, run_dir, self.logger.message, self.version)
@@ -173,21 +174,9 @@ class Controller:
                 per_engine[engine] += 1
 
     def _collect(self, timeout: float) -> None:
-        """Take in every finished request; wait up to ``timeout`` for one, or for the trainer to finish.
-
-        Event-driven: each request's result arrives through a future that Ray completes, so one wait covers
-        the rollouts and the trainer alike. Polling ``ray.wait`` with a short timeout while the trainer worked
-        cost the driver about 3.5 ms of CPU per 0.1 s of training.
-        """
-        # A future per request, made once (requests the engine-death path dropped lose theirs here).
-        self._results = {ref: self._results.get(ref) or ref.future() for ref in self.inflight}
-        waiting = list(self._results.values()) + ([self._training] if self._training is not None else [])
-        if not waiting:
-            time.sleep(min(timeout, 0.005))
-            return
-        wait_futures(waiting, timeout=timeout, return_when=FIRST_COMPLETED)
-        for ref in [ref for ref, result in self._results.items() if result.done()]:
-            future = self._results.pop(ref)
+        """Take in every finished request; wait up to ``timeout`` for one, or for the trainer to finish
+        (``ResultFutures``: either wakes the wait, with no polling)."""
+        for ref, future in self._results.wait(self.inflight, self._training, timeout):
             chunk = self.inflight.pop(ref, None)
             if chunk is None:  # dropped with its engine when an earlier request of this turn found it dead
                 continue

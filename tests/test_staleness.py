@@ -97,6 +97,7 @@ def test_the_trainers_end_wakes_a_wait_on_rollouts() -> None:
     from concurrent.futures import Future
 
     from rlc.runtime.controller import Controller
+    from rlc.runtime.result_futures import ResultFutures
 
     generating: Future = Future()  # never finishes during the test
 
@@ -105,7 +106,7 @@ def test_the_trainers_end_wakes_a_wait_on_rollouts() -> None:
             return generating
 
     c = object.__new__(Controller)
-    c.inflight, c._results, c._training = {Request(): object()}, {}, Future()
+    c.inflight, c._results, c._training = {Request(): object()}, ResultFutures(), Future()
     threading.Timer(0.05, c._training.set_result, [None]).start()
     t0 = time.perf_counter()
     c._collect(timeout=30.0)

@@ -25,6 +25,7 @@ from rlc.runtime.agent.trajectory import Row, Segments, segment_calls, trajector
 from rlc.runtime.controller import Controller
 from rlc.runtime.errors import RunError
 from rlc.runtime.prompts import PromptItem
+from rlc.runtime.result_futures import ResultFutures
 
 __all__ = ["AgentController", "AgentGroup", "Trajectory"]
 
@@ -94,6 +95,7 @@ class AgentController(Controller):
         self.runners = runners
         self.endpoints: list[str] = ray.get([e.endpoint.remote() for e in self.rollout.engines])
         self.episodes: dict[Any, _Pending] = {}
+        self._episode_results = ResultFutures()  # woken by a finished episode or the trainer's step
         self._open: list[AgentGroup] = []  # groups with trajectories still to come
         self._slots: list[AgentGroup] = []  # one entry per trajectory to start (new groups and re-issues)
         self._runner_load = [0] * len(runners)
@@ -176,13 +178,12 @@ class AgentController(Controller):
         if not self.episodes:
             super()._collect(timeout)  # nothing in flight: wait for the trainer instead
             return
-        ready, _ = ray.wait(list(self.episodes), num_returns=len(self.episodes), timeout=timeout)
         done: list[tuple[_Pending, Episode]] = []
-        for ref in ready:
+        for ref, future in self._episode_results.wait(self.episodes, self._training, timeout):
             pending = self.episodes.pop(ref)
             self._runner_load[self._runner_of.pop(ref)] -= 1
             try:
-                episode = ray.get(ref)
+                episode = future.result()
             except Exception as exc:  # the runner actor died or the task was cancelled
                 episode = Episode(pending.key, "error", error=f"runner failed: {type(exc).__name__}: {exc}")
             done.append((pending, episode))
