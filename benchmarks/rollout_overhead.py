@@ -15,7 +15,7 @@ Paths:
      vLLM's seeded sampler costs by itself.
   B  the runtime's path: the engine as a Ray actor (``rollout_engine_actor``, as ``rlc run`` starts it)
      driven by the real ``Controller``'s rollout side (``_fill``/``_collect``: its feed, staleness
-     admission, ray.wait polling and reward scoring). The trainer is replaced by an instant step that
+     admission, its wait on results and reward scoring). The trainer is replaced by an instant step that
      frees the batch's slots in the staleness gate once a batch is complete (the policy version stays 0),
      so rollout is the bottleneck and the gate keeps the engine fed as in a run whose training is free.
   B1 the same Ray actor, one ``generate`` call per whole batch: A -> B1 is the cost of rlc's engine wrapper
@@ -23,7 +23,7 @@ Paths:
      hop.
   Bu the controller of the same plan with what ``algorithm.deterministic: false`` changes on the rollout side:
      no per-request seeds (``runtime/seeds.py``, what makes runs repeat exactly and replay): B1 -> Bu is the
-     controller's feed itself (admission, polling, reward scoring while the engine waits at max_staleness 0),
+     controller's feed itself (admission, waiting, reward scoring while the engine waits at max_staleness 0),
      Bu -> B what the seeds cost inside vLLM's sampler. B / As is the controller's cost at equal sampling work.
 
 Both engines are alive for the whole run and every repetition times every path back to back, in an
@@ -183,13 +183,10 @@ class Bench:
         unseeded = params(None)
 
         def run(batch: list[Prompt], seeded: bool) -> int:
-            if seeded:
-                per_prompt = [params(request_seed(self.plan.algorithm.seed, cursor)) for cursor, _ in batch]
-            outs = llm.generate(
-                [{"prompt_token_ids": ids} for _, ids in batch],
-                per_prompt if seeded else unseeded,
-                use_tqdm=False,
+            sampling = (
+                [params(request_seed(self.plan.algorithm.seed, cursor)) for cursor, _ in batch] if seeded else unseeded
             )
+            outs = llm.generate([{"prompt_token_ids": ids} for _, ids in batch], sampling, use_tqdm=False)
             return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
         return {

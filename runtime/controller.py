@@ -103,7 +103,7 @@ class Controller:
         self.chunks_per_engine = sched.rollout_chunks_per_engine
         self.finished: list[Group] = []
         self.inflight: dict[Any, Chunk] = {}
-        self._results = ResultFutures()  # the in-flight requests' results, waited on with the trainer's step
+        self._result_futures = ResultFutures()  # the in-flight requests' results, waited on with the trainer's step
         self._trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlc-trainer")
         self._training: Future | None = None
         self._warming: set[int] = set()
@@ -176,7 +176,7 @@ class Controller:
     def _collect(self, timeout: float) -> None:
         """Take in every finished request; wait up to ``timeout`` for one, or for the trainer to finish
         (``ResultFutures``: either wakes the wait, with no polling)."""
-        for ref, future in self._results.wait(self.inflight, self._training, timeout):
+        for ref, future in self._result_futures.wait(self.inflight, self._training, timeout):
             chunk = self.inflight.pop(ref, None)
             if chunk is None:  # dropped with its engine when an earlier request of this turn found it dead
                 continue

@@ -106,7 +106,7 @@ def test_the_trainers_end_wakes_a_wait_on_rollouts() -> None:
             return generating
 
     c = object.__new__(Controller)
-    c.inflight, c._results, c._training = {Request(): object()}, ResultFutures(), Future()
+    c.inflight, c._result_futures, c._training = {Request(): object()}, ResultFutures(), Future()
     threading.Timer(0.05, c._training.set_result, [None]).start()
     t0 = time.perf_counter()
     c._collect(timeout=30.0)
