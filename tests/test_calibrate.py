@@ -114,7 +114,9 @@ def test_explain_shows_measured_and_profile(tmp_path: Path) -> None:
     assert runner.invoke(app, ["calibrate", str(run), "-o", str(out)]).exit_code == 0
     spec = tmp_path / "cal.yaml"
     spec.write_text(SPEC.replace("BATCH", "16"))
-    result = runner.invoke(app, ["explain", str(spec), "--targets", str(out), "--measured", str(run)])
+    # Wide enough that the profile line (which names the temporary folder) is not wrapped by the terminal width.
+    args = ["explain", str(spec), "--targets", str(out), "--measured", str(run)]
+    result = runner.invoke(app, args, env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output
     assert "measured" in result.output and "runs: run-16 (25 steps)" in result.output
     assert "target profile cpu:" in result.output and "profiles" in result.output
