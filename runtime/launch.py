@@ -99,8 +99,14 @@ def _check_resources(plan: Plan) -> None:
 
 #: The embedded local Ray keeps no idle worker processes: the run's actors have workers of their own and its only
 #: plain task (the trainer's address probe) runs once, while each idle worker polls its raylet (measured on the
-#: quickstart: three idle workers, ~2 ms of CPU each per 0.24 s step, on the same two cores as the actors).
-EMBEDDED_RAY_CONFIG = {"num_workers_soft_limit": 0}
+#: quickstart: three idle workers, ~2 ms of CPU each per 0.24 s step, on the same two cores as the actors). Nor does
+#: it prestart workers for the driver: two of those started, imported Ray and sat idle for the whole run (~0.8
+#: CPU-seconds each at start-up, measured per process on the quickstart); actors start their own on demand.
+EMBEDDED_RAY_CONFIG = {
+    "num_workers_soft_limit": 0,
+    "prestart_worker_first_driver": False,
+    "enable_worker_prestart": False,
+}
 
 
 def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]

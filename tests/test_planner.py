@@ -340,3 +340,35 @@ def test_rollout_tp_across_nodes_when_pinned() -> None:
     assert any(d.code == "RLC207" and d.severity == "warning" for d in pinned.report.diagnostics)
     bad = check_text(head + "placement:\n  rollout: {tp: 12}\n", target="a2")
     assert any(d.code == "RLC207" and d.severity == "error" for d in bad.report.diagnostics)
+
+
+def test_prefix_caching_only_where_a_prompt_can_fill_a_kv_block() -> None:
+    """vLLM caches full KV blocks only: engines whose prompts stay under one block would pay for hashing and
+    lookups that can never hit. An agent's later turns resend the conversation, so there the whole context counts;
+    teachers follow the same rule as the rollout engines."""
+    from rlc.compiler.planner import ENGINE_BLOCK_TOKENS
+
+    short, _ = plan_for(TINY, "cpu")
+    long, _ = plan_for(
+        f"model: {{name: rlc-tiny}}\nrollout: {{max_prompt_len: {ENGINE_BLOCK_TOKENS}, max_response_len: 16}}\n", "cpu"
+    )
+    assert short is not None and long is not None
+    assert short.role("rollout").engine["enable_prefix_caching"] is False
+    assert long.role("rollout").engine["enable_prefix_caching"] is True
+    agent_text = (EXAMPLES[0].parent / "cpu-agent.yaml").read_text()
+    assert "max_prompt_len: 16\n  max_response_len: 32\n" in agent_text
+    for prompt, response, cached in ((16, 32, False), (64, 96, True)):  # a whole conversation under / over a block
+        text = agent_text.replace(
+            "max_prompt_len: 16\n  max_response_len: 32\n",
+            f"max_prompt_len: {prompt}\n  max_response_len: {response}\n",
+        )
+        agent = check_text(text, "cpu-agent.yaml")
+        assert agent.problem is not None, [d.message for d in agent.report.diagnostics]
+        agent_plan, _ = build_plan(agent.problem, agent.lines, "cpu-agent.yaml")
+        assert agent_plan is not None and agent_plan.role("rollout").engine["enable_prefix_caching"] is cached
+    mopd = check_file(EXAMPLES[0].parent / "a3-qwen3-8b-mopd.yaml")
+    assert mopd.problem is not None and mopd.problem.spec.rollout.max_prompt_len >= ENGINE_BLOCK_TOKENS
+    mopd_plan, _ = build_plan(mopd.problem, mopd.lines, "a3-qwen3-8b-mopd.yaml")
+    assert mopd_plan is not None
+    engines = [r.engine for r in mopd_plan.roles if r.engine and "enable_prefix_caching" in r.engine]
+    assert len(engines) >= 2 and all(e["enable_prefix_caching"] for e in engines)  # rollout and teachers
