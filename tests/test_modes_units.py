@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -102,11 +101,8 @@ def test_lora_trainer_keeps_base_weights_and_round_trips_adapter(tiny_model_dir:
 
     from rlc.runtime.train.trainer import TrainerWorker
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
     cfg = {"lr": 1e-2, "lora": {"rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}}
-    w = TrainerWorker(0, 1, "127.0.0.1", port, str(tiny_model_dir), "cpu", cfg)
+    w = TrainerWorker(0, 1, None, 0, str(tiny_model_dir), "cpu", cfg)  # a group of one: no rendezvous address
     try:
         before = {k: v.clone() for k, v in w.full_state_dict().items() if ".lora_" not in k}
         batch = {
@@ -210,3 +206,11 @@ def test_dead_engine_errors_are_told_apart_from_request_errors() -> None:
     assert engine_is_dead(RayTaskError("generate", "traceback", EngineDeadError()))
     assert not engine_is_dead(RayTaskError("generate", "traceback", ValueError("prompt too long")))
     assert not engine_is_dead(ValueError("prompt too long"))
+
+
+def test_a_rank_of_a_larger_group_needs_the_rendezvous_address() -> None:
+    """Only a group of one may skip the address (it meets through an in-process store)."""
+    from rlc.runtime.train.trainer import TrainerWorker
+
+    with pytest.raises(ValueError, match="rank 1 of 2 needs the group's rendezvous address"):
+        TrainerWorker(1, 2, None, 0, "unused", "cpu")

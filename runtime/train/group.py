@@ -1,9 +1,10 @@
 """A group of ``TrainerWorker`` Ray actors (one per device) driven as one trainer with the plan's layout.
 
-The group finds a rendezvous address on the node that will host rank 0 (a probe task scheduled
-exactly like rank 0), starts one actor per rank, splits batches across the data-parallel ranks (ranks that
-differ only in their context- or tensor-parallel coordinate get the same share), and gathers results from
-one rank per data-parallel share. Every trainer method is collective, so the group always calls all ranks.
+The group finds a rendezvous address on the node that will host rank 0 (a probe task scheduled exactly like
+rank 0; a group of one needs none), starts one actor per rank, splits batches across the data-parallel ranks
+(ranks that differ only in their context- or tensor-parallel coordinate get the same share), and gathers
+results from one rank per data-parallel share. Every trainer method is collective, so the group always calls
+all ranks.
 """
 
 from __future__ import annotations
@@ -84,8 +85,13 @@ class TrainerGroup:
                 )
             return opts
 
-        probe = ray.remote(probe_address).options(**{k: v for k, v in options(0).items() if k != "runtime_env"})
-        self.master_addr, self.master_port = ray.get(probe.remote())
+        # A group of one needs no address; a larger one meets on the node of rank 0, found by a probe task
+        # (a Ray worker of its own, which then idles for the whole run: ~1.5 CPU-s of start-up, measured).
+        self.master_addr: str | None = None
+        self.master_port = 0
+        if world_size > 1:
+            probe = ray.remote(probe_address).options(**{k: v for k, v in options(0).items() if k != "runtime_env"})
+            self.master_addr, self.master_port = ray.get(probe.remote())
         actor_cls = ray.remote(TrainerWorker)
         self.workers = [
             actor_cls.options(**options(rank)).remote(

@@ -86,7 +86,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         self,
         rank: int,
         world_size: int,
-        master_addr: str,
+        master_addr: str | None,
         master_port: int,
         model_path: str,
         platform: str | Platform = "cpu",
@@ -96,6 +96,8 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         """Join the trainer process group, load the HF model, build the layout, make the optimizer."""
         from transformers import AutoModelForCausalLM
 
+        if master_addr is None and world_size != 1:
+            raise ValueError(f"rank {rank} of {world_size} needs the group's rendezvous address")
         self.rank, self.world_size = rank, world_size
         self.platform = get_platform(platform)
         self.cfg = {**DEFAULT_TRAIN_CFG, **dict(train_cfg or {})}
@@ -107,12 +109,18 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         self.model_path = str(model_path)
         self.device = self.platform.set_device(int(self.cfg["local_rank"]))
         if not dist.is_initialized():
+            # A group of one meets only itself: an in-process store, no address (`TrainerGroup` sends none).
+            meet: dict[str, Any] = (
+                {"store": dist.HashStore()}
+                if master_addr is None
+                else {"init_method": f"tcp://{master_addr}:{master_port}"}
+            )
             dist.init_process_group(
                 backend=self.platform.dist_backend,
-                init_method=f"tcp://{master_addr}:{master_port}",
                 rank=rank,
                 world_size=world_size,
                 device_id=None if self.platform.name == "cpu" else self.device,
+                **meet,
             )
         self.mesh = build_mesh(self.layout, self.platform, rank)
         torch.manual_seed(int(self.cfg["seed"]))
