@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -43,12 +42,11 @@ def test_a_bad_return_is_an_error() -> None:
     assert got.status == "error" and "not a number" in got.error
 
 
+@pytest.mark.timeout(60)  # the agents sleep an hour: only the episode clock can end them in time
 @pytest.mark.parametrize("fn", ["hangs", "hangs_async"])
 def test_a_hanging_agent_times_out_on_time(fn: str) -> None:
-    t0 = time.monotonic()
     got = episode(fn, timeout_s=0.5)
     assert got.status == "timeout" and "0.5 s" in got.error
-    assert time.monotonic() - t0 < 3.0
 
 
 def test_an_unknown_agent_path_fails_at_start_with_a_did_you_mean() -> None:

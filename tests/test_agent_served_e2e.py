@@ -180,11 +180,12 @@ def test_failing_agents_are_bounded_and_named(ray_cluster, served, fn: str, stat
     ray_cluster.get(runner.ready.remote(), timeout=120)  # the session's clock starts when it opens
     limit = 3.0 if fn == "hangs" else 20.0  # a real call on a cold or loaded engine can take seconds
     llm = session(ray_cluster, served, timeout_s=limit)
-    t0 = time.monotonic()
-    episode = ray_cluster.get(runner.run_episode.remote({"prompt": "1+", "answer": "1"}, llm.to_dict(), limit))
+    # Bounded well past the episode's clock: a runner that ignored its clock fails here, not by hanging.
+    episode = ray_cluster.get(
+        runner.run_episode.remote({"prompt": "1+", "answer": "1"}, llm.to_dict(), limit), timeout=120
+    )
     record = close(ray_cluster, served, llm)
     ray_cluster.kill(runner)
-    assert time.monotonic() - t0 < 30
     assert episode.status == status, episode
     assert len(record.calls) == (1 if fn == "one_call" else 0)
 

@@ -104,6 +104,7 @@ def test_equalize_gives_every_rank_the_same_count(case: tuple[list[int], int], d
         ranks = equalize_micro_batches(bins, dp, lengths)
     except ValueError as exc:  # only when no split can reach a multiple of dp
         assert "multiple" in str(exc)
+        assert len(bins) > (len(lengths) // dp) * dp  # more bins than the largest multiple of dp it could split to
         return
     assert len(ranks) == dp
     assert len({len(r) for r in ranks}) == 1

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
+
+import pytest
 
 from rlc.runtime.result_futures import ResultFutures
 
@@ -42,9 +43,8 @@ def test_a_request_dropped_by_the_caller_is_forgotten() -> None:
     assert waiter.wait([], also=None, timeout=0.01) == []  # no longer in flight: never reported
 
 
+@pytest.mark.timeout(60)  # the wait's own bound is an hour: only the other future can end it in time
 def test_the_other_future_ends_the_wait_without_a_result() -> None:
     trainer: Future = Future()
     trainer.set_result(None)
-    t0 = time.perf_counter()
-    assert ResultFutures().wait([Request()], also=trainer, timeout=30.0) == []
-    assert time.perf_counter() - t0 < 5.0
+    assert ResultFutures().wait([Request()], also=trainer, timeout=3600.0) == []

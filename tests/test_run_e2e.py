@@ -128,13 +128,18 @@ def test_missing_model_is_clear_before_any_actor(tmp_path: Path) -> None:
 
 
 def test_bad_dataset_is_clear_before_any_actor(tmp_path: Path) -> None:
-    bad = tmp_path / "data.jsonl"
-    bad.write_text('{"prompt": "1+1=", "answer": "2"}\nnot json\n')
-    plan = compile_quickstart(tmp_path, f"data.train={tmp_path / 'missing.jsonl'}")
+    plan = compile_quickstart(tmp_path / "missing", f"data.train={tmp_path / 'missing.jsonl'}")
     result = subprocess.run([*RLC, "run", str(plan)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "dataset file not found" in result.stderr
     assert "local Ray" not in result.stdout
+    bad = tmp_path / "data.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\nnot json\n')
+    plan = compile_quickstart(tmp_path / "malformed", f"data.train={bad}")
+    result = subprocess.run([*RLC, "run", str(plan)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert f"{bad}:2: invalid JSON" in result.stderr
+    assert "Traceback" not in result.stderr and "local Ray" not in result.stdout
 
 
 def test_tampered_plan_is_refused_before_any_import(tmp_path: Path) -> None:

@@ -25,7 +25,6 @@ def test_reward_that_raises_stops_with_the_sample(tmp_path: Path) -> None:
     )
     plan = compile_quickstart(tmp_path, "reward.fn=badreward:score", "algorithm.steps=4")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    started = time.monotonic()
     result = subprocess.run([*RLC, "run", str(plan)], capture_output=True, text=True, timeout=600, env=env)
     output = result.stdout + result.stderr
     print(result.stderr[-1500:])  # the message, for the record (pytest -s)
@@ -35,7 +34,6 @@ def test_reward_that_raises_stops_with_the_sample(tmp_path: Path) -> None:
     assert "(prompt '" in result.stderr and "answer '" in result.stderr
     assert "fix the reward function" in result.stderr
     assert "warning: reward 'badreward:score' raised ValueError" in output  # the first one, before the stop
-    assert time.monotonic() - started < 600
 
 
 def _descendants_named(title: str) -> list[int]:
@@ -62,6 +60,7 @@ def _descendants_named(title: str) -> list[int]:
     return [pid for pid, text in titles.items() if text.startswith(title) and mine(pid)]
 
 
+@pytest.mark.timeout(900)  # a run that never noticed the dead actor fails here instead of hanging the suite
 def test_killed_trainer_actor_stops_with_a_resumable_message(tmp_path: Path) -> None:
     import ray
 
@@ -85,7 +84,6 @@ def test_killed_trainer_actor_stops_with_a_resumable_message(tmp_path: Path) -> 
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    started = time.monotonic()
     try:
         with pytest.raises(RunError) as stopped:
             run_plan(load_plan(plan_dir), run_dir)
@@ -98,4 +96,3 @@ def test_killed_trainer_actor_stops_with_a_resumable_message(tmp_path: Path) -> 
     print(message)  # for the record (pytest -s)
     assert message.startswith("a Ray actor of the run died (TrainerWorker: ")
     assert "the newest complete checkpoint is step-" in message and "--resume" in message
-    assert time.monotonic() - started < 600

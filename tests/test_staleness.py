@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -89,11 +90,11 @@ def test_an_idle_trainer_with_a_whole_batch_waiting_does_not_wait_on_rollouts() 
     assert c._collect_timeout() == 0
 
 
+@pytest.mark.timeout(60)  # the wait's own bound is an hour: only the trainer's end can end it in time
 def test_the_trainers_end_wakes_a_wait_on_rollouts() -> None:
     """The loop waits on rollouts and the trainer at once (no polling): a step that ends while every request
     is still generating ends the wait at once, not when the wait's bound runs out."""
     import threading
-    import time
     from concurrent.futures import Future
 
     from rlc.runtime.controller import Controller
@@ -108,8 +109,6 @@ def test_the_trainers_end_wakes_a_wait_on_rollouts() -> None:
     c = object.__new__(Controller)
     c.inflight, c._result_futures, c._training = {Request(): object()}, ResultFutures(), Future()
     threading.Timer(0.05, c._training.set_result, [None]).start()
-    t0 = time.perf_counter()
-    c._collect(timeout=30.0)
-    assert time.perf_counter() - t0 < 5.0
+    c._collect(timeout=3600.0)
     assert c._training.done() and len(c.inflight) == 1  # nothing collected: the request is still running
     assert c._collect_timeout() > 0  # a bound remains for the loop's other checks (stop, engine restarts)
