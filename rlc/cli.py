@@ -434,7 +434,12 @@ def export(
     merged: Annotated[
         bool, typer.Option("--merged", help="Fold LoRA adapters into the base weights (a plain HF model).")
     ] = False,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Output folder.")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Output folder (new or empty).", show_default=False)
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an output folder that an earlier export wrote.")
+    ] = False,
 ) -> None:
     """Write the newest checkpoint of a run as a Hugging Face model folder."""
     if not merged:
@@ -444,7 +449,7 @@ def export(
     from rlc.runtime.export import ExportError, export_merged
 
     try:
-        out = export_merged(run_dir, output)
+        out = export_merged(run_dir, output, force=force)
     except ExportError as exc:
         typer.echo(f"rlc export: error: {exc}", err=True)
         raise typer.Exit(EXIT_FINDINGS) from None

@@ -9,47 +9,104 @@ vLLM with no PEFT at all.
 
 from __future__ import annotations
 
+import json
 import shutil
+import tempfile
 from pathlib import Path
 
-from rlc.runtime.checkpoint import latest_checkpoint
+from rlc.runtime.checkpoint import checkpoints_dir, latest_checkpoint
+
+#: Written into every export folder: the only folders `--force` may replace.
+EXPORT_MARKER = "rlc-export.json"
 
 
 class ExportError(RuntimeError):
-    """A run directory that cannot be exported, with the reason in words."""
+    """A run directory that cannot be exported, or an output folder it may not write, with the reason in words."""
 
 
-def export_merged(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def export_merged(run_dir: str | Path, out: str | Path | None = None, *, force: bool = False) -> Path:
     """Write the newest complete checkpoint of ``run_dir`` as a merged HF model; returns the folder.
 
-    Default output: ``RUNDIR/export/step-<N>-merged``. An existing output folder is replaced.
+    Default output: ``RUNDIR/export/step-<N>-merged``. An output folder that exists and is not empty is
+    refused; with ``force`` it is replaced only if an earlier export wrote it (it holds EXPORT_MARKER), so
+    no folder of the user's is ever deleted. The model is assembled in a new hidden folder beside the output
+    and renamed into place, so a failed export leaves nothing half-written.
     """
     run = Path(run_dir)
-    found = latest_checkpoint(run)
+    try:
+        found = latest_checkpoint(run)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ExportError(f"the newest checkpoint under {checkpoints_dir(run)} is unreadable: {exc}") from None
     if found is None:
-        raise ExportError(f"no complete checkpoint under {run / 'checkpoints'}")
+        raise ExportError(f"no complete checkpoint under {checkpoints_dir(run)}")
     checkpoint, state = found
-    target = Path(out) if out is not None else run / "export" / f"step-{state.step:06d}-merged"
-    staging = target.parent / f".{target.name}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    if (checkpoint / "adapter").is_dir():
-        _merge_adapter(run, checkpoint / "adapter", staging)
-    elif (checkpoint / "hf").is_dir():
-        shutil.copytree(checkpoint / "hf", staging)
-    else:
-        raise ExportError(f"{checkpoint} holds neither hf/ weights nor a LoRA adapter/")
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
+    target = (Path(out) if out is not None else run / "export" / f"step-{state.step:06d}-merged").resolve()
+    _check_target(target, run, force)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    except OSError as exc:
+        raise ExportError(f"cannot write beside {target}: {exc.strerror or exc}") from None
+    try:
+        _write_model(run, checkpoint, staging)
+        (staging / EXPORT_MARKER).write_text(
+            json.dumps({"run": str(run.resolve()), "checkpoint": checkpoint.name, "step": state.step}, indent=1) + "\n"
+        )
+        if target.is_dir() and any(target.iterdir()):
+            shutil.rmtree(target)  # an earlier export (checked above), replaced under --force
+        elif target.is_dir():
+            target.rmdir()
+        staging.rename(target)
+    except OSError as exc:
+        raise ExportError(f"cannot write {target}: {exc.strerror or exc}") from None
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)  # the hidden folder made above, never the user's
     return target
 
 
+def _check_target(target: Path, run: Path, force: bool) -> None:
+    """Refuse an output that would put the export over the user's files or inside the run's checkpoints."""
+    checkpoints = checkpoints_dir(run).resolve()
+    if target == checkpoints or checkpoints in target.parents:
+        raise ExportError(f"{target} is inside the run's checkpoints folder: choose another output folder")
+    if target in checkpoints.parents:
+        raise ExportError(f"{target} holds the run's checkpoints: choose another output folder")
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"{target} is a file: choose a folder name")
+    if not target.is_dir() or not any(target.iterdir()):
+        return
+    if not force:
+        raise ExportError(f"{target} exists and is not empty: choose another folder, or --force to replace an export")
+    if not (target / EXPORT_MARKER).is_file():
+        raise ExportError(
+            f"{target} holds files that no export wrote (no {EXPORT_MARKER}): --force replaces only an earlier "
+            "export; choose another folder"
+        )
+
+
+def _write_model(run: Path, checkpoint: Path, staging: Path) -> None:
+    if (checkpoint / "adapter").is_dir():
+        _merge_adapter(run, checkpoint / "adapter", staging)
+    elif (checkpoint / "hf").is_dir():
+        shutil.copytree(checkpoint / "hf", staging, dirs_exist_ok=True)
+    else:
+        raise ExportError(f"{checkpoint} holds neither hf/ weights nor a LoRA adapter/")
+
+
 def _base_model_path(run: Path) -> Path:
+    from pydantic import ValidationError
+
     from rlc.schemas.plan import Plan
 
     plan_file = run / "plan.json"
     if not plan_file.is_file():
         raise ExportError(f"{plan_file} is missing: cannot tell which base model the adapter belongs to")
-    plan = Plan.model_validate_json(plan_file.read_text())
+    try:
+        plan = Plan.model_validate_json(plan_file.read_text())
+    except (OSError, ValueError, ValidationError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ExportError(f"{plan_file} is not a readable plan ({first})") from None
     base = Path(plan.model.path or "")
     if not (base / "config.json").is_file():
         raise ExportError(f"the base model {plan.model.path} (model.path in the run's plan) is not an HF folder here")
@@ -57,13 +114,16 @@ def _base_model_path(run: Path) -> Path:
 
 
 def _merge_adapter(run: Path, adapter: Path, out: Path) -> None:
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    base_path = _base_model_path(run)
+    try:
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+    except ImportError as exc:
+        raise ExportError(f"merging a LoRA adapter needs torch, transformers and peft ({exc})") from None
 
     from rlc.runtime.train.weights_out import copy_tokenizer_files
 
-    base_path = _base_model_path(run)
     base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     merged.save_pretrained(str(out))
