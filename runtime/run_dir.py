@@ -16,8 +16,22 @@ from pathlib import Path
 
 from rlc.runtime.errors import RunError, RunUsageError
 
-#: What `rlc run` writes into a run directory; their presence means an earlier run lives there.
-RUN_ARTIFACTS: tuple[str, ...] = ("metrics.jsonl", "checkpoints", "tensorboard", "plan.json", "sync", "report")
+#: Everything `rlc run` writes into a run directory (tests/test_run_e2e.py checks a finished run against it):
+#: their presence means an earlier run lives there, and `--overwrite` moves every one of them aside, since the
+#: new run would truncate or append to any it left (the rollout log and trace a replay of that run needs).
+RUN_ARTIFACTS: tuple[str, ...] = (
+    "metrics.jsonl",
+    "checkpoints",
+    "tensorboard",
+    "plan.json",
+    "sync",
+    "report",
+    "rollouts.jsonl",
+    "trace.json",
+    "layout.json",
+    "reproducibility.json",
+    "agent_samples.jsonl",
+)
 
 
 def earlier_run(run_dir: Path) -> list[str]:

@@ -84,6 +84,10 @@ def test_interrupt_then_resume_continues_numbering(tmp_path: Path) -> None:
 
     assert_layout_as_planned(run_dir, load_plan(plan))
     assert "report: " in result.stdout and (run_dir / "report" / "reward.png").is_file()  # written at the end
+    from rlc.runtime.run_dir import RUN_ARTIFACTS
+
+    # `--overwrite` moves exactly these aside: a file the run writes but the list lacks would be lost to a rerun.
+    assert {p.name for p in run_dir.iterdir()} - {"model"} <= set(RUN_ARTIFACTS)  # model: the quickstart's input
 
 
 def test_rollout_engine_killed_mid_run_is_restarted(tmp_path: Path) -> None:

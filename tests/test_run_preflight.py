@@ -75,6 +75,8 @@ def earlier_run(run_dir: Path) -> None:
     (run_dir / "tensorboard").mkdir()
     (run_dir / "tensorboard" / "events.out").write_bytes(os.urandom(256))
     (run_dir / "plan.json").write_text("{}")
+    (run_dir / "rollouts.jsonl").write_text('{"step": 1}\n')  # what a replay of this run reads
+    (run_dir / "trace.json").write_text("[\n")
 
 
 def tree(root: Path) -> dict[str, str]:
