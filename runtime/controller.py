@@ -316,6 +316,7 @@ class Controller:
             else:
                 batch["ref_logprobs"] = self.reference.compute_logprobs(batch)
             loss_cfg["kl_coef"] = algo.kl_coef
+            loss_cfg["kl_estimator"] = algo.kl_estimator
         if scoring is not None:
             t_teach = time.perf_counter()
             rows, distill_inputs = self.teachers.collect(scoring, batch["input_ids"])

@@ -270,3 +270,20 @@ def test_the_train_forward_is_the_proximal_policy(pg, tiny_model_dir) -> None:
     ]
     assert b["behaviour_gap_max"] == pytest.approx(max(masked), abs=TOL)
     assert b["behaviour_gap"] == pytest.approx(sum(masked) / len(masked), abs=TOL)
+
+
+def test_the_plans_kl_estimator_is_the_one_trained_with(pg, tiny_model_dir) -> None:
+    """`algorithm.kl_estimator` reaches the loss: each of k1, k2, k3 gives its own formula's mean."""
+    import math
+
+    worker = _worker(tiny_model_dir, pg, packing=True, packed_attention="varlen", lr=0.0)  # weights never move
+    batch = _batch(3)
+    lp = worker.compute_logprobs(batch)
+    ref = [[v - 0.01 * (i % 3) for i, v in enumerate(row)] for row in lp]  # log π − log π_ref = 0.01 · (i % 3)
+    b = {**batch, "behaviour_logprobs": lp, "proximal_logprobs": lp, "ref_logprobs": ref}
+    formulas = {"k1": lambda x: x, "k2": lambda x: 0.5 * x * x, "k3": lambda x: math.exp(-x) - 1 + x}
+    for kind, f in formulas.items():
+        got = worker.train_step(b, {"clip": 0.2, "kl_coef": 0.1, "kl_estimator": kind})["kl_ref"]
+        # Position 0 has no log-prob (nothing predicts it), so the trainer never counts it.
+        values = [f(0.01 * (i % 3)) for mask in batch["loss_mask"] for i, m in enumerate(mask) if m and i > 0]
+        assert got == pytest.approx(sum(values) / len(values), rel=1e-4), kind

@@ -290,7 +290,8 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
 
         ``loss_fn_cfg``: ``kind`` ("ppo", default, AReaL's decoupled PPO; or "distill", reverse-KL
         to ``teacher_logprobs``), ``clip``, ``behave_imp_weight_cap``, ``clip_higher``,
-        ``dual_clip``, ``decoupled``, ``kl_coef`` (k3 penalty to ``ref_logprobs``),
+        ``dual_clip``, ``decoupled``, ``kl_coef`` (penalty to ``ref_logprobs``),
+        ``kl_estimator`` (its estimator: "k1", "k2" or "k3", the plan's `algorithm.kl_estimator`),
         ``entropy_coef``, ``distill_coef`` (a "ppo" step then adds ``distill_coef`` × the reverse-KL
         distillation term to ``teacher_logprobs`` on the tokens of sequences whose ``distill_weights``
         is non-zero; on-policy distillation next to the RL loss). The loss is a token mean over the whole
@@ -301,6 +302,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         cfg = dict(loss_fn_cfg or {})
         kind = cfg.pop("kind", "ppo")
         kl_coef = float(cfg.pop("kl_coef", 0.0))
+        kl_estimator = cfg.pop("kl_estimator", "k3")
         entropy_coef = float(cfg.pop("entropy_coef", 0.0))
         distill_coef = float(cfg.pop("distill_coef", 0.0))
         t0 = time.perf_counter()
@@ -355,7 +357,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
                 loss = loss + distill_coef * d_loss
                 stats["distill_reverse_kl"] = d_stats["reverse_kl"] * routed.sum() / mask.sum().clamp(min=1)
             if kl_coef and "ref_logprobs" in tok:
-                kl_tok = L.kl_penalty(lp, tok["ref_logprobs"])
+                kl_tok = L.kl_penalty(lp, tok["ref_logprobs"], kl_estimator)
                 loss = loss + kl_coef * L.masked_mean(kl_tok, mask, global_tokens)
                 stats["kl_ref"] = L.masked_mean(kl_tok.detach(), mask)
             if entropy_coef:
