@@ -92,10 +92,10 @@ def node_setup(plan: Plan, target: TargetProfile | None = None) -> NodeSetup:
 
     plan.env is authoritative (the planner starts it from the target's defaults and may drop or change
     entries), so the target's own env is not consulted. Added: the visible-devices mask covering every device
-    of a node (plan device ids are physical ids) and, on NPUs, Ray's opt-out from rewriting that mask because
-    the engines bind devices themselves. Role env entries on which every role that sets them agrees are
-    exported too; entries that differ between roles are left to the runtime, which sets them per actor, and
-    are listed in `role_env_conflicts`.
+    of a node (plan device ids are physical ids) and, on NPUs, Ray's opt-out from rewriting that mask: each
+    actor binds the devices the plan gives it (`runtime/launch_request.py`, `ActorRequest.device_env`). Role
+    env entries on which every role that sets them agrees are exported too; entries that differ between roles
+    are left to the runtime, which sets them per actor, and are listed in `role_env_conflicts`.
     """
     target = target or load_target(plan.target)
     env: dict[str, str] = {}

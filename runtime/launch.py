@@ -227,6 +227,7 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
             num_cpus=0,
             resources=members[0].resources,
             env=env,
+            rank_env=[a.device_env(plan.platform) for a in members],
             wait=False,  # `_wait_started` waits for every role together
         )
 
@@ -241,17 +242,18 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
         generation = generations.get(index, 0)
         generations[index] = generation + 1
         spec = engines[index]
+        env = {**engine_env, **spec.device_env(plan.platform)}
         served = plan.agent is not None  # agents call vLLM's OpenAI server inside the actor
         cls = (served_engine_actor if served else rollout_engine_actor)(
             name=spec.name + (f"-r{generation}" if generation else ""),
             num_cpus=0,
             resources=spec.resources,
             scheduling_strategy=_strategy(groups, spec),
-            runtime_env={"env_vars": engine_env},
+            runtime_env={"env_vars": env},
             max_concurrency=1000 if served else 1,
         )
         extra = (plan.agent.model_dump(), plan.sampling.model_dump()) if plan.agent is not None else ()
-        return cls.remote(engine_args, plan.platform, engine_env, version if stamp == 0 else stamp, *extra)
+        return cls.remote(engine_args, plan.platform, env, version if stamp == 0 else stamp, *extra)
 
     def trainers() -> dict[str, Any]:
         return {
@@ -310,7 +312,7 @@ def build_teachers(plan: Plan, request: LaunchRequest, groups: dict[str, Any]) -
         generations[(role_name, index)] = generation + 1
         role = plan.role(role_name)
         spec = [a for a in request.actors if a.role == role_name][index]
-        env = {**plan.env, **role.env}
+        env = {**plan.env, **role.env, **spec.device_env(plan.platform)}
         cls = rollout_engine_actor(
             name=spec.name + (f"-r{generation}" if generation else ""),
             num_cpus=0,

@@ -16,6 +16,10 @@ from rlc.schemas.plan import Plan, Role
 
 __all__ = ["ActorRequest", "LaunchRequest", "PlacementGroupRequest", "launch_request", "render_request"]
 
+#: The env var that restricts a process's visible devices, per platform (as runtime.platform.PLATFORMS, which
+#: imports torch; tests/test_launch_request.py checks that the two agree).
+VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
 
 @dataclass(frozen=True)
 class PlacementGroupRequest:
@@ -35,6 +39,17 @@ class ActorRequest:
     bundle_index: int
     resources: dict[str, float]
     detail: dict[str, Any] = field(default_factory=dict)
+    #: The plan's device ids (one node's numbering) that this actor binds; empty on cpu and for environments.
+    devices: tuple[int, ...] = ()
+
+    def device_env(self, platform: str) -> dict[str, str]:
+        """The env that binds this actor to its planned devices: the visible-devices mask, and Ray's opt-out
+        from rewriting it with the ids Ray assigned instead (a colocated engine spans several bundles' devices
+        while holding a share of one, so Ray's ids cannot say which devices it drives)."""
+        name = VISIBLE_DEVICES_ENV.get(platform)
+        if not self.devices or name is None:
+            return {}
+        return {name: ",".join(map(str, self.devices)), f"RAY_EXPERIMENTAL_NOSET_{name}": "1"}
 
 
 @dataclass(frozen=True)
@@ -108,14 +123,38 @@ def weight_sync_path(plan: Plan) -> dict[str, Any]:
     }
 
 
+def _device_slices(plan: Plan, role: Role, actors: int, refusals: list[str]) -> list[tuple[int, ...]]:
+    """The planned devices of each of a role's `actors`, in order: consecutive equal slices of the role's
+    placement (node by node, the plan's device ids). On cpu, or where a slice would span nodes (one process
+    cannot bind another node's devices; refused), no binding."""
+    if plan.platform == "cpu" or actors == 0:
+        return [()] * actors
+    flat = [(p.node, i) for p in role.placement for i in p.local_ids]
+    width = len(flat) // actors
+    if width == 0 or width * actors != len(flat):
+        refusals.append(f"role {role.name}: {len(flat)} planned devices do not divide among its {actors} actors")
+        return [()] * actors
+    slices = [flat[k * width : (k + 1) * width] for k in range(actors)]
+    spanning = [k for k, part in enumerate(slices) if len({node for node, _ in part}) > 1]
+    if spanning:
+        refusals.append(
+            f"role {role.name}: actor {spanning[0]} drives devices on several nodes; binding one actor to "
+            "devices of more than one node is not implemented"
+        )
+        return [()] * actors
+    return [tuple(i for _, i in part) for part in slices]
+
+
 def launch_request(plan: Plan) -> LaunchRequest:
     """Everything `rlc run` starts, from the plan alone."""
     actors: list[ActorRequest] = []
+    refusals = list(plan.runtime_gaps)
     for role in plan.roles:
         ray = _placement(role)
         if role.kind == "train":
             layout = role.layout
             assert layout is not None
+            devices = _device_slices(plan, role, len(ray.bundle_indices), refusals)
             for rank, bundle in enumerate(ray.bundle_indices):
                 actors.append(
                     ActorRequest(
@@ -126,6 +165,7 @@ def launch_request(plan: Plan) -> LaunchRequest:
                         bundle,
                         dict(ray.actor_resources),
                         {"rank": rank, "mesh": layout.coordinates(rank), "layout": layout.summary()},
+                        devices[rank],
                     )
                 )
                 if ray.reference_resources is not None:
@@ -138,6 +178,7 @@ def launch_request(plan: Plan) -> LaunchRequest:
                             bundle,
                             dict(ray.reference_resources),
                             {"rank": rank, "mesh": layout.coordinates(rank), "forward_only": True},
+                            devices[rank],
                         )
                     )
         elif role.kind == "environments":
@@ -156,12 +197,13 @@ def launch_request(plan: Plan) -> LaunchRequest:
                 )
         else:
             kind = "rollout" if role.kind == "rollout" else "teacher"
+            devices = _device_slices(plan, role, len(ray.bundle_indices), refusals)
             for index, bundle in enumerate(ray.bundle_indices):
                 name = f"rlc-{role.name}-{index}"
+                resources = dict(ray.actor_resources)
                 actors.append(
-                    ActorRequest(name, role.name, kind, ray.placement_group, bundle, dict(ray.actor_resources))
+                    ActorRequest(name, role.name, kind, ray.placement_group, bundle, resources, {}, devices[index])
                 )
-    refusals = list(plan.runtime_gaps)
     for role in plan.roles_of("train"):
         assert role.layout is not None
         refusals += [
@@ -203,6 +245,8 @@ def render_request(req: LaunchRequest) -> str:
         where = f"{a.placement_group}[{a.bundle_index}]" if a.placement_group else "(no placement group)"
         if a.kind == "environment":
             extra = f"  runs {a.detail['agent']}"
+        if a.devices:
+            extra += f"  devices {','.join(map(str, a.devices))}"
         lines.append(f"  {a.name:<24} {a.kind:<9} {where}  {_resources(a.resources)}{extra}")
     trainers = req.trainer_ranks()
     if trainers:

@@ -51,10 +51,12 @@ class TrainerGroup:
         num_cpus: float = 1,
         resources: Mapping[str, float] | None = None,
         env: Mapping[str, str] | None = None,
+        rank_env: Sequence[Mapping[str, str]] | None = None,
         wait: bool = True,
     ) -> None:
         """Start the actors; returns once every rank has joined the group and sharded its model, or at once
-        with ``wait=False`` (then `ready_refs` says when; a run starts its engines meanwhile)."""
+        with ``wait=False`` (then `ready_refs` says when; a run starts its engines meanwhile). ``rank_env``: each
+        rank's own additions to ``env`` (the devices the plan binds it to)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -71,13 +73,16 @@ class TrainerGroup:
         self.platform = get_platform(platform)
         if bundle_indices is not None and len(bundle_indices) != world_size:
             raise ValueError(f"{len(bundle_indices)} bundle indices for {world_size} ranks")
+        if rank_env is not None and len(rank_env) != world_size:
+            raise ValueError(f"{len(rank_env)} per-rank environments for {world_size} ranks")
 
         def options(rank: int) -> dict[str, Any]:
             opts: dict[str, Any] = {"num_cpus": num_cpus}
             if resources:
                 opts["resources"] = dict(resources)
-            if env:
-                opts["runtime_env"] = {"env_vars": dict(env)}
+            merged = {**(env or {}), **(rank_env[rank] if rank_env else {})}
+            if merged:
+                opts["runtime_env"] = {"env_vars": merged}
             if placement_group is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=placement_group,
