@@ -14,8 +14,9 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rlc.runtime.errors import RunError, RuntimeGapError, RunUsageError
 from rlc.runtime.host_moves import HostMovesError
@@ -25,6 +26,8 @@ from rlc.runtime.weight_push import sync_method
 from rlc.schemas.plan import Plan, Role
 
 __all__ = ["RunError", "RunUsageError", "prepare_model", "run_plan"]
+
+T = TypeVar("T")
 
 PLACEMENT_TIMEOUT_S = 300
 
@@ -127,7 +130,16 @@ def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
         _check_resources(plan)
         return False
     if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
+        address = os.environ.get("RAY_ADDRESS", "auto")
+        hint = "start it (launch.sh), or unset RAY_ADDRESS to run on a Ray of this machine"
+        unreachable = _unreachable(address)
+        if unreachable:  # ray.init would retry for minutes, printing only its own warnings
+            raise RunError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {unreachable}; {hint}")
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise RunError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {first}; {hint}") from None
         _check_resources(plan)
         return False
     devices = plan.cluster.total_devices
@@ -145,6 +157,24 @@ def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
         _system_config=EMBEDDED_RAY_CONFIG,
     )
     return True
+
+
+#: How long a cluster's GCS port may take to accept a connection before the run says it is unreachable.
+RAY_CONNECT_TIMEOUT_S = 10.0
+
+
+def _unreachable(address: str) -> str:
+    """Why a `host:port` Ray address does not accept connections (empty when it does, or is not host:port)."""
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return ""
+    try:
+        with socket.create_connection((host, int(port)), timeout=RAY_CONNECT_TIMEOUT_S):
+            return ""
+    except OSError as exc:
+        return f"nothing answers on {host}:{port} within {RAY_CONNECT_TIMEOUT_S:g} s ({exc.strerror or exc})"
 
 
 def _placement_groups(request: LaunchRequest, created: list[Any]) -> dict[str, Any]:
@@ -374,8 +404,12 @@ def write_layout_record(run_dir: Path, plan: Plan, built: list[dict[str, Any]]) 
 
 
 def refuse_gaps(plan: Plan) -> None:
-    """What this runtime cannot execute stops the run before anything starts (`RuntimeGapError`)."""
-    gaps = launch_request(plan).refusals
+    """What this runtime cannot execute stops the run before anything starts (`RuntimeGapError`); a plan the
+    launch request cannot be read off (edited by hand) is a `RunUsageError`."""
+    try:
+        gaps = launch_request(plan).refusals
+    except ValueError as exc:
+        raise RunUsageError(f"cannot read the plan: {exc}") from None
     if gaps:
         raise RuntimeGapError(gaps)
 
@@ -420,12 +454,17 @@ def _actor_death(exc: Exception) -> str:
     return who + cause
 
 
-def _run_controller(controller: Any, run_dir: Path) -> int:
-    """The training loop, with a dead actor or a failed write turned into a resumable message."""
-    from ray.exceptions import RayActorError
+def _run_controller(work: Callable[[], T], run_dir: Path) -> T:
+    """The training loop (or the resume's first sync), with a dead actor, a wait past its bound or a failed
+    write turned into a resumable message."""
+    from ray.exceptions import GetTimeoutError, RayActorError
 
     try:
-        return controller.run()
+        return work()
+    except GetTimeoutError as exc:  # a TimeoutError, hence an OSError: not a failed write
+        first = (str(exc).strip().splitlines() or ["no answer in time"])[0]
+        stopped = f"the run stopped: {_resumable(run_dir)}"
+        raise RunError(f"a role of the run stopped answering ({first}); {stopped}") from None
     except RayActorError as exc:
         death = _actor_death(exc)
         raise RunError(f"a Ray actor of the run died ({death}); the run stopped: {_resumable(run_dir)}") from None
@@ -598,7 +637,7 @@ def run_plan(
             teachers.log = controller.logger.message
         if start is not None:
             trainer.load_checkpoint(str(checkpoint))
-            controller._sync_weights(start.version)
+            _run_controller(lambda: controller._sync_weights(start.version), run_dir)
             log(f"resumed from {checkpoint.name} at step {start.step}")
 
         def interrupt(signum: int, frame: Any) -> None:
@@ -607,7 +646,7 @@ def run_plan(
             signal.signal(signal.SIGINT, previous)
 
         signal.signal(signal.SIGINT, interrupt)
-        steps = _run_controller(controller, run_dir)
+        steps = _run_controller(controller.run, run_dir)
         log(f"done: {steps} step(s); metrics in {run_dir / 'metrics.jsonl'}")
         _finish_run_record(run_dir, replay, log)
         _write_report(run_dir, log)

@@ -146,7 +146,12 @@ def _device_slices(plan: Plan, role: Role, actors: int, refusals: list[str]) -> 
 
 
 def launch_request(plan: Plan) -> LaunchRequest:
-    """Everything `rlc run` starts, from the plan alone."""
+    """Everything `rlc run` starts, from the plan alone; ValueError for a plan (edited by hand) that lacks what
+    every run needs."""
+    for kind in ("train", "rollout"):
+        if len(plan.roles_of(kind)) != 1:
+            found = ", ".join(r.name for r in plan.roles_of(kind)) or "none"
+            raise ValueError(f"a plan has exactly one {kind} role; this one has {found}: recompile it")
     actors: list[ActorRequest] = []
     refusals = list(plan.runtime_gaps)
     for role in plan.roles:

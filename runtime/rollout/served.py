@@ -157,6 +157,8 @@ class ServedEngine:
             if self._serving.done():
                 self._serving.result()  # raises what stopped it
             await asyncio.sleep(0.01)
+        else:
+            raise RuntimeError(f"the agent endpoint on {host}:{port} did not start listening within 5 s")
         self.base_url = f"http://{host}:{port}/v1"
         self.startup_s = time.perf_counter() - t0
 

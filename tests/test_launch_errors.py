@@ -1,0 +1,56 @@
+"""`rlc run`'s start and stop paths turn what goes wrong into one clear message, never a traceback or a hang."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+from plan_fixtures import cpu_plan
+
+from rlc.runtime import launch
+from rlc.runtime.errors import RunError, RunUsageError
+
+
+def test_a_wait_past_its_bound_is_not_reported_as_a_failed_write(tmp_path: Path) -> None:
+    from ray.exceptions import GetTimeoutError
+
+    def stalled() -> int:
+        raise GetTimeoutError("Get timed out: some object(s) not ready.")
+
+    with pytest.raises(RunError, match="stopped answering") as caught:
+        launch._run_controller(stalled, tmp_path)
+    assert "writing the run's files" not in str(caught.value)
+    assert "no checkpoint was completed" in str(caught.value)
+
+
+def test_a_failed_write_is_still_named_as_one(tmp_path: Path) -> None:
+    def full() -> int:
+        raise OSError(28, "No space left on device", str(tmp_path / "metrics.jsonl"))
+
+    with pytest.raises(RunError, match="writing the run's files failed: No space left on device"):
+        launch._run_controller(full, tmp_path)
+
+
+def test_a_ray_address_nobody_listens_on_is_named_at_once() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        why = launch._unreachable(f"127.0.0.1:{port}")
+    assert why.startswith(f"nothing answers on 127.0.0.1:{port}")
+    assert launch._unreachable("auto") == ""  # Ray resolves these itself, and fails fast when it cannot
+    assert launch._unreachable("ray://") == ""
+
+
+def test_a_ray_address_that_listens_passes() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert launch._unreachable(f"127.0.0.1:{s.getsockname()[1]}") == ""
+
+
+def test_a_plan_edited_to_lose_its_rollout_role_is_a_usage_error(tmp_path: Path) -> None:
+    plan = cpu_plan(model_path=str(tmp_path / "m"), run_dir=str(tmp_path / "run"), build_tiny=False)
+    plan.roles = [r for r in plan.roles if r.kind != "rollout"]
+    with pytest.raises(RunUsageError, match="exactly one rollout role; this one has none"):
+        launch.refuse_gaps(plan)
