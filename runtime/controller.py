@@ -172,6 +172,9 @@ class Controller:
                 self.gate.admit(prompts * self.group_size)
                 self._submit(engine, self.prompts.take(prompts))
                 per_engine[engine] += 1
+                notice = self.prompts.pop_notice()
+                if notice:
+                    self.logger.message(notice)
 
     def _collect(self, timeout: float) -> None:
         """Take in every finished request; wait up to ``timeout`` for one, or for the trainer to finish
@@ -300,6 +303,7 @@ class Controller:
         t_batch = time.perf_counter()
         batch, stats, domains = self._build_batch(groups)
         stats["time/batch_s"] = time.perf_counter() - t_batch
+        stats["data/truncated_prompts"] = float(self.prompts.truncated)
         self.phases.before_train()
         t0 = time.perf_counter()
         # Teachers score on their own devices while the trainer works. The proximal log-probs of the

@@ -52,6 +52,9 @@ class PromptStream:
         self._source = islice(_examples(data, seed), start, None)
         self.cursor = start
         self._pending: list[PromptItem] = []
+        #: Prompts cut to `max_prompt_len` so far (their first tokens dropped), and the notice for the first one.
+        self.truncated = 0
+        self._notice: str | None = None
 
     def check(self) -> None:
         """Fail early (before any actor starts) when the data cannot be read: read one prompt ahead."""
@@ -63,6 +66,14 @@ class PromptStream:
         example = next(self._source)
         ids = self.tokenizer(example.prompt, add_special_tokens=True)["input_ids"]
         if len(ids) > self.max_prompt_len:
+            if self.truncated == 0:
+                self._notice = (
+                    f"warning: prompt {self.cursor} of the data has {len(ids)} tokens, over the plan's max_prompt_len "
+                    f"{self.max_prompt_len}: its first {len(ids) - self.max_prompt_len} tokens are dropped (so are "
+                    "those of any later long prompt; metrics count them as data/truncated_prompts). Raise "
+                    "rollout.max_prompt_len or shorten the data"
+                )
+            self.truncated += 1
             ids = ids[-self.max_prompt_len :]
         item = PromptItem(self.cursor, example.prompt, example.answer, example.domain, tuple(ids))
         self.cursor += 1
@@ -70,3 +81,8 @@ class PromptStream:
 
     def take(self, count: int) -> list[PromptItem]:
         return [self.next() for _ in range(count)]
+
+    def pop_notice(self) -> str | None:
+        """The first truncation's warning, once (the controller logs it)."""
+        notice, self._notice = self._notice, None
+        return notice

@@ -69,7 +69,7 @@ def test_the_controller_admits_a_whole_batch_when_chunks_do_not_divide_it() -> N
     c.rollout = types.SimpleNamespace(replicas=1)
     c.chunks_per_engine, c.chunk_prompts, c.group_size, c.version = 3, 8, 2, 0
     c.gate = StalenessGate(batch_samples=20 * 2, max_staleness=0)
-    c.prompts = types.SimpleNamespace(take=lambda n: list(range(n)))
+    c.prompts = types.SimpleNamespace(take=lambda n: list(range(n)), pop_notice=lambda: None)
     c._submit = lambda engine, items: submitted.append((engine, len(items)))  # type: ignore[method-assign]
     c._fill()
     assert [n for _, n in submitted] == [8, 8, 4]
