@@ -142,6 +142,12 @@ def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
             raise RunError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {first}; {hint}") from None
         _check_resources(plan)
         return False
+    if plan.cluster.nodes > 1:  # one machine's Ray would claim every node's devices and run on this one
+        raise RunUsageError(
+            f"plan {plan.name} spans {plan.cluster.nodes} nodes, and no Ray cluster was given (RAY_ADDRESS): start "
+            "the nodes with the plan's launch.sh (`launch.sh head` here, `launch.sh worker` on the others), which "
+            "submits the run"
+        )
     devices = plan.cluster.total_devices
     cpus = max(os.cpu_count() or 1, devices + 2)
     log(f"starting a local Ray with {devices} logical `{resource}` device(s)")

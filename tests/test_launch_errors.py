@@ -54,3 +54,17 @@ def test_a_plan_edited_to_lose_its_rollout_role_is_a_usage_error(tmp_path: Path)
     plan.roles = [r for r in plan.roles if r.kind != "rollout"]
     with pytest.raises(RunUsageError, match="exactly one rollout role; this one has none"):
         launch.refuse_gaps(plan)
+
+
+def test_a_multi_node_plan_without_a_cluster_is_refused_not_run_on_one_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_JOB_ID", raising=False)
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh `rlc run` process
+    plan = cpu_plan(model_path=str(tmp_path / "m"), run_dir=str(tmp_path / "run"), build_tiny=False)
+    plan.cluster.nodes = 2
+    with pytest.raises(RunUsageError, match=r"spans 2 nodes.*launch\.sh head"):
+        launch.start_ray(plan, print)
