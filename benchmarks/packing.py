@@ -49,7 +49,10 @@ def lengths() -> list[int]:
 def utilisation(lens: list[int], bins: list[list[int]], padded_size: int) -> dict[str, float]:
     """Real-token shares of computed tokens and of budget slots, packed and padded."""
     real = sum(lens)
-    groups = [lens[i : i + padded_size] for i in range(0, len(lens), padded_size)]
+    from rlc.runtime.packing import padded_micro_batches
+
+    # As the trainer forms padded micro-batches (shortest first, under the budget, at most padded_size each).
+    groups = [[lens[i] for i in b] for b in padded_micro_batches(lens, BUDGET, padded_size)]
     padded_computed = sum(len(g) * max(g) for g in groups)
     return {
         "packed_computed": real / real,

@@ -133,6 +133,26 @@ def pack_micro_batches(
     raise ValueError(f"unknown packing algorithm {algorithm!r}; expected 'ffd' or 'kk'")
 
 
+def padded_micro_batches(lengths: Sequence[int], budget: int, max_sequences: int | None = None) -> Bins:
+    """Index bins for padded (unpacked) micro-batches: each holds as many sequences as fit ``budget`` once
+    padded to its longest (count × longest ≤ budget), shortest first so that neighbours pad little; at most
+    ``max_sequences`` each when given. The plan's token budget bounds padded micro-batches as it bounds packed
+    ones, so the memory the planner sized is what a forward takes."""
+    _check(lengths, budget)
+    bins: Bins = []
+    current: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (lengths[j], j)):
+        longest = lengths[i]  # ascending order: the newest sequence is the longest so far
+        full = max_sequences is not None and len(current) >= max_sequences
+        if current and (full or longest * (len(current) + 1) > budget):
+            bins.append(current)
+            current = []
+        current.append(i)
+    if current:
+        bins.append(current)
+    return bins
+
+
 def _load(b: list[int], lengths: Sequence[int] | None) -> int:
     return sum(lengths[i] for i in b) if lengths is not None else len(b)
 

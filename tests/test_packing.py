@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -211,3 +213,28 @@ def test_perturbing_one_packed_sequence_changes_no_other(tiny_model) -> None:
     for j in (0, 1, 3):
         assert torch.equal(base[j], after[j])
     assert not torch.equal(base[2], after[2])
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths_and_budget, st.one_of(st.none(), st.integers(1, 6)))
+def test_padded_micro_batches_keep_the_token_budget(case: tuple[list[int], int], cap: int | None) -> None:
+    """Padded micro-batches (train.packing: false) obey the plan's budget counted with their padding."""
+    from rlc.runtime.packing import padded_micro_batches
+
+    lengths, budget = case
+    bins = padded_micro_batches(lengths, budget, cap)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    for b in bins:
+        assert b and len(b) * max(lengths[i] for i in b) <= budget
+        assert cap is None or len(b) <= cap
+    # Greedy over ascending lengths: no bin could have taken the next one's shortest sequence.
+    for this, after in itertools.pairwise(bins):
+        longest = max(lengths[i] for i in after[:1] + this)
+        assert (cap is not None and len(this) >= cap) or (len(this) + 1) * longest > budget
+
+
+def test_padded_micro_batches_refuse_a_sequence_over_the_budget() -> None:
+    from rlc.runtime.packing import SequenceTooLongError, padded_micro_batches
+
+    with pytest.raises(SequenceTooLongError, match="sequence 1 has 9 tokens"):
+        padded_micro_batches([3, 9], 8)

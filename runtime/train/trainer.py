@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from rlc.schemas.layout import TrainLayout
 
+from ..packing import padded_micro_batches
 from ..platform import Platform, get_platform
 from ..rollout.weight_sync import SyncSender, preload_sync_group
 from . import lora as lora_lib
@@ -47,8 +48,8 @@ DEFAULT_TRAIN_CFG: dict[str, Any] = {
     "betas": (0.9, 0.999),
     "eps": 1e-8,
     "max_grad_norm": 1.0,
-    "packing": True,  # token-budget packed micro-batches; False = padded batches of micro_batch_size
-    "micro_batch_size": 8,  # padded: sequences per forward
+    "packing": True,  # token-budget packed micro-batches; False = padded ones under the same token budget
+    "micro_batch_size": None,  # padded: at most this many sequences per forward too (benchmarks' fixed sizes)
     "logprob_chunk_tokens": 1024,  # tokens per chunk of the log-prob head (both paths)
     "packing_algorithm": "ffd",  # "ffd" (fewest bins) or "kk" (balanced bins), see runtime/packing.py
     "packed_attention": "varlen",  # "varlen" (per-sequence kernels) or "mask" (O(L²) CPU reference)
@@ -239,17 +240,19 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         """This rank's micro-batches as sequence-index lists, padded with empty ones to the group's count.
 
         Packed: bins of at most ``micro_batch_tokens`` tokens (the layout's budget, before the CP split);
-        padded: runs of ``micro_batch_size`` sequences. FSDP2 all-gathers inside every forward, so all ranks
+        padded: as many sequences as fit the budget once padded to their longest (`padded_micro_batches`), at most
+        ``micro_batch_size`` when set. FSDP2 all-gathers inside every forward, so all ranks
         must run the same number of them; an empty list stands for a dummy micro-batch that contributes nothing.
         """
-        n = len(seqs)
         if self.packing:
             mine = pack_rank_sequences(
                 [len(s) for s in seqs], self.layout.micro_batch_tokens, str(self.cfg["packing_algorithm"])
             )
         else:
-            mbs = max(1, int(self.cfg["micro_batch_size"]))
-            mine = [list(range(i, min(i + mbs, n))) for i in range(0, n, mbs)]
+            cap = self.cfg.get("micro_batch_size")
+            mine = padded_micro_batches(
+                [len(s) for s in seqs], self.layout.micro_batch_tokens, int(cap) if cap else None
+            )
         count = torch.tensor([len(mine)], dtype=torch.long)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return mine + [[] for _ in range(int(count.item()) - len(mine))]
