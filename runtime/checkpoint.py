@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,20 @@ class ControllerState:
 
     @classmethod
     def from_json(cls, text: str) -> ControllerState:
-        return cls(**json.loads(text))
+        """The state written by `to_json`; ValueError saying what is wrong with anything else."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)}")
+        for name in ("step", "version", "data_cursor"):
+            value = data.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+        if not isinstance(data.get("rng", {}), dict) or not isinstance(data.get("plan_hash", ""), str):
+            raise ValueError("rng must be an object and plan_hash a string")
+        return cls(**data)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -77,9 +90,17 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+class CheckpointError(ValueError):
+    """A complete checkpoint whose controller state cannot be read (a hand edit or a damaged disk)."""
+
+
 def latest_checkpoint(run_dir: Path) -> tuple[Path, ControllerState] | None:
+    """The newest complete checkpoint and its controller state; CheckpointError when that state is unreadable."""
     found = complete_checkpoints(run_dir)
     if not found:
         return None
     path = found[-1]
-    return path, ControllerState.from_json((path / CONTROLLER_FILE).read_text())
+    try:
+        return path, ControllerState.from_json((path / CONTROLLER_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{path / CONTROLLER_FILE} is unreadable: {exc}") from None

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rlc.runtime.checkpoint import checkpoints_dir, latest_checkpoint
+from rlc.runtime.checkpoint import CheckpointError, checkpoints_dir, latest_checkpoint
 
 #: Written into every export folder: the only folders `--force` may replace.
 EXPORT_MARKER = "rlc-export.json"
@@ -35,8 +35,8 @@ def export_merged(run_dir: str | Path, out: str | Path | None = None, *, force: 
     run = Path(run_dir)
     try:
         found = latest_checkpoint(run)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ExportError(f"the newest checkpoint under {checkpoints_dir(run)} is unreadable: {exc}") from None
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from None
     if found is None:
         raise ExportError(f"no complete checkpoint under {checkpoints_dir(run)}")
     checkpoint, state = found

@@ -441,9 +441,12 @@ def _preflight(plan: Plan, run_dir: Path, resume: bool, overwrite: bool, log) ->
 
 
 def _resumable(run_dir: Path) -> str:
-    from rlc.runtime.checkpoint import latest_checkpoint
+    from rlc.runtime.checkpoint import CheckpointError, latest_checkpoint
 
-    found = latest_checkpoint(run_dir)
+    try:
+        found = latest_checkpoint(run_dir)
+    except CheckpointError as exc:
+        return f"the newest checkpoint cannot be resumed ({exc})"
     if found is None:
         return "no checkpoint was completed, so a new run starts from the beginning (pass --overwrite)"
     return f"the newest complete checkpoint is {found[0].name}: continue with `rlc run PLANDIR --resume`"
@@ -535,9 +538,11 @@ def _replay_schedule(plan: Plan, recorded: Path, run_dir: Path, resume: bool) ->
     if run_dir.resolve() == recorded.resolve():
         raise RunUsageError(f"--replay reads {recorded}; write the replay to another directory with --run-dir")
     try:
-        made_by = json.loads((recorded / "plan.json").read_text())["spec_hash"]
-    except (OSError, ValueError, KeyError):
-        raise RunError(f"--replay: {recorded} is not a run directory (no readable plan.json)") from None
+        made_by = json.loads((recorded / "plan.json").read_text(encoding="utf-8"))["spec_hash"]
+    except (OSError, ValueError, KeyError, TypeError):
+        made_by = None
+    if not isinstance(made_by, str):
+        raise RunError(f"--replay: {recorded} is not a run directory (no readable plan.json with its spec hash)")
     if made_by != plan.spec_hash:
         raise RunError(
             f"--replay: {recorded} was made by another plan (spec hash {made_by[:12]}, this plan "
@@ -565,7 +570,7 @@ def run_plan(
     made), the recorded requests and batches are fed back (`runtime/replay.py`) into `run_dir`, by default
     `RUN.replay`.
     """
-    from rlc.runtime.checkpoint import latest_checkpoint
+    from rlc.runtime.checkpoint import CheckpointError, latest_checkpoint
 
     refuse_gaps(plan)
     if replay is not None and run_dir is None:
@@ -574,11 +579,15 @@ def run_plan(
     log = lambda text: print(f"rlc: {text}", flush=True)  # noqa: E731
     start = None
     schedule = _replay_schedule(plan, Path(replay), run_dir, resume) if replay is not None else None
-    model_path, _ = _preflight(plan, run_dir, resume, overwrite, log)
-    if resume:
-        found = latest_checkpoint(run_dir)
+    if resume and not overwrite:  # before the pre-flight, which would create the run directory and build the model
+        try:
+            found = latest_checkpoint(run_dir)
+        except CheckpointError as exc:
+            raise RunError(f"--resume: {exc}; resume from an earlier checkpoint by moving this one aside") from None
         if found is None:
             raise RunError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+    model_path, _ = _preflight(plan, run_dir, resume, overwrite, log)
+    if resume:
         checkpoint, start = found
         if start.plan_hash and start.plan_hash != plan.spec_hash:
             raise RunError(

@@ -32,7 +32,11 @@ LOG_FILE = "rollouts.jsonl"
 def read_lines(path: Path) -> list[dict[str, Any]]:
     """The log's lines; a torn last line (the run was killed mid-write) is left out, any other bad line is an
     error that names it."""
-    raw = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise RunError(f"{path}: not text; the rollout log was edited or damaged") from None
+    raw = [line for line in text.splitlines() if line.strip()]
     lines: list[dict[str, Any]] = []
     for number, line in enumerate(raw, 1):
         try:
@@ -128,7 +132,11 @@ class ReplaySchedule:
             raise RunError(f"--replay: {path} does not exist; replay needs a run made by an rlc that records it")
         requests: dict[int, RecordedRequest] = {}
         batches: dict[int, list[tuple[int, int]]] = {}
-        for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RunError(f"--replay: {path} cannot be read ({exc})") from None
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:

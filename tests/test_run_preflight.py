@@ -307,3 +307,40 @@ def test_a_dead_actor_is_named_with_the_error_that_killed_it() -> None:
     assert _actor_death(Exception(creation)) == "RolloutEngine: ValueError: current platform cpu does not support ray."
     killed = "The actor is dead because its worker process has died.\n\tclass_name: TrainerWorker\n\tpid: 7"
     assert _actor_death(Exception(killed)) == "TrainerWorker: The actor is dead because its worker process has died."
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [("garbage", "Expecting value"), ('{"step": "x", "version": 1, "data_cursor": 0}', "step must be a whole number")],
+)
+def test_resume_from_an_unreadable_checkpoint_is_clear(tmp_path: Path, content: str, why: str) -> None:
+    run_dir = tmp_path / "run"
+    earlier_run(run_dir)
+    (run_dir / "checkpoints" / "step-000050" / "controller.json").write_text(content)
+    with pytest.raises(RunError, match=f"--resume: .*controller.json is unreadable: {why}"):
+        run_plan(plan_for(tmp_path, tmp_path / "no-model", run_dir), run_dir, resume=True)
+
+
+def test_resume_without_a_checkpoint_creates_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "none"
+    with pytest.raises(RunError, match="no complete checkpoint"):
+        run_plan(plan_for(tmp_path, tmp_path / "no-model", run_dir), run_dir, resume=True)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("recorded_plan", [b"[1]", b'{"spec_hash": 5}', bytes(range(256))])
+def test_replay_of_a_directory_that_is_no_run_is_clear(tmp_path: Path, recorded_plan: bytes) -> None:
+    recorded = tmp_path / "recorded"
+    recorded.mkdir()
+    (recorded / "plan.json").write_bytes(recorded_plan)
+    plan = plan_for(tmp_path, tmp_path / "no-model", tmp_path / "run")
+    with pytest.raises(RunError, match="is not a run directory"):
+        run_plan(plan, tmp_path / "replayed", replay=recorded)
+
+
+def test_replay_of_a_binary_rollout_log_is_clear(tmp_path: Path) -> None:
+    from rlc.runtime.rollout_log import ReplaySchedule
+
+    (tmp_path / "rollouts.jsonl").write_bytes(bytes(range(256)))
+    with pytest.raises(RunError, match="cannot be read"):
+        ReplaySchedule.load(tmp_path, 16)
