@@ -158,6 +158,11 @@ def compile_(
     checked, plan, report = _plan_spec(spec, target, set_ or [], targets=targets)
     assert checked.problem is not None
     provenance = compute_provenance(checked.problem.spec, set_ or [], target_given=target is not None)
+    if Path(plan.run_dir).resolve() == output.resolve():
+        raise _usage_error(
+            f"output.dir {plan.run_dir} is the plan directory -o {output}: runs write their files there; give the "
+            "plan and its runs different folders"
+        )
     try:
         files = emit_plan_dir(plan, checked.problem.spec, output, provenance=provenance)
     except (PlanDirError, ValueError) as exc:
@@ -351,6 +356,12 @@ def run(
         else:
             typer.echo(render_request(request))
         raise typer.Exit(EXIT_USAGE if request.refusals else EXIT_OK)
+    target_dir = run_dir or (Path(f"{replay}.replay") if replay is not None else Path(plan.run_dir))
+    if target_dir.resolve() == plan_dir.resolve():
+        raise _usage_error(
+            f"the run directory {target_dir} is the plan directory: a run there would mix its files into the plan "
+            "(and --overwrite would move plan.json aside); pass another --run-dir, or compile with another output.dir"
+        )
     _require_runtime()
     from rlc.runtime.errors import RunError, RuntimeGapError, RunUsageError
     from rlc.runtime.launch import refuse_gaps, run_plan
@@ -459,6 +470,7 @@ def export(
 @app.command()
 def schema(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to a file instead.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite a file that is not an earlier schema.")] = False,
 ) -> None:
     """Print the spec's JSON Schema (for editors and CI)."""
     from rlc.schemas.schema_file import schema_text
@@ -467,10 +479,21 @@ def schema(
     if output is None:
         typer.echo(text, nl=False)
         return
+    if output.is_file() and not force and not _is_spec_schema(output, json.loads(text)["title"]):
+        raise _usage_error(f"{output} exists and is not a spec schema rlc wrote; choose another file, or --force")
     try:
         output.write_text(text)
     except OSError as exc:
         raise _usage_error(f"cannot write {output}: {exc.strerror or exc}") from None
+
+
+def _is_spec_schema(path: Path, title: str) -> bool:
+    """Whether `path` holds a spec schema (any version) that `rlc schema -o` may refresh."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("title") == title and "properties" in data
 
 
 @app.command()

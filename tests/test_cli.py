@@ -202,3 +202,29 @@ def test_run_usage_errors(tmp_path: Path) -> None:
     empty.mkdir()
     result = runner.invoke(app, ["run", str(empty)])
     assert result.exit_code == 1
+
+
+def test_the_plan_directory_is_never_also_the_run_directory(tmp_path: Path) -> None:
+    """A run there would mix its files into the plan, and `--overwrite` would move plan.json aside."""
+    spec = ROOT / "examples" / "quickstart.yaml"
+    qs = tmp_path / "qs"
+    same = runner.invoke(app, ["compile", str(spec), "-o", str(qs), "--set", f"output.dir={qs}"])
+    assert same.exit_code == 2 and "is the plan directory" in same.output
+    assert not qs.exists()
+    plan = tmp_path / "plan"
+    assert runner.invoke(app, ["compile", str(spec), "-o", str(plan)]).exit_code == 0
+    ran = runner.invoke(app, ["run", str(plan), "--run-dir", str(plan)])
+    assert ran.exit_code == 2 and "is the plan directory" in ran.output
+    assert (plan / "plan.json").is_file() and not list(tmp_path.glob("plan.old-*"))
+
+
+def test_schema_output_refreshes_a_schema_but_never_replaces_another_file(tmp_path: Path) -> None:
+    out = tmp_path / "spec.schema.json"
+    assert runner.invoke(app, ["schema", "-o", str(out)]).exit_code == 0
+    assert runner.invoke(app, ["schema", "-o", str(out)]).exit_code == 0  # regenerating is the usual case
+    mine = tmp_path / "myspec.yaml"
+    mine.write_text("name: mine\n")
+    refused = runner.invoke(app, ["schema", "-o", str(mine)])
+    assert refused.exit_code == 2 and "is not a spec schema" in refused.output
+    assert mine.read_text() == "name: mine\n"
+    assert runner.invoke(app, ["schema", "-o", str(mine), "--force"]).exit_code == 0
