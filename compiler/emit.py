@@ -251,16 +251,16 @@ def _check_replaceable(out_dir: Path) -> None:
         return
     if not out_dir.is_dir():
         raise PlanDirError(f"{out_dir} exists and is not a directory; choose another output path")
-    present = list_files(out_dir)
-    if not present and not any(out_dir.iterdir()):
+    if not any(out_dir.iterdir()):
         return
+    # The manifest first: walking a folder that is no plan (`-o /`, a home directory) could take minutes.
     manifest = read_manifest(out_dir)
     if manifest is None:
         raise PlanDirError(
             f"{out_dir} is not empty and is not an rlc plan directory (no manifest.json); refusing to overwrite "
             "it: choose another output path or remove it"
         )
-    foreign = sorted(set(present) - set(manifest["files"]) - {MANIFEST})
+    foreign = sorted(set(list_files(out_dir)) - set(manifest["files"]) - {MANIFEST})
     if foreign:
         shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
         raise PlanDirError(

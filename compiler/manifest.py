@@ -127,7 +127,8 @@ def verify_plan_dir(plan_dir: Path, *, allow_modified: bool = False) -> list[Dia
                 "RLC701",
                 f"{MANIFEST} is missing or unreadable; {where} is not a compiled plan",
                 str(plan_dir / MANIFEST),
-                _recompile(plan_dir),
+                # compile refuses to write over a folder without a manifest, so point at a new one
+                f"compile the spec into a new folder (`rlc compile <spec> -o {plan_dir.name}-new`)",
             )
         ]
     recompile = _recompile(plan_dir)

@@ -253,3 +253,13 @@ def test_compile_path_imports_nothing_heavy() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_an_output_that_is_no_plan_is_refused_without_walking_it(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`-o /` or a home folder: the refusal comes from the missing manifest, before any walk of the tree."""
+    from rlc.compiler import emit
+
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.setattr(emit, "list_files", lambda _: pytest.fail("walked a folder that is no plan"))
+    with pytest.raises(emit.PlanDirError, match=r"no manifest\.json"):
+        emit._check_replaceable(tmp_path)
