@@ -537,6 +537,18 @@ def _teacher_roles(
     return roles, settings
 
 
+#: The stall bound (`Schedule.stall_timeout_s`) covers this many of the slowest steps the estimate allows (the
+#: first steps warm caches and build kernels, a shared machine runs slower), and never less than STALL_FLOOR_S.
+STALL_STEPS = 10
+STALL_FLOOR_S = 600.0
+
+
+def stall_timeout_s(step_s: float, uncertainty: float) -> float:
+    """max(STALL_FLOOR_S, STALL_STEPS × step estimate × its uncertainty): no single request or train step of a
+    healthy run takes longer than a whole step, so a wait this long means a stalled role."""
+    return float(round(max(STALL_FLOOR_S, STALL_STEPS * step_s * uncertainty)))
+
+
 def _schedule(problem: Problem, ctx: search.Context, best: search.Candidate) -> Schedule:
     """Batch, token budgets, staleness, how the controller feeds engines, weight sync and phase moves."""
     spec = problem.spec
@@ -558,6 +570,7 @@ def _schedule(problem: Problem, ctx: search.Context, best: search.Candidate) -> 
         offload=_offload_steps(problem, colocated, best),
         checkpoint_every=spec.output.checkpoint_every,
         keep_checkpoints=spec.output.keep_checkpoints,
+        stall_timeout_s=stall_timeout_s(best.step.step_s, ctx.target.estimate_uncertainty),
     )
 
 

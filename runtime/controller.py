@@ -36,6 +36,7 @@ from rlc.runtime.rollout_log import RolloutLog
 from rlc.runtime.seeds import request_seed
 from rlc.runtime.spec_decode import SpecDecodeDelta
 from rlc.runtime.staleness import StalenessGate
+from rlc.runtime.stall import StallWatch
 from rlc.runtime.tasks.rewards import RewardGuard
 from rlc.runtime.trace import StepTrace
 from rlc.runtime.weight_push import WeightPush
@@ -60,6 +61,7 @@ class Chunk:
     items: list[PromptItem]
     id: int = -1  # submission order, as RUN/rollouts.jsonl records it
     admitted_at: int = 0  # the trainer version when it was admitted
+    submitted_s: float = field(default_factory=time.monotonic)
 
 
 class Controller:
@@ -106,6 +108,8 @@ class Controller:
         self._result_futures = ResultFutures()  # the in-flight requests' results, waited on with the trainer's step
         self._trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlc-trainer")
         self._training: Future | None = None
+        self._training_since = 0.0
+        self.stall = StallWatch(sched.stall_timeout_s)
         self._warming: set[int] = set()
         self._reissue: list[list[PromptItem]] = []
         self.reference: Any = None
@@ -183,6 +187,7 @@ class Controller:
             chunk = self.inflight.pop(ref, None)
             if chunk is None:  # dropped with its engine when an earlier request of this turn found it dead
                 continue
+            self.stall.progress()
             t0 = time.perf_counter()
             try:
                 results = future.result()
@@ -406,11 +411,26 @@ class Controller:
                     self._start_training()
                 if self._training is not None and self._training.done():
                     done, self._training = self._training, None
+                    self.stall.progress()
                     self._finish_step(done)
+                self.stall.check(self._in_flight)
             return self.step
         finally:
             if self._training is not None:
                 self._training.cancel()
+
+    def _in_flight(self) -> str:
+        """What the run is waiting for, for a stall's message: requests per engine with their ages, the step."""
+        now = time.monotonic()
+        oldest: dict[int, float] = {}
+        count: dict[int, int] = {}
+        for chunk in self.inflight.values():
+            count[chunk.engine] = count.get(chunk.engine, 0) + 1
+            oldest[chunk.engine] = max(oldest.get(chunk.engine, 0.0), now - chunk.submitted_s)
+        parts = [f"engine {e}: {count[e]} generate request(s), the oldest {oldest[e]:.0f} s" for e in sorted(count)]
+        if self._training is not None:
+            parts.append(f"the trainer: step {self.step + 1}, {now - self._training_since:.0f} s")
+        return "; ".join(parts)
 
     def _collect_timeout(self) -> float:
         """How long one loop turn may wait for a rollout (or the trainer) to finish.
@@ -439,6 +459,7 @@ class Controller:
             return
         rollout_wait = time.perf_counter() - self._step_started
         self._training = self._trainer_thread.submit(self._train_and_sync, groups)
+        self._training_since = time.monotonic()
         self._training.rollout_wait = rollout_wait  # type: ignore[attr-defined]
         self._training.groups = [(g.request, g.item.cursor) for g in groups]  # type: ignore[attr-defined]
 

@@ -468,8 +468,12 @@ def _run_controller(work: Callable[[], T], run_dir: Path) -> T:
     write turned into a resumable message."""
     from ray.exceptions import GetTimeoutError, RayActorError
 
+    from rlc.runtime.stall import StallError
+
     try:
         return work()
+    except StallError as exc:
+        raise RunError(f"{exc}. The run stopped: {_resumable(run_dir)}") from None
     except GetTimeoutError as exc:  # a TimeoutError, hence an OSError: not a failed write
         first = (str(exc).strip().splitlines() or ["no answer in time"])[0]
         stopped = f"the run stopped: {_resumable(run_dir)}"

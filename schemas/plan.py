@@ -116,6 +116,12 @@ class Schedule(PlanModel):
     offload: list[OffloadStep] = Field(default_factory=list, description="Colocated phase transitions.")
     checkpoint_every: int
     keep_checkpoints: int
+    stall_timeout_s: float = Field(
+        1800.0,
+        description="Longest the run waits with work in flight and nothing finishing (no generate request, agent "
+        "episode or train step) before it stops and names what stalled; the compiler sets it from the step-time "
+        "estimate (`planner.stall_timeout_s`).",
+    )
 
 
 class AlgorithmSettings(PlanModel):

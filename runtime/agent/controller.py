@@ -197,7 +197,15 @@ class AgentController(Controller):
         for pending, episode in done:
             self.trace.finished(pending.key, status=episode.status)
         if done:
+            self.stall.progress()
             self._finish_episodes(done)
+
+    def _in_flight(self) -> str:
+        per_engine: dict[int, int] = {}
+        for pending in self.episodes.values():
+            per_engine[pending.engine] = per_engine.get(pending.engine, 0) + 1
+        parts = [f"engine {e}: {n} agent episode(s)" for e, n in sorted(per_engine.items())]
+        return "; ".join(part for part in [*parts, super()._in_flight()] if part)
 
     def _finish_episodes(self, done: list[tuple[_Pending, Episode]]) -> None:
         import ray
