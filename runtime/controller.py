@@ -36,7 +36,7 @@ from rlc.runtime.rollout_log import RolloutLog
 from rlc.runtime.seeds import request_seed
 from rlc.runtime.spec_decode import SpecDecodeDelta
 from rlc.runtime.staleness import StalenessGate
-from rlc.runtime.stall import StallWatch
+from rlc.runtime.stall import StallError, StallWatch
 from rlc.runtime.tasks.rewards import RewardGuard
 from rlc.runtime.trace import StepTrace
 from rlc.runtime.weight_push import WeightPush
@@ -499,7 +499,19 @@ class Controller:
         self._rollout_tokens = 0
         self.logger.log(metrics)
         if checkpoint_due:
-            self._trainer_thread.submit(self._checkpoint).result()
+            self._wait_checkpoint(self._trainer_thread.submit(self._checkpoint))
+
+    def _wait_checkpoint(self, saving: Future) -> None:
+        """Wait for the step's checkpoint within the stall bound (a write to a hung filesystem never returns)."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        try:
+            saving.result(timeout=self.stall.limit_s)
+        except FutureTimeout:
+            raise StallError(
+                f"the checkpoint of step {self.step} did not finish within the plan's stall bound of "
+                f"{self.stall.limit_s:.0f} s (schedule.stall_timeout_s); is the run directory's filesystem answering?"
+            ) from None
 
     def _spec_decode_metrics(self) -> dict[str, float]:
         """This step's speculative-decoding figures, summed over engines (empty without spec decode)."""

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlc.runtime.errors import RunError
 from rlc.schemas.plan import Plan, TeacherSettings
 
 MAX_SCORE_ATTEMPTS = 3
@@ -94,10 +95,17 @@ class TeacherPool:
         """Replace a dead teacher engine by a fresh actor on the same bundle (same weights: teachers are frozen)."""
         import ray
 
+        from rlc.runtime.rollout.pool import ENGINE_START_TIMEOUT_S
+
         with contextlib.suppress(Exception):
             ray.kill(self.engines[name][index], no_restart=True)
         self.engines[name][index] = self._make(self._teacher(name).role, index)
-        ray.get(self.engines[name][index].ready.remote())
+        try:
+            ray.get(self.engines[name][index].ready.remote(), timeout=ENGINE_START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RunError(
+                f"teacher {name} engine {index} did not start again within {ENGINE_START_TIMEOUT_S} s"
+            ) from None
         self.restarts += 1
 
     def _get(

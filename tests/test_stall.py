@@ -65,3 +65,14 @@ def test_the_plan_states_the_bound_from_its_estimate() -> None:
 
     # The field's default keeps plans compiled before it readable.
     assert Schedule.model_fields["stall_timeout_s"].default == 1800.0
+
+
+def test_a_checkpoint_that_never_finishes_stops_the_run_at_the_bound() -> None:
+    from concurrent.futures import Future
+
+    from rlc.runtime.controller import Controller
+
+    c = object.__new__(Controller)
+    c.stall, c.step = StallWatch(0.05), 12
+    with pytest.raises(StallError, match="the checkpoint of step 12 did not finish within"):
+        c._wait_checkpoint(Future())  # a write to a filesystem that never answers
