@@ -27,22 +27,42 @@ class ProfileError(ValueError):
 
 
 def target_dirs(explicit: Sequence[str | Path] | None = None) -> list[Path]:
-    """--targets directories first, then those in RLC_TARGETS."""
-    dirs = [Path(d) for d in explicit or []]
+    """--targets directories first, then those in RLC_TARGETS; ProfileError for one that is not a directory.
+
+    A mistyped calibration directory would otherwise fall back to the shipped profile without a word.
+    """
+    named = [(Path(d), "--targets") for d in explicit or []]
     env = os.environ.get(TARGETS_ENV, "")
-    dirs += [Path(d) for d in env.split(os.pathsep) if d]
-    return dirs
+    named += [(Path(d), TARGETS_ENV) for d in env.split(os.pathsep) if d]
+    for directory, origin in named:
+        if not os.path.isdir(directory):
+            why = "is not a directory" if os.path.lexists(directory) else "does not exist"
+            raise ProfileError(
+                f"target profile directory {directory} (from {origin}) {why}: give the directory `rlc calibrate -o` "
+                "wrote"
+            )
+    return [directory for directory, _ in named]
 
 
 def read_profile(path: Path) -> TargetProfile:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
         profile = TargetProfile.model_validate(data)
-    except (OSError, yaml.YAMLError, ValidationError) as exc:
+    except UnicodeDecodeError as exc:
+        raise ProfileError(
+            f"{path}: not a valid target profile: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+            f"{exc.start})"
+        ) from None
+    except (OSError, yaml.YAMLError, ValidationError, RecursionError) as exc:
         raise ProfileError(f"{path}: not a valid target profile: {exc}") from exc
     if profile.id != path.stem:
         raise ProfileError(f"{path}: id {profile.id!r} must equal the file name {path.stem!r}")
     return profile
+
+
+def profile_files(directory: Path) -> list[Path]:
+    """The `<target>.yaml` files of a profile directory (what `find_target` may read), sorted."""
+    return sorted(p for p in directory.glob("*.yaml") if p.is_file())
 
 
 def find_target(name: str, dirs: Sequence[Path] = ()) -> tuple[TargetProfile, str]:

@@ -1,4 +1,5 @@
-"""`rlc doctor`: can this machine run plans? What is installed, which devices are seen, Ray, memory and disk.
+"""`rlc doctor`: can this machine run plans? What is installed, which devices are seen, Ray, memory, disk, the
+run directory and the target profile directories of RLC_TARGETS.
 
 Each check is ok, warn (works, but worth knowing) or fail (a run would fail here); the command exits 1 when
 any fails. It works on the light install too (it then says what to install), reads package versions from
@@ -15,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -148,6 +150,13 @@ def check_ray() -> list[Check]:
         return []
     if not _ray_address_known():
         return [Check("ray cluster", "ok", "none running here; `rlc run` starts a local one")]
+    address = os.environ.get("RAY_ADDRESS", "")
+    if address:
+        from rlc.runtime.launch import _unreachable
+
+        unreachable = _unreachable(address)
+        if unreachable:  # the probe would wait its whole timeout for a port that refuses at once
+            return [Check("ray cluster", "fail", f"RAY_ADDRESS={address}: {unreachable}")]
     probe = (
         "import ray; ray.init(address='auto', logging_level='ERROR', log_to_driver=False); "
         "print(sum(n['Alive'] for n in ray.nodes()), dict(sorted(ray.cluster_resources().items())))"
@@ -175,19 +184,86 @@ def check_space(run_dir: Path) -> list[Check]:
     else:
         status: Status = "ok" if shm >= MIN_SHM_GIB else "warn"
         found.append(Check("/dev/shm", status, f"{shm:.1f} GiB free" + ("" if status == "ok" else " (small)")))
-    where = run_dir
-    while not where.exists() and where != where.parent:
-        where = where.parent
+    where = _existing(run_dir)
     try:
         disk = shutil.disk_usage(where).free / GIB
     except OSError as exc:
         return [*found, Check("disk", "fail", f"cannot read {where}: {exc.strerror or exc}")]
     status = "ok" if disk >= MIN_DISK_GIB else "warn"
     found.append(Check("disk", status, f"{disk:.1f} GiB free under {where}"))
-    if not os.access(where, os.W_OK):
-        found.append(Check("disk", "fail", f"{where} is not writable: runs cannot write there"))
+    return found
+
+
+def _existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists."""
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_run_dir(run_dir: Path) -> list[Check]:
+    """What `rlc run --run-dir` checks before anything starts (`run_dir.ensure_writable`), without creating the
+    directory: it must not be a file or lie under one, and a file must be writable where it is or would be made."""
+    from rlc.runtime.errors import RunError
+    from rlc.runtime.run_dir import _why, check_location
+
+    try:
+        check_location(run_dir)
+    except RunError as exc:
+        return [Check("run dir", "fail", str(exc))]
+    where = _existing(run_dir)
+    folders = [run_dir, run_dir / "checkpoints"] if where == run_dir else [where]
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        try:
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".rlc-write-test-") as probe:
+                probe.write(b"rlc")
+                probe.flush()
+        except OSError as exc:
+            what = f"cannot write in {folder}" if where == run_dir else f"cannot create {run_dir} under {folder}"
+            return [Check("run dir", "fail", f"{what}: {_why(exc)}; choose another --run-dir")]
+    if where == run_dir:
+        return [Check("run dir", "ok", f"{run_dir} is writable")]
+    return [Check("run dir", "ok", f"{run_dir} can be created under {where}")]
+
+
+def check_targets() -> list[Check]:
+    """The target profile directories of RLC_TARGETS (what `rlc compile` would read): each must exist and every
+    `<target>.yaml` in them must parse and validate, else compile reports RLC108 for it."""
+    from rlc.compiler.profiles import TARGETS_ENV, ProfileError, profile_files, read_profile, target_dirs
+
+    if not os.environ.get(TARGETS_ENV):
+        return []
+    try:
+        dirs = target_dirs()
+    except ProfileError as exc:
+        return [Check("targets", "fail", str(exc))]
+    found: list[Check] = []
+    names: list[str] = []
+    for directory in dirs:
+        try:
+            files = profile_files(directory)
+        except OSError as exc:
+            found.append(Check("targets", "fail", f"cannot list {directory}: {exc.strerror or exc}"))
+            continue
+        for path in files:
+            try:
+                names.append(read_profile(path).id)
+            except ProfileError as exc:
+                found.append(Check("targets", "fail", str(exc).splitlines()[0]))
+    if not found:
+        shown = ", ".join(dict.fromkeys(names)) or "none (the shipped ones are used)"
+        found.append(Check("targets", "ok", f"{TARGETS_ENV}={os.environ[TARGETS_ENV]}: profiles {shown}"))
     return found
 
 
 def run_checks(run_dir: Path) -> list[Check]:
-    return [*check_packages(), *check_devices(), *check_ray(), *check_space(run_dir)]
+    return [
+        *check_packages(),
+        *check_devices(),
+        *check_ray(),
+        *check_space(run_dir),
+        *check_run_dir(run_dir),
+        *check_targets(),
+    ]

@@ -63,11 +63,11 @@ def test_old_ray_warns_about_token_auth(monkeypatch: pytest.MonkeyPatch) -> None
     assert _statuses(doctor.check_packages())["ray"] == "warn"
 
 
-def test_unreachable_ray_fails_within_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # nothing listens there
+def test_unreachable_ray_fails_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # nothing listens there: the port refuses at once
     monkeypatch.setattr(doctor, "RAY_PROBE_TIMEOUT_S", 5)
     result = runner.invoke(app, ["doctor"])
     assert result.exit_code == 1, result.output
     (ray,) = [line for line in result.output.splitlines() if "ray cluster" in line]
-    assert ray.startswith("fail") and ("cannot connect" in ray or "no answer within 5 s" in ray)
+    assert ray.startswith("fail") and "nothing answers on 127.0.0.1:1" in ray
     assert result.output.splitlines()[-1].startswith("doctor: a run would fail here")
