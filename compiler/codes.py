@@ -23,7 +23,7 @@ CODES: dict[str, str] = {
     "RLC105": "Unknown model",
     "RLC106": "An inline architecture is inconsistent",
     "RLC107": "No hardware target",
-    "RLC108": "A target profile from --targets / RLC_TARGETS does not parse or validate",
+    "RLC108": "A --targets / RLC_TARGETS directory is missing, or a profile in it does not parse or validate",
     "RLC201": "MTP speculative decoding needs a model with MTP layers",
     "RLC202": "MOPD teachers must share the student's vocabulary",
     "RLC203": "Routing and teacher names must be consistent",
