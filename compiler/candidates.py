@@ -128,6 +128,8 @@ def combine(
         sizes, target, sync_method(ctx, mode), cross_node=cross, adapter_params=adapter, engine_share=share
     )
     switch = tr.switch_s if mode == "colocated" else 0.0
+    if mode == "colocated" and adapter:
+        switch += cost.engine_offload_s(sizes, target, share)
     teacher_s = max((t.seconds for t in teachers), default=0.0)
     step = cost.step_time(mode, work, ro.time, tr.seconds, teacher_s, sync, switch, target.efficiency.step_overhead_s)
     return Candidate(mode, tr, ro, teachers, step, starts[0], starts[1], starts[2])

@@ -684,6 +684,15 @@ def switch_s(target: TargetProfile, train_state_gib: float) -> float:
     return 2 * train_state_gib * 1024**3 / (target.host_to_device_bandwidth_gbps * 1e9)
 
 
+def engine_offload_s(sizes: ModelSizes, target: TargetProfile, engine_share: float) -> float:
+    """An adapter-serving colocated engine's base weights to host and back each step (vLLM sleep level 1: an
+    adapter sync never resends the base, so it cannot be discarded as at level 2):
+    2 × its device's share of the weights / host↔device bandwidth, every device at once. 0 on cpu."""
+    if target.kind == "cpu":
+        return 0.0
+    return 2 * sizes.total * dtype_bytes(target) * engine_share / (target.host_to_device_bandwidth_gbps * 1e9)
+
+
 def teacher_time_s(sizes: ModelSizes, devices: int, target: TargetProfile, work: Workload, share: float) -> float:
     """Forward-only teacher scoring: 2 · active params · (share of samples · mean length) / (devices · peak · MFU)."""
     flops = 2 * sizes.active * work.samples * share * work.context_tokens

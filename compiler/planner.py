@@ -400,18 +400,24 @@ def r4(value: float) -> float:
     return float(int(value * 10_000) / 10_000)
 
 
-def _offload_steps(problem: Problem, colocated: bool, best: search.Candidate) -> list[OffloadStep]:
-    """Colocated phase transitions; on cpu (no sleep mode) both phases stay resident."""
+def _offload_steps(problem: Problem, colocated: bool, best: search.Candidate, keeps_base: bool) -> list[OffloadStep]:
+    """Colocated phase transitions; on cpu (no sleep mode) both phases stay resident.
+
+    The engine's weights are discarded while the trainer works (vLLM sleep level 2; the in-place sync refills
+    them), except where the engine serves LoRA adapters: an adapter sync never resends the base, so the base
+    goes to host memory and back (level 1, priced by `cost.engine_offload_s`).
+    """
     if not colocated or problem.target.kind == "cpu":
         return []
+    wake, sleep = ("onload", "offload") if keeps_base else ("wake", "sleep")
     steps = [
         OffloadStep(phase="before_rollout", action="offload", what="params"),
         OffloadStep(phase="before_rollout", action="offload", what="grads"),
         OffloadStep(phase="before_rollout", action="offload", what="optimizer"),
-        OffloadStep(phase="before_rollout", action="wake", what="rollout_weights"),
+        OffloadStep(phase="before_rollout", action=wake, what="rollout_weights"),
         OffloadStep(phase="before_rollout", action="wake", what="kv_cache"),
         OffloadStep(phase="before_train", action="sleep", what="kv_cache"),
-        OffloadStep(phase="before_train", action="sleep", what="rollout_weights"),
+        OffloadStep(phase="before_train", action=sleep, what="rollout_weights"),
         OffloadStep(phase="before_train", action="onload", what="params"),
     ]
     if not best.train.layout.offload_optimizer:
@@ -567,7 +573,7 @@ def _schedule(problem: Problem, ctx: search.Context, best: search.Candidate) -> 
         rollout_chunk_prompts=cost.rollout_chunk_prompts(spec.algorithm.batch_prompts, best.rollout.layout.replicas),
         rollout_chunks_per_engine=cost.ENGINE_CHUNKS,
         weight_sync=search.sync_method(ctx, best.mode),  # type: ignore[arg-type]
-        offload=_offload_steps(problem, colocated, best),
+        offload=_offload_steps(problem, colocated, best, keeps_base=ctx.lora_adapter),
         checkpoint_every=spec.output.checkpoint_every,
         keep_checkpoints=spec.output.keep_checkpoints,
         stall_timeout_s=stall_timeout_s(best.step.step_s, ctx.target.estimate_uncertainty),

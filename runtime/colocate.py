@@ -1,8 +1,9 @@
 """Colocated phase switches: who holds the shared devices, the engines (rollout) or the trainer (train).
 
 The plan's ``schedule.offload`` lists the moves at each switch. Before training the engines sleep (vLLM
-sleep mode: level 2 drops weights and KV cache, since a full weight sync follows; level 1 keeps the base
-weights in host memory, which a LoRA-adapter run needs) and the trainer brings its state back. After the
+sleep mode: ``sleep rollout_weights`` is level 2, which drops weights and KV cache since a full weight sync
+follows; ``offload rollout_weights`` is level 1, which keeps the base weights in host memory, as a
+LoRA-adapter run needs) and the trainer brings its state back. After the
 step the engines wake their weights, the new weights are synced in, the trainer moves its state to host,
 and only then does the KV cache come back, so the two phases' peaks never overlap.
 
@@ -15,9 +16,25 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rlc.runtime.errors import RunError
 from rlc.schemas.plan import Plan
 
 TRAINER_STATE = ("params", "grads", "optimizer")
+
+
+def sleep_level(weights: set[str]) -> int:
+    """vLLM's sleep level for what the plan does with the engine's weights before training: discard them
+    (sleep: level 2) or keep them in host memory (offload: level 1). vLLM has no level that keeps them on the
+    device, so a plan that sleeps the KV cache and says nothing else of the weights is refused."""
+    if weights == {"sleep"}:
+        return 2
+    if weights == {"offload"}:
+        return 1
+    raise RunError(
+        f"the plan's colocated moves do {sorted(weights) or 'nothing'} with the engine weights before training; "
+        "this runtime knows `sleep rollout_weights` (vLLM sleep level 2) and `offload rollout_weights` (level 1): "
+        "recompile the plan"
+    )
 
 
 class PhaseSwitcher:
@@ -29,9 +46,8 @@ class PhaseSwitcher:
         self.active = plan.schedule.mode == "colocated"
         steps = plan.schedule.offload if self.active else []
         self.sleep = any(s.action == "sleep" for s in steps)
-        adapter = plan.lora is not None and plan.lora.rollout == "adapter"
-        drops_weights = any(s.action == "sleep" and s.what == "rollout_weights" for s in steps)
-        self.level = 2 if drops_weights and not adapter else 1
+        weights = {s.action for s in steps if s.phase == "before_train" and s.what == "rollout_weights"}
+        self.level = sleep_level(weights) if self.sleep else 0
         self.offload_what = [s.what for s in steps if s.action == "offload" and s.what in TRAINER_STATE]
         self.onload_what = [s.what for s in steps if s.action == "onload" and s.what in TRAINER_STATE]
         self.offload_s = 0.0

@@ -214,3 +214,31 @@ def test_a_rank_of_a_larger_group_needs_the_rendezvous_address() -> None:
 
     with pytest.raises(ValueError, match="rank 1 of 2 needs the group's rendezvous address"):
         TrainerWorker(1, 2, None, 0, "unused", "cpu")
+
+
+def test_the_engine_sleep_level_is_what_the_plan_says_of_its_weights() -> None:
+    from rlc.runtime.colocate import sleep_level
+    from rlc.runtime.errors import RunError
+
+    assert sleep_level({"sleep"}) == 2  # discarded: the in-place sync refills them
+    assert sleep_level({"offload"}) == 1  # kept in host memory: an adapter sync never resends the base
+    with pytest.raises(RunError, match="recompile the plan"):
+        sleep_level(set())  # vLLM cannot keep the weights on the device while it sleeps
+
+
+def test_an_adapter_serving_colocated_plan_offloads_the_engine_base_and_prices_it() -> None:
+    """The golden A3 colocated LoRA plan (tests/test_emit.py compiles it): its engine serves adapters, so the
+    base weights go to host and back (level 1), and the switch is priced with them."""
+    from rlc.compiler import cost
+    from rlc.compiler.memory import model_sizes
+    from rlc.schemas.plan import Plan
+    from rlc.schemas.registry import load_arch, load_target
+
+    golden = Path(__file__).parent / "golden" / "a3-colocated-mopd-lora-mtp" / "plan" / "plan.json"
+    plan = Plan.model_validate_json(golden.read_text())
+    assert plan.lora is not None and plan.lora.rollout == "adapter"
+    moves = {(s.phase, s.action) for s in plan.schedule.offload if s.what == "rollout_weights"}
+    assert moves == {("before_train", "offload"), ("before_rollout", "onload")}
+    sizes = model_sizes(load_arch(plan.model.id))
+    assert cost.engine_offload_s(sizes, load_target("a3"), 1.0) > 0
+    assert cost.engine_offload_s(sizes, load_target("cpu"), 1.0) == 0.0
