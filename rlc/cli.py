@@ -234,7 +234,7 @@ def explain(
 def _measured(runs: list[Path], required: bool) -> tuple[dict[str, float] | None, dict[str, dict[str, float]] | None]:
     """Mean phase times and highest memory peaks over `runs`; a run too short to time is shown without times
     unless it was asked for with --measured (`required`)."""
-    from rlc.compiler.calibrate import CalibrationError, measured_phases
+    from rlc.compiler.calibrate import CalibrationError, MetricsError, measured_phases
     from rlc.compiler.run_memory import MeasuredMemoryError, measured_memory
 
     times, memory = [], {}
@@ -242,7 +242,7 @@ def _measured(runs: list[Path], required: bool) -> tuple[dict[str, float] | None
         try:
             times.append(measured_phases(run))
         except CalibrationError as exc:
-            if required:
+            if required or isinstance(exc, MetricsError):  # a damaged metrics.jsonl is reported, not hidden
                 raise _usage_error(str(exc)) from None
         try:
             for role, phases in measured_memory(run).items():

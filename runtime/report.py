@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlc.compiler.calibrate import MetricsError, read_metrics_rows
 from rlc.runtime.errors import RunError, RunUsageError
 
 #: (file stem, title, [(metric key, label)], y-axis label)
@@ -77,18 +78,15 @@ class Report:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The step rows of metrics.jsonl (lines that are not JSON, e.g. from a crash mid-write, are skipped)."""
+    """The step rows of metrics.jsonl (a last line cut off by a crash mid-write is skipped; any other line that is
+    not a metrics object is a usage error naming the file and line)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise RunUsageError(f"{run_dir} has no metrics.jsonl: is it a run directory (the --run-dir of `rlc run`)?")
-    rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int | float):
-            rows.append(row)
+    try:
+        rows = [row for row in read_metrics_rows(path) if "step" in row]
+    except MetricsError as exc:
+        raise RunUsageError(str(exc)) from None
     if not rows:
         raise RunError(f"{path} holds no steps yet: nothing to report")
     return rows
