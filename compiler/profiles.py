@@ -60,6 +60,14 @@ def read_profile(path: Path) -> TargetProfile:
     return profile
 
 
+def _calibrated(path: Path) -> bool:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and bool(data.get("calibration"))
+
+
 def profile_files(directory: Path) -> list[Path]:
     """The `<target>.yaml` files of a profile directory (what `find_target` may read), sorted."""
     return sorted(p for p in directory.glob("*.yaml") if p.is_file())
@@ -80,10 +88,18 @@ def profile_record(profile: TargetProfile, source: str) -> dict[str, str]:
     return {"source": source, "sha256": digest, **{f"calibration.{k}": v for k, v in profile.calibration.items()}}
 
 
-def write_profile(profile: TargetProfile, directory: Path) -> Path:
-    """Write `profile` as `<id>.yaml` in `directory` (the shipped schema, keys in schema order)."""
-    directory.mkdir(parents=True, exist_ok=True)
+def write_profile(profile: TargetProfile, directory: Path, *, force: bool = False) -> Path:
+    """Write `profile` as `<id>.yaml` in `directory` (the shipped schema, keys in schema order).
+
+    An existing file is replaced only when `rlc calibrate` wrote it (it records its calibration) or `force`:
+    a hand-tuned profile is never lost to a re-run (ProfileError)."""
     path = directory / f"{profile.id}.yaml"
+    if path.exists() and not force and not _calibrated(path):
+        raise ProfileError(
+            f"{path} exists and is not a profile `rlc calibrate` wrote (no calibration record); choose another "
+            "-o folder, or --force to replace it"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False, allow_unicode=True, width=110)
     path.write_text(text, encoding="utf-8")
     return path

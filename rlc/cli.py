@@ -410,6 +410,9 @@ def calibrate(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run directories (plan.json + metrics.jsonl).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write <target>.yaml into.")],
     targets: TargetsOption = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace a <target>.yaml there that calibrate did not write.")
+    ] = False,
 ) -> None:
     """Fit the target's efficiencies and overheads to measured runs and write a calibrated target profile
     (use it with `rlc compile --targets DIR` or RLC_TARGETS=DIR)."""
@@ -427,7 +430,9 @@ def calibrate(
         raise _usage_error(str(exc)) from None
     profile = profile.model_copy(update={"calibration": {**profile.calibration, "base": f"{base.id} from {source}"}})
     try:
-        path = write_profile(profile, output)
+        path = write_profile(profile, output, force=force)
+    except ProfileError as exc:
+        raise _usage_error(str(exc)) from None
     except OSError as exc:
         raise _usage_error(f"cannot write {output}: {exc.strerror or exc}") from None
     for key, value in profile.calibration.items():
@@ -529,13 +534,19 @@ def init(
 def report(
     run_dir: Annotated[Path, typer.Argument(help="Run directory (holds metrics.jsonl).", show_default=False)],
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Folder (default: RUNDIR/report).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Write into a folder that holds other files.")] = False,
 ) -> None:
     """A self-contained HTML page and PNGs of a run's metrics, next to the plan's predictions."""
     from rlc.runtime.errors import RunError, RunUsageError
-    from rlc.runtime.report import write_report
+    from rlc.runtime.report import is_report_dir, write_report
 
     if not run_dir.is_dir():
         raise _usage_error(f"{run_dir} is not a run directory")
+    if output is not None and not force and not is_report_dir(output):
+        raise _usage_error(
+            f"{output} holds files that are not an rlc report; the report's index.html and charts would replace "
+            "any of the same names: choose a new or empty folder, or --force"
+        )
     try:
         written = write_report(run_dir, output)
     except RunUsageError as exc:

@@ -179,6 +179,21 @@ def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     return f"<table><tr>{cells}</tr>{body}</table>"
 
 
+def is_report_dir(folder: Path) -> bool:
+    """Whether `folder` may take a report: new, empty, or holding an earlier one (its index.html is ours)."""
+    if not folder.exists():
+        return True
+    if not folder.is_dir():
+        return False
+    if not any(folder.iterdir()):
+        return True
+    try:
+        head = (folder / "index.html").read_text(encoding="utf-8", errors="replace")[:400]
+    except OSError:
+        return False
+    return "<title>rlc run " in head
+
+
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
     """Draw every chart the metrics allow, write the PNGs and `index.html` into `out_dir` (RUN/report)."""
     try:

@@ -192,3 +192,23 @@ def test_reader_line_numbers_count_blank_lines(tmp_path: Path) -> None:
     assert [r["step"] for r in read_metrics_rows(path, MEASURED_BOUNDS)] == [1]
     path.write_text("")
     assert read_metrics_rows(path) == []
+
+
+def test_calibrate_and_report_outputs_never_replace_the_users_files(tmp_path: Path, plan_json: str) -> None:
+    """A hand-tuned profile or a folder of the user's is refused without --force; earlier outputs refresh."""
+    run = _run(tmp_path, plan_json, "\n".join(_lines()) + "\n")
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "cpu.yaml").write_text("id: cpu\n# my hand-tuned profile\n")
+    refused = runner.invoke(app, ["calibrate", str(run), "-o", str(profiles)])
+    assert refused.exit_code == 2 and "is not a profile `rlc calibrate` wrote" in refused.output
+    assert (profiles / "cpu.yaml").read_text() == "id: cpu\n# my hand-tuned profile\n"
+    assert runner.invoke(app, ["calibrate", str(run), "-o", str(profiles), "--force"]).exit_code == 0
+    assert runner.invoke(app, ["calibrate", str(run), "-o", str(profiles)]).exit_code == 0  # its own: refreshed
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "index.html").write_text("<h1>my site</h1>")
+    refused = runner.invoke(app, ["report", str(run), "-o", str(site)])
+    assert refused.exit_code == 2 and "not an rlc report" in refused.output
+    assert (site / "index.html").read_text() == "<h1>my site</h1>" and len(list(site.iterdir())) == 1
