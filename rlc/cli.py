@@ -11,7 +11,7 @@ import json
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -204,13 +204,23 @@ def explain(
     from rlc.compiler.explain import explain_json, explain_plan
 
     runs = list(measured or [])
+    if source.is_file() and source.suffix == ".json":
+        raise _usage_error(
+            f"{source} is not a spec: explain takes a spec (YAML), a plan directory or a run directory; for a "
+            f"plan file, pass its folder ({source.parent})"
+        )
+    if source.is_dir() and (target or set_ or targets):
+        raise _usage_error(
+            f"-t, --set and --targets shape a plan from a spec; {source} is already compiled: recompile its spec "
+            "with them, or explain the folder without them"
+        )
     if source.is_dir() and not (source / "manifest.json").exists() and (source / "plan.json").is_file():
         from rlc.schemas.plan import Plan
 
         try:  # a run directory: the plan it ran, and what it measured
             plan = Plan.model_validate_json((source / "plan.json").read_text())
         except (OSError, ValueError) as exc:
-            raise _usage_error(f"cannot read {source / 'plan.json'}: {exc}") from None
+            raise _usage_error(f"cannot read {source / 'plan.json'}: {_plan_problem(exc)}") from None
         runs = [source, *runs]
     elif source.is_dir():
         from rlc.compiler.manifest import load_plan
@@ -218,10 +228,11 @@ def explain(
         try:
             plan = load_plan(source)
         except (OSError, ValueError) as exc:
-            raise _usage_error(f"cannot read plan {source}: {exc}") from None
+            raise _usage_error(f"cannot read plan {source}: {_plan_problem(exc)}") from None
     else:
         as_json = OutputFormat.json if output_format == ExplainFormat.json else None
         _, plan, _ = _plan_spec(source, target, set_ or [], as_json, targets=targets)
+    _check_same_plan(plan, measured or [])
     shown, memory = _measured(runs, required=bool(measured))
     if output_format == ExplainFormat.json:
         typer.echo(explain_json(plan, shown, memory))
@@ -229,6 +240,34 @@ def explain(
     from rich.console import Console
 
     explain_plan(plan, Console(), shown, memory)
+
+
+def _plan_problem(exc: Exception) -> str:
+    """One line for why a plan.json does not read: its first validation error, where it is, not pydantic's dump."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError) and exc.errors():
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        return f"{where + ': ' if where else ''}{first['msg']}{more}"
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _check_same_plan(plan: Any, runs: list[Path]) -> None:
+    """Measured runs shown beside a plan must be of its target and model: other hardware or another model
+    would make every ratio meaningless."""
+    for run in runs:
+        try:
+            ran = json.loads((run / "plan.json").read_text(encoding="utf-8"))
+            target, model = ran["target"], ran["model"]["id"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise _usage_error(f"--measured {run}: not a run directory (no readable plan.json)") from None
+        if (target, model) != (plan.target, plan.model.id):
+            raise _usage_error(
+                f"--measured {run} ran {model} on {target}, but this plan is {plan.model.id} on {plan.target}: its "
+                "times say nothing about this plan"
+            )
 
 
 def _measured(runs: list[Path], required: bool) -> tuple[dict[str, float] | None, dict[str, dict[str, float]] | None]:
@@ -325,6 +364,8 @@ def run(
         raise _usage_error(f"{plan_dir} is not a plan directory; create one with `rlc compile SPEC -o {plan_dir}`")
     if resume and overwrite:
         raise _usage_error("--resume continues the earlier run and --overwrite moves it aside: pass one of them")
+    if output_format == ExplainFormat.json and not dry_run:
+        raise _usage_error("--format json is the dry run's output: pass --dry-run with it (a run prints progress)")
     if replay is not None and not (replay / "rollouts.jsonl").is_file():
         raise _usage_error(f"--replay {replay}: no rollouts.jsonl there; pass the directory of a run rlc recorded")
     report = Report(str(plan_dir))
@@ -343,14 +384,14 @@ def run(
     try:
         plan = load_plan(plan_dir)
     except (OSError, ValueError) as exc:
-        raise _usage_error(f"cannot read plan {plan_dir}: {exc}") from None
+        raise _usage_error(f"cannot read plan {plan_dir}: {_plan_problem(exc)}") from None
     from rlc.runtime.launch_request import launch_request, render_request
 
     if dry_run:  # the plan alone: no runtime needed
         try:
             request = launch_request(plan)
         except ValueError as exc:
-            raise _usage_error(f"cannot read plan {plan_dir}: {exc}") from None
+            raise _usage_error(f"cannot read plan {plan_dir}: {_plan_problem(exc)}") from None
         if output_format == ExplainFormat.json:
             typer.echo(json.dumps(request.to_json(), indent=2, sort_keys=True))
         else:

@@ -228,3 +228,29 @@ def test_schema_output_refreshes_a_schema_but_never_replaces_another_file(tmp_pa
     assert refused.exit_code == 2 and "is not a spec schema" in refused.output
     assert mine.read_text() == "name: mine\n"
     assert runner.invoke(app, ["schema", "-o", str(mine), "--force"]).exit_code == 0
+
+
+def test_explain_says_what_it_was_given_wrongly(tmp_path: Path) -> None:
+    spec = ROOT / "examples" / "quickstart.yaml"
+    plan = tmp_path / "plan"
+    assert runner.invoke(app, ["compile", str(spec), "-o", str(plan)]).exit_code == 0
+    as_file = runner.invoke(app, ["explain", str(plan / "plan.json")])
+    assert as_file.exit_code == 2 and f"pass its folder ({plan})" in as_file.output
+    pinned = runner.invoke(app, ["explain", str(plan), "-t", "a3"])
+    assert pinned.exit_code == 2 and "is already compiled" in pinned.output
+    other = ROOT / "examples" / "a3-qwen3-32b-colocated.yaml"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "plan.json").write_text((plan / "plan.json").read_text())
+    unrelated = runner.invoke(app, ["explain", str(other), "--measured", str(run)])
+    assert unrelated.exit_code == 2 and "its times say nothing about this plan" in unrelated.output
+    (plan / "plan.json").write_text("{garbage")
+    broken = runner.invoke(app, ["explain", str(plan)])
+    assert broken.exit_code == 2 and "errors.pydantic.dev" not in broken.output
+
+
+def test_run_format_json_without_dry_run_is_refused(tmp_path: Path) -> None:
+    plan = tmp_path / "plan"
+    assert runner.invoke(app, ["compile", str(ROOT / "examples" / "quickstart.yaml"), "-o", str(plan)]).exit_code == 0
+    result = runner.invoke(app, ["run", str(plan), "--format", "json"])
+    assert result.exit_code == 2 and "pass --dry-run with it" in result.output
