@@ -460,6 +460,9 @@ def calibrate(
     from rlc.compiler.calibrate import CalibrationError, calibrate, load_run
     from rlc.compiler.profiles import ProfileError, find_target, target_dirs, write_profile
 
+    twice = sorted({str(d) for d in run_dirs if sum(o.resolve() == d.resolve() for o in run_dirs) > 1})
+    if twice:
+        raise _usage_error(f"{', '.join(twice)} given more than once: each run counts once in the fit")
     try:
         runs = [load_run(d) for d in run_dirs]
         ids = sorted({r.plan.target for r in runs})

@@ -212,3 +212,10 @@ def test_calibrate_and_report_outputs_never_replace_the_users_files(tmp_path: Pa
     refused = runner.invoke(app, ["report", str(run), "-o", str(site)])
     assert refused.exit_code == 2 and "not an rlc report" in refused.output
     assert (site / "index.html").read_text() == "<h1>my site</h1>" and len(list(site.iterdir())) == 1
+
+
+def test_a_run_given_twice_to_calibrate_is_refused(tmp_path: Path, plan_json: str) -> None:
+    run = _run(tmp_path, plan_json, "\n".join(_lines()) + "\n")
+    twice = runner.invoke(app, ["calibrate", str(run), str(run), "-o", str(tmp_path / "profiles")])
+    assert twice.exit_code == 2 and "given more than once" in twice.output
+    assert not (tmp_path / "profiles").exists()
