@@ -10,6 +10,8 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from pydantic import BaseModel
+
 from rlc.compiler import codes
 from rlc.compiler.diagnostics import Diagnostic, Severity
 from rlc.compiler.load import LineMap
@@ -57,6 +59,11 @@ def rule(code: str, summary: str) -> Callable[[RuleFn], RuleFn]:
         return fn
 
     return register
+
+
+def _set_off_default(model: BaseModel, name: str) -> bool:
+    """Whether the spec set `name` to something other than its default (not merely spelled the default out)."""
+    return name in model.model_fields_set and getattr(model, name) != type(model).model_fields[name].default
 
 
 def run_rules(problem: Problem, lines: LineMap, file: str) -> list[Diagnostic]:
@@ -380,7 +387,8 @@ def check_kl_reference(ctx: RuleContext) -> Iterator[Diagnostic]:
             "set kl_coef: 0 to train without a reference",
             "info",
         )
-    elif "kl_estimator" in algo.model_fields_set:
+    elif _set_off_default(algo, "kl_estimator"):
+        # The default spelled out (as spec.resolved.yaml does) changes nothing, so it is no mistake.
         yield ctx.diag(
             "RLC209",
             "algorithm.kl_estimator",

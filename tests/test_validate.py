@@ -356,6 +356,8 @@ def test_rule_kl_reference_info_and_useless_estimator() -> None:
     assert info.severity == "info"
     warn = only(check(GOOD + "algorithm: {kl_estimator: k1}\n"), "RLC209")
     assert warn.severity == "warning"
+    # The default spelled out (spec.resolved.yaml writes every field) is no mistake.
+    assert "RLC209" not in codes(check(GOOD + "algorithm: {kl_estimator: k3}\n"))
 
 
 def test_rule_cpu_only_small_models() -> None:
