@@ -142,7 +142,9 @@ def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
             raise RunError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {first}; {hint}") from None
         _check_resources(plan)
         return False
-    if plan.cluster.nodes > 1:  # one machine's Ray would claim every node's devices and run on this one
+    # One machine's Ray would claim every node's accelerators and run on this one. On cpu the nodes and devices
+    # are logical (the embedded default), so a multi-node cpu plan runs here as its placement groups say.
+    if plan.cluster.nodes > 1 and plan.platform != "cpu":
         raise RunUsageError(
             f"plan {plan.name} spans {plan.cluster.nodes} nodes, and no Ray cluster was given (RAY_ADDRESS): start "
             "the nodes with the plan's launch.sh (`launch.sh head` here, `launch.sh worker` on the others), which "

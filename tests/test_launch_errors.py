@@ -66,5 +66,6 @@ def test_a_multi_node_plan_without_a_cluster_is_refused_not_run_on_one_machine(
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh `rlc run` process
     plan = cpu_plan(model_path=str(tmp_path / "m"), run_dir=str(tmp_path / "run"), build_tiny=False)
     plan.cluster.nodes = 2
+    plan.platform = "npu"  # accelerators are real devices; on cpu, nodes are logical and run locally
     with pytest.raises(RunUsageError, match=r"spans 2 nodes.*launch\.sh head"):
         launch.start_ray(plan, print)

@@ -167,7 +167,7 @@ def test_teacher_pool_restarts_a_dead_engine_and_rescores_its_share(monkeypatch:
             self.prompt_logprobs = Call(lambda seqs: ("ok", [[-1.0] * (len(s) - 1) for s in seqs]) if alive else "dead")
             self.ready = Call(lambda: ("ok", 0.0))
 
-    def fake_get(ref):  # type: ignore[no-untyped-def]
+    def fake_get(ref, timeout=None):  # type: ignore[no-untyped-def]
         if ref == "dead":
             raise RayActorError()
         return ref[1]
