@@ -17,7 +17,7 @@ from rlc.schemas.plan import Plan, Role
 __all__ = ["ActorRequest", "LaunchRequest", "PlacementGroupRequest", "launch_request", "render_request"]
 
 #: The env var that restricts a process's visible devices, per platform (as runtime.platform.PLATFORMS, which
-#: imports torch; tests/test_launch_request.py checks that the two agree).
+#: imports torch; tests/test_device_binding.py checks that the two agree).
 VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
