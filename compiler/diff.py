@@ -209,7 +209,7 @@ def plan_from_path(
     """A plan from a plan directory (verified, then loaded) or from a spec file (compiled in memory)."""
     path = Path(path)
     if path.is_dir():
-        from rlc.compiler.manifest import load_plan, verify_plan_dir
+        from rlc.compiler.manifest import load_plan, plan_problem, verify_plan_dir
 
         found = verify_plan_dir(path, allow_modified=True)
         if any(d.severity == "error" for d in found):
@@ -217,7 +217,7 @@ def plan_from_path(
         try:
             return load_plan(path), found
         except (OSError, ValueError) as exc:  # a hand-edited plan.json (modified files are only warned about)
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = plan_problem(exc)
             where = str(path / "plan.json")
             unreadable = Diagnostic(
                 "RLC707", f"plan.json cannot be read: {reason}", where, hint="recompile the plan", file=where

@@ -105,6 +105,18 @@ def list_files(plan_dir: Path) -> list[str]:
     return sorted(found)
 
 
+def plan_problem(exc: Exception) -> str:
+    """One line for why a plan.json does not read: its first validation error, where it is, not pydantic's dump."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError) and exc.errors():
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        return f"{where + ': ' if where else ''}{first['msg']}{more}"
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
 def _error(code: str, message: str, file: str, hint: str, severity: str = "error") -> Diagnostic:
     return Diagnostic(code, message, path=file, severity=severity, hint=hint, file=file)  # type: ignore[arg-type]
 

@@ -202,6 +202,7 @@ def explain(
     Given a run directory (or --measured runs), what the run measured is shown beside each estimate.
     """
     from rlc.compiler.explain import explain_json, explain_plan
+    from rlc.compiler.manifest import plan_problem
 
     runs = list(measured or [])
     if source.is_file() and source.suffix == ".json":
@@ -220,7 +221,7 @@ def explain(
         try:  # a run directory: the plan it ran, and what it measured
             plan = Plan.model_validate_json((source / "plan.json").read_text())
         except (OSError, ValueError) as exc:
-            raise _usage_error(f"cannot read {source / 'plan.json'}: {_plan_problem(exc)}") from None
+            raise _usage_error(f"cannot read {source / 'plan.json'}: {plan_problem(exc)}") from None
         runs = [source, *runs]
     elif source.is_dir():
         from rlc.compiler.manifest import load_plan
@@ -228,7 +229,7 @@ def explain(
         try:
             plan = load_plan(source)
         except (OSError, ValueError) as exc:
-            raise _usage_error(f"cannot read plan {source}: {_plan_problem(exc)}") from None
+            raise _usage_error(f"cannot read plan {source}: {plan_problem(exc)}") from None
     else:
         as_json = OutputFormat.json if output_format == ExplainFormat.json else None
         _, plan, _ = _plan_spec(source, target, set_ or [], as_json, targets=targets)
@@ -240,18 +241,6 @@ def explain(
     from rich.console import Console
 
     explain_plan(plan, Console(), shown, memory)
-
-
-def _plan_problem(exc: Exception) -> str:
-    """One line for why a plan.json does not read: its first validation error, where it is, not pydantic's dump."""
-    from pydantic import ValidationError
-
-    if isinstance(exc, ValidationError) and exc.errors():
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()))
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        return f"{where + ': ' if where else ''}{first['msg']}{more}"
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _check_same_plan(plan: Any, runs: list[Path]) -> None:
@@ -308,6 +297,8 @@ def diff(
     from rlc.compiler.diff import diff_plans, plan_from_path, render_diff
 
     _check_target(target)
+    if target and a.is_dir() and b.is_dir():
+        raise _usage_error("-t compiles a spec for a target; both sides are compiled plans, so it would change nothing")
     plans = []
     for path in (a, b):
         if not path.exists():
@@ -358,7 +349,7 @@ def run(
 ) -> None:
     """Verify a plan directory and execute it (Ray, vLLM rollout, FSDP2 training)."""
     from rlc.compiler.diagnostics import Report, render_text
-    from rlc.compiler.manifest import load_plan, verify_plan_dir
+    from rlc.compiler.manifest import load_plan, plan_problem, verify_plan_dir
 
     if not plan_dir.is_dir():
         raise _usage_error(f"{plan_dir} is not a plan directory; create one with `rlc compile SPEC -o {plan_dir}`")
@@ -384,14 +375,14 @@ def run(
     try:
         plan = load_plan(plan_dir)
     except (OSError, ValueError) as exc:
-        raise _usage_error(f"cannot read plan {plan_dir}: {_plan_problem(exc)}") from None
+        raise _usage_error(f"cannot read plan {plan_dir}: {plan_problem(exc)}") from None
     from rlc.runtime.launch_request import launch_request, render_request
 
     if dry_run:  # the plan alone: no runtime needed
         try:
             request = launch_request(plan)
         except ValueError as exc:
-            raise _usage_error(f"cannot read plan {plan_dir}: {_plan_problem(exc)}") from None
+            raise _usage_error(f"cannot read plan {plan_dir}: {plan_problem(exc)}") from None
         if output_format == ExplainFormat.json:
             typer.echo(json.dumps(request.to_json(), indent=2, sort_keys=True))
         else:
@@ -668,25 +659,33 @@ def models() -> None:
 
 
 @app.command()
-def targets() -> None:
-    """List the hardware targets."""
-    from rlc.schemas.registry import load_target, target_ids
+def targets(targets: TargetsOption = None) -> None:
+    """List the hardware targets, and which profile compile would use for each (a calibrated one shadows the
+    shipped one: --targets, RLC_TARGETS)."""
+    from rlc.compiler.profiles import ProfileError, find_target, profile_files, target_dirs
+    from rlc.schemas.registry import target_ids
 
-    rows = []
-    for target_id in target_ids():
-        t = load_target(target_id)
-        rows.append(
-            (
-                t.id,
-                t.chip,
-                str(t.devices_per_node),
-                f"{t.hbm_gib:g}",
-                f"{t.usable_hbm_gib:g}",
-                f"{t.bf16_tflops:g}",
-                f"{t.hbm_bandwidth_gbps:g}",
-            )
+    try:
+        dirs = target_dirs(targets)
+        ids = sorted({*target_ids(), *(p.stem for d in dirs for p in profile_files(d))})
+        found = [find_target(target_id, dirs) for target_id in ids]
+    except ProfileError as exc:
+        raise _usage_error(str(exc)) from None
+    rows = [
+        (
+            t.id,
+            t.chip,
+            str(t.devices_per_node),
+            f"{t.hbm_gib:g}",
+            f"{t.usable_hbm_gib:g}",
+            f"{t.bf16_tflops:g}",
+            f"{t.hbm_bandwidth_gbps:g}",
+            source,
         )
-    _print_table(("id", "chip", "devices/node", "HBM GiB", "usable GiB", "bf16 TFLOPS", "HBM GB/s"), rows)
+        for t, source in found
+    ]
+    header = ("id", "chip", "devices/node", "HBM GiB", "usable GiB", "bf16 TFLOPS", "HBM GB/s", "profile")
+    _print_table(header, rows)
 
 
 def main() -> None:

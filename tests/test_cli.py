@@ -115,6 +115,22 @@ def test_models_and_targets_list() -> None:
     assert targets.exit_code == 0 and "a3" in targets.output
 
 
+def test_targets_show_which_profile_compile_would_use(tmp_path: Path) -> None:
+    """A calibrated profile shadows the shipped one; `rlc targets` says which is in force, and refuses a
+    profile directory that does not exist."""
+    from rlc.compiler.profiles import write_profile
+    from rlc.schemas.registry import load_target
+
+    cpu = load_target("cpu").model_copy(update={"calibration": {"runs": "r1"}})
+    write_profile(cpu, tmp_path / "cal")
+    listed = runner.invoke(app, ["targets", "--targets", str(tmp_path / "cal")], env={"COLUMNS": "300"})
+    assert listed.exit_code == 0, listed.output
+    rows = {line.split()[0]: line.split()[-1] for line in listed.output.splitlines()[1:] if line.strip()}
+    assert rows["cpu"] == str(tmp_path / "cal") and rows["a3"] == "shipped"
+    missing = runner.invoke(app, ["targets"], env={"RLC_TARGETS": str(tmp_path / "nope")})
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+
+
 def test_examples_parse_as_yaml() -> None:
     for path in (ROOT / "examples").glob("*.yaml"):
         assert isinstance(yaml.safe_load(path.read_text()), dict)
@@ -254,3 +270,14 @@ def test_run_format_json_without_dry_run_is_refused(tmp_path: Path) -> None:
     assert runner.invoke(app, ["compile", str(ROOT / "examples" / "quickstart.yaml"), "-o", str(plan)]).exit_code == 0
     result = runner.invoke(app, ["run", str(plan), "--format", "json"])
     assert result.exit_code == 2 and "pass --dry-run with it" in result.output
+
+
+def test_diff_of_two_plans_refuses_a_target_it_could_not_apply(tmp_path: Path) -> None:
+    plan = tmp_path / "plan"
+    assert runner.invoke(app, ["compile", str(ROOT / "examples" / "quickstart.yaml"), "-o", str(plan)]).exit_code == 0
+    result = runner.invoke(app, ["diff", str(plan), str(plan), "-t", "a3"])
+    assert result.exit_code == 2 and "both sides are compiled plans" in result.output
+    (plan / "plan.json").write_text('{"name": 5}')
+    broken = runner.invoke(app, ["diff", str(plan), str(plan)])
+    assert broken.exit_code == 2 and "plan.json cannot be read" in broken.output
+    assert "validation error" not in broken.output  # the field and what is wrong, not pydantic's header
