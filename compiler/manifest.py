@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlc import __version__
-from rlc.compiler.diagnostics import Diagnostic
+from rlc.compiler.diagnostics import Diagnostic, first_line
 
 if TYPE_CHECKING:
     from rlc.schemas.plan import Plan
@@ -114,7 +114,7 @@ def plan_problem(exc: Exception) -> str:
         where = ".".join(str(part) for part in first.get("loc", ()))
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         return f"{where + ': ' if where else ''}{first['msg']}{more}"
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return first_line(exc)
 
 
 def _error(code: str, message: str, file: str, hint: str, severity: str = "error") -> Diagnostic:

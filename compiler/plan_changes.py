@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlc.compiler.diagnostics import first_line
 from rlc.compiler.manifest import MANIFEST, PLAN_FILE, list_files, read_manifest, sha256_file
 
 #: Lines shown for plan.json before the rest is summarised.
@@ -27,8 +28,7 @@ def _plan_lines(plan_dir: Path, compiled: object) -> list[str]:
     try:
         after = Plan.model_validate_json((plan_dir / PLAN_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return [f"{PLAN_FILE}: no longer a valid plan ({first})"]
+        return [f"{PLAN_FILE}: no longer a valid plan ({first_line(exc)})"]
     changes = diff_plans(before, after)
     if not changes:
         return [f"{PLAN_FILE}: reformatted; every value is as compiled"]

@@ -16,7 +16,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -152,9 +151,9 @@ def check_ray() -> list[Check]:
         return [Check("ray cluster", "ok", "none running here; `rlc run` starts a local one")]
     address = os.environ.get("RAY_ADDRESS", "")
     if address:
-        from rlc.runtime.launch import _unreachable
+        from rlc.runtime.launch import ray_address_unreachable
 
-        unreachable = _unreachable(address)
+        unreachable = ray_address_unreachable(address)
         if unreachable:  # the probe would wait its whole timeout for a port that refuses at once
             return [Check("ray cluster", "fail", f"RAY_ADDRESS={address}: {unreachable}")]
     probe = (
@@ -205,7 +204,7 @@ def check_run_dir(run_dir: Path) -> list[Check]:
     """What `rlc run --run-dir` checks before anything starts (`run_dir.ensure_writable`), without creating the
     directory: it must not be a file or lie under one, and a file must be writable where it is or would be made."""
     from rlc.runtime.errors import RunError
-    from rlc.runtime.run_dir import _why, check_location
+    from rlc.runtime.run_dir import check_location, probe_write, why_not_writable
 
     try:
         check_location(run_dir)
@@ -217,12 +216,10 @@ def check_run_dir(run_dir: Path) -> list[Check]:
         if not folder.is_dir():
             continue
         try:
-            with tempfile.NamedTemporaryFile(dir=folder, prefix=".rlc-write-test-") as probe:
-                probe.write(b"rlc")
-                probe.flush()
+            probe_write(folder)
         except OSError as exc:
             what = f"cannot write in {folder}" if where == run_dir else f"cannot create {run_dir} under {folder}"
-            return [Check("run dir", "fail", f"{what}: {_why(exc)}; choose another --run-dir")]
+            return [Check("run dir", "fail", f"{what}: {why_not_writable(exc)}; choose another --run-dir")]
     if where == run_dir:
         return [Check("run dir", "ok", f"{run_dir} is writable")]
     return [Check("run dir", "ok", f"{run_dir} can be created under {where}")]

@@ -97,6 +97,7 @@ def _write_model(run: Path, checkpoint: Path, staging: Path) -> None:
 def _base_model_path(run: Path) -> Path:
     from pydantic import ValidationError
 
+    from rlc.compiler.diagnostics import first_line
     from rlc.schemas.plan import Plan
 
     plan_file = run / "plan.json"
@@ -105,8 +106,7 @@ def _base_model_path(run: Path) -> Path:
     try:
         plan = Plan.model_validate_json(plan_file.read_text())
     except (OSError, ValueError, ValidationError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ExportError(f"{plan_file} is not a readable plan ({first})") from None
+        raise ExportError(f"{plan_file} is not a readable plan ({first_line(exc)})") from None
     base = Path(plan.model.path or "")
     if not (base / "config.json").is_file():
         raise ExportError(f"the base model {plan.model.path} (model.path in the run's plan) is not an HF folder here")

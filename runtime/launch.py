@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rlc.compiler.diagnostics import first_line
 from rlc.runtime.errors import RunError, RuntimeGapError, RunUsageError
 from rlc.runtime.host_moves import HostMovesError
 from rlc.runtime.launch_request import ActorRequest, LaunchRequest, launch_request
@@ -132,14 +133,13 @@ def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
     if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
         address = os.environ.get("RAY_ADDRESS", "auto")
         hint = "start it (launch.sh), or unset RAY_ADDRESS to run on a Ray of this machine"
-        unreachable = _unreachable(address)
+        unreachable = ray_address_unreachable(address)
         if unreachable:  # ray.init would retry for minutes, printing only its own warnings
             raise RunError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {unreachable}; {hint}")
         try:
             ray.init(address=address, log_to_driver=True)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise RunError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {first}; {hint}") from None
+            raise RunError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {first_line(exc)}; {hint}") from None
         _check_resources(plan)
         return False
     # One machine's Ray would claim every node's accelerators and run on this one. On cpu the nodes and devices
@@ -171,7 +171,7 @@ def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
 RAY_CONNECT_TIMEOUT_S = 10.0
 
 
-def _unreachable(address: str) -> str:
+def ray_address_unreachable(address: str) -> str:
     """Why a `host:port` Ray address does not accept connections (empty when it does, or is not host:port)."""
     import socket
 
@@ -477,9 +477,10 @@ def _run_controller(work: Callable[[], T], run_dir: Path) -> T:
     except StallError as exc:
         raise RunError(f"{exc}. The run stopped: {_resumable(run_dir)}") from None
     except GetTimeoutError as exc:  # a TimeoutError, hence an OSError: not a failed write
-        first = (str(exc).strip().splitlines() or ["no answer in time"])[0]
         stopped = f"the run stopped: {_resumable(run_dir)}"
-        raise RunError(f"a role of the run stopped answering ({first}); {stopped}") from None
+        raise RunError(
+            f"a role of the run stopped answering ({first_line(exc, 'no answer in time')}); {stopped}"
+        ) from None
     except RayActorError as exc:
         death = _actor_death(exc)
         raise RunError(f"a Ray actor of the run died ({death}); the run stopped: {_resumable(run_dir)}") from None
@@ -684,8 +685,7 @@ def run_plan(
                 try:
                     part.shutdown()
                 except Exception as exc:  # a dead actor: one line, not Ray's whole report again
-                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                    print(f"rlc: warning: shutdown: {first}", file=sys.stderr)
+                    print(f"rlc: warning: shutdown: {first_line(exc)}", file=sys.stderr)
         if started_ray:
             ray.shutdown()
         else:

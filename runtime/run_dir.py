@@ -110,23 +110,29 @@ def ensure_writable(run_dir: Path) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise RunError(f"cannot create the run directory {run_dir}: {_why(exc)}; choose another --run-dir") from None
+        why = why_not_writable(exc)
+        raise RunError(f"cannot create the run directory {run_dir}: {why}; choose another --run-dir") from None
     for folder in (run_dir, run_dir / "checkpoints"):
         if not folder.is_dir():
             continue
         try:
-            with tempfile.NamedTemporaryFile(dir=folder, prefix=".rlc-write-test-") as probe:
-                probe.write(b"rlc")
-                probe.flush()
-                os.fsync(probe.fileno())
+            probe_write(folder)
         except OSError as exc:
             raise RunError(
-                f"the run directory {folder} is not writable: {_why(exc)}; fix its permissions or mount, "
-                "or choose another --run-dir"
+                f"the run directory {folder} is not writable: {why_not_writable(exc)}; fix its permissions or "
+                "mount, or choose another --run-dir"
             ) from None
 
 
-def _why(exc: OSError) -> str:
+def probe_write(folder: Path) -> None:
+    """Write, flush and sync a temporary file in `folder` (removed again); OSError when the folder refuses."""
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".rlc-write-test-") as probe:
+        probe.write(b"rlc")
+        probe.flush()
+        os.fsync(probe.fileno())
+
+
+def why_not_writable(exc: OSError) -> str:
     if exc.errno == errno.EROFS:
         return "it is on a read-only file system"
     if exc.errno in (errno.EACCES, errno.EPERM):

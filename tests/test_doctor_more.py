@@ -84,7 +84,9 @@ def test_unwritable_run_dir_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     def refuse(*args: object, **kwargs: object) -> None:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(doctor.tempfile, "NamedTemporaryFile", refuse)
+    from rlc.runtime import run_dir
+
+    monkeypatch.setattr(run_dir, "probe_write", refuse)
     (check,) = doctor.check_run_dir(tmp_path)
     assert check.status == "fail"
     assert check.detail == f"cannot write in {tmp_path}: permission denied; choose another --run-dir"

@@ -36,17 +36,17 @@ def test_a_ray_address_nobody_listens_on_is_named_at_once() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening: connections are refused
-        why = launch._unreachable(f"127.0.0.1:{port}")
+        why = launch.ray_address_unreachable(f"127.0.0.1:{port}")
     assert why.startswith(f"nothing answers on 127.0.0.1:{port}")
-    assert launch._unreachable("auto") == ""  # Ray resolves these itself, and fails fast when it cannot
-    assert launch._unreachable("ray://") == ""
+    assert launch.ray_address_unreachable("auto") == ""  # Ray resolves these itself, and fails fast when it cannot
+    assert launch.ray_address_unreachable("ray://") == ""
 
 
 def test_a_ray_address_that_listens_passes() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        assert launch._unreachable(f"127.0.0.1:{s.getsockname()[1]}") == ""
+        assert launch.ray_address_unreachable(f"127.0.0.1:{s.getsockname()[1]}") == ""
 
 
 def test_a_plan_edited_to_lose_its_rollout_role_is_a_usage_error(tmp_path: Path) -> None:
