@@ -680,6 +680,8 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
             digits=spec.data.digits,
             shots=spec.data.shots,
             reward=spec.reward.fn,
+            reward_timeout_s=spec.reward.timeout_s,
+            reward_max_failed_share=spec.reward.max_failed_share,
         ),
         lora=LoraSettings(
             rank=spec.lora.rank,

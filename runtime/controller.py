@@ -127,7 +127,14 @@ class Controller:
         self.weights = WeightPush(plan, trainer, rollout, run_dir, self.logger.message, self.version)
         self.rollout_log = RolloutLog(run_dir, self.step)
         self.trace = StepTrace(run_dir, self.step)
-        self.scorer = RewardGuard(reward_fn, plan.data.reward, sched.batch_samples, self.logger.message)
+        self.scorer = RewardGuard(
+            reward_fn,
+            plan.data.reward,
+            sched.batch_samples,
+            self.logger.message,
+            timeout_s=plan.data.reward_timeout_s,
+            max_failed_share=plan.data.reward_max_failed_share,
+        )
         self.phases = PhaseSwitcher(plan, rollout, trainer, self.logger.message)
 
     # ------------------------------------------------------------------ rollout side
@@ -208,10 +215,8 @@ class Controller:
                     request=chunk.id,
                 )
                 t0 = time.perf_counter()
-                group.rewards = [
-                    self.scorer(self.tokenizer.decode(ids, skip_special_tokens=True), item.answer, prompt=item.prompt)
-                    for ids in group.output_ids
-                ]
+                completions = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in group.output_ids]
+                group.rewards = self.scorer.score_group(completions, item.answer, prompt=item.prompt)
                 self._timeline["time/reward_s"] += time.perf_counter() - t0
                 self._rollout_tokens += sum(len(ids) for ids in group.output_ids)
                 if not self._drop_too_stale(group):

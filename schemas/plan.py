@@ -155,6 +155,10 @@ class DataSettings(PlanModel):
     digits: int
     shots: int = Field(0, description="Built-in arithmetic: solved examples before each question.")
     reward: str
+    reward_timeout_s: float = Field(10.0, description="Seconds one sample's reward may take (reward.timeout_s).")
+    reward_max_failed_share: float = Field(
+        0.05, description="Share of a batch-worth of samples whose reward may fail before the run stops."
+    )
 
 
 class ModelSettings(PlanModel):

@@ -206,6 +206,16 @@ class Reward(StrictModel):
         pattern=r"^([A-Za-z_][A-Za-z0-9_]*|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$",
         max_length=MAX_TEXT,
     )
+    timeout_s: Annotated[float, Field(ge=0.001, le=86_400)] = Field(
+        10.0,
+        description="Seconds one sample's reward may take; past it the call is interrupted and the sample "
+        "scores 0 as a failed one (a verifier that hangs on one completion must not stall the run).",
+    )
+    max_failed_share: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.05,
+        description="Share of the last batch-worth of samples whose reward may fail (raise, time out, or "
+        "return something that is not a finite number; each scores 0) before the run stops.",
+    )
 
 
 class Mtp(StrictModel):

@@ -1,6 +1,6 @@
 """Run-time failures on the cpu target end as one clear `rlc run: error:` line, never a traceback or a hang.
 
-A reward function that raises stops the run with the sample that caused it; a killed trainer actor stops it
+A reward function that raises or hangs stops the run with the sample that caused it; a killed trainer actor stops it
 with a message that says how to resume. Each starts Ray, a vLLM engine and a trainer (about a minute).
 """
 
@@ -19,21 +19,30 @@ from test_run_e2e import RLC, compile_quickstart
 pytestmark = pytest.mark.slow
 
 
-def test_reward_that_raises_stops_with_the_sample(tmp_path: Path) -> None:
+def test_reward_that_raises_or_hangs_stops_with_the_sample(tmp_path: Path) -> None:
+    """The first call raises, every later one never returns: the run warns about the first, interrupts the others
+    at the plan's bound, and stops past the plan's share with the last one."""
     (tmp_path / "badreward.py").write_text(
-        "def score(completion, answer, **_):\n    raise ValueError(f'cannot parse {completion!r}')\n"
+        "calls = 0\n"
+        "def score(completion, answer, **_):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls == 1:\n"
+        "        raise ValueError(f'cannot parse {completion!r}')\n"
+        "    while True:\n"
+        "        pass\n"
     )
-    plan = compile_quickstart(tmp_path, "reward.fn=badreward:score", "algorithm.steps=4")
+    plan = compile_quickstart(tmp_path, "reward.fn=badreward:score", "reward.timeout_s=0.05", "algorithm.steps=4")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     result = subprocess.run([*RLC, "run", str(plan)], capture_output=True, text=True, timeout=600, env=env)
     output = result.stdout + result.stderr
     print(result.stderr[-1500:])  # the message, for the record (pytest -s)
     assert result.returncode == 1, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    assert "rlc run: error: reward 'badreward:score' raised ValueError: cannot parse" in result.stderr
+    assert "rlc run: error: reward 'badreward:score' did not return within 0.05 s (reward.timeout_s)" in result.stderr
     assert "(prompt '" in result.stderr and "answer '" in result.stderr
-    assert "fix the reward function" in result.stderr
-    assert "warning: reward 'badreward:score' raised ValueError" in output  # the first one, before the stop
+    assert "fix the reward function" in result.stderr and "reward.max_failed_share" in result.stderr
+    assert "warning: reward 'badreward:score' raised ValueError: cannot parse" in output  # the first, before the stop
 
 
 def _descendants_named(title: str) -> list[int]:

@@ -3,7 +3,7 @@
 A reward function takes the decoded completion and the reference answer (plus keyword extras such
 as the prompt) and returns a float. Spec files name them by import path, so a typo must fail at
 start-up with a message that says what was wrong, not as an AttributeError mid-run; and one that raises
-or returns something other than a finite number mid-run is handled by `RewardGuard`'s stated policy.
+or returns something other than a finite number mid-run, or hangs, is handled by `RewardGuard`'s stated policy.
 """
 
 from __future__ import annotations
@@ -11,8 +11,12 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import signal
+import threading
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from fractions import Fraction
 
 from rlc.runtime.errors import RunError
@@ -20,10 +24,10 @@ from rlc.runtime.user_code import load_callable
 
 __all__ = [
     "BUILTIN_REWARDS",
-    "MAX_FAILED_SHARE",
     "RewardFn",
     "RewardGuard",
     "RewardLoadError",
+    "RewardTimeout",
     "exact_match",
     "load_reward",
     "math_exact",
@@ -122,9 +126,48 @@ def load_reward(path: str) -> RewardFn:
     return load_callable(path, "reward", RewardLoadError)
 
 
-#: Share of a batch's samples (over the last batch-worth scored) whose reward may fail before the run stops.
-#: A failed sample (the function raised, or returned None, NaN, an infinity or a non-number) scores 0.
-MAX_FAILED_SHARE = 0.05
+class RewardTimeout(BaseException):
+    """Raised inside a reward call that outlives its bound. A BaseException, so that a reward's own
+    `except Exception` cannot swallow it and go on."""
+
+
+def _raise_timeout(signum: int, frame: object) -> None:
+    raise RewardTimeout
+
+
+@contextmanager
+def reward_alarm() -> Iterator[bool]:
+    """While scoring, SIGALRM raises RewardTimeout; yields whether calls can be bounded (signals reach only the
+    main thread, so elsewhere they cannot). An alarm someone else had pending is held off and then gets what
+    is left of it back.
+
+    SIGALRM interrupts pure Python, blocking system calls and `re` alike, for about 2 microseconds a call; a
+    thread per call would cost more, and a hung thread cannot be stopped.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    previous = signal.signal(signal.SIGALRM, _raise_timeout)
+    pending, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+    started = time.monotonic()
+    try:
+        yield True
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if pending > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(1e-6, pending - (time.monotonic() - started)))
+
+
+def call_within(fn: RewardFn, seconds: float | None, *args: object) -> float:
+    """`fn(*args)`, interrupted with RewardTimeout after `seconds` (inside `reward_alarm()`); None: unbounded."""
+    if seconds is None:
+        return fn(*args)  # type: ignore[no-any-return]
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn(*args)  # type: ignore[no-any-return]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def _clip(text: object, limit: int = 120) -> str:
@@ -148,23 +191,44 @@ def _not_a_score(value: object) -> str | None:
 
 
 class RewardGuard:
-    """Scores samples with the user's reward function, under a stated policy for the ones it cannot score.
+    """Scores samples with the user's reward function, under the plan's policy for the ones it cannot score.
 
-    A sample whose reward raises or is not a finite number scores 0 and is counted (the first is reported
-    with its prompt and completion); when more than MAX_FAILED_SHARE of the last `window` samples (one
-    batch) failed, the run stops with a RunError naming the reward, the last failed sample and the reason.
+    A sample whose reward raises, outlives `timeout_s` or is not a finite number scores 0 and is counted (the
+    first is reported with its prompt and completion); when more than `max_failed_share` of the last `window`
+    samples (one batch) failed, the run stops with a RunError naming the reward, the last failed sample and
+    the reason.
     """
 
-    def __init__(self, fn: RewardFn, name: str, window: int, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        fn: RewardFn,
+        name: str,
+        window: int,
+        log: Callable[[str], None],
+        *,
+        timeout_s: float,
+        max_failed_share: float,
+    ) -> None:
         self.fn, self.name, self.window, self.log = fn, name, max(1, window), log
-        self.allowed = int(MAX_FAILED_SHARE * self.window)
+        self.timeout_s, self.max_failed_share = timeout_s, max_failed_share
+        self.allowed = int(max_failed_share * self.window)
         self.recent: deque[bool] = deque(maxlen=self.window)
         self.failed_since_step = 0
         self.reported = False
 
+    def score_group(self, completions: list[str], answer: str, *, prompt: str = "") -> list[float]:
+        """The rewards of one prompt's completions (one alarm set-up for the group, a bound on each call)."""
+        with reward_alarm() as bounded:
+            return [self._score(c, answer, prompt, bounded) for c in completions]
+
     def __call__(self, completion: str, answer: str, *, prompt: str = "") -> float:
+        return self.score_group([completion], answer, prompt=prompt)[0]
+
+    def _score(self, completion: str, answer: str, prompt: str, bounded: bool) -> float:
         try:
-            value = self.fn(completion, answer)
+            value = call_within(self.fn, self.timeout_s if bounded else None, completion, answer)
+        except RewardTimeout:
+            problem = f"did not return within {self.timeout_s:g} s (reward.timeout_s)"
         except Exception as exc:  # the user's code: any failure is the sample's, reported below
             problem = f"raised {type(exc).__name__}: {exc}"
         else:
@@ -179,9 +243,9 @@ class RewardGuard:
         if failed > self.allowed:
             raise RunError(
                 f"reward {self.name!r} {problem} {sample}; {failed} of the last {len(self.recent)} samples "
-                f"failed, and the run stops past {self.allowed} ({MAX_FAILED_SHARE:.0%} of a batch of "
-                f"{self.window}) scored 0: fix the reward function (checkpoints so far are kept; `--resume` "
-                "continues)"
+                f"failed, and the run stops past {self.allowed} ({self.max_failed_share:.0%} of a batch of "
+                f"{self.window}, reward.max_failed_share) scored 0: fix the reward function (checkpoints so far "
+                "are kept; `--resume` continues)"
             )
         if not self.reported:
             self.reported = True
