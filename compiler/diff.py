@@ -183,11 +183,28 @@ def change_text(c: Change) -> str:
     return f"- {c.path}: {_show(c.old)}"
 
 
+#: Derived paths that record how the compiler got to a plan, not what runs.
+_NOT_RUN = ("spec_hash", "runners_up")
+
+
+def same_plan(changes: list[Change]) -> bool:
+    """Whether what runs is identical: every difference is the spec hash or the alternatives the search weighed.
+    That is the case when the specs differ only where one leaves a value to the compiler (`auto`, an unset
+    default) and the other states what the compiler chose, as a plan's `spec.resolved.yaml` does next to its
+    spec (with less left open, the search weighs other runners-up)."""
+    return all(c.path.split(".")[0] in _NOT_RUN for c in changes)
+
+
 def render_diff(changes: list[Change]) -> str:
     """Terraform-style text: `~ path: old → new`, settings first, then the consequences they caused."""
     if not changes:
         return "plans are identical\n"
     lines: list[str] = []
+    if same_plan(changes):
+        lines.append(
+            "same plan: what runs is identical; the specs differ only where one leaves a value to the compiler "
+            "and the other states what it chose"
+        )
     settings = [c for c in changes if not c.derived]
     derived = [c for c in changes if c.derived]
     for title, group in (("settings", settings), ("consequences (derived by the compiler)", derived)):

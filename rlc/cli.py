@@ -290,11 +290,12 @@ def diff(
     target: TargetOption = None,
     output_format: Annotated[ExplainFormat, typer.Option("--format", "-f", help="text or json.")] = ExplainFormat.text,
 ) -> None:
-    """What changed between two plans or specs, including derived changes (exit 0 same, 1 different, 2 error)."""
+    """What changed between two plans or specs, including derived changes (exit 0 same plan, 1 different, 2
+    error)."""
     import json
 
     from rlc.compiler.diagnostics import Report, render_text
-    from rlc.compiler.diff import diff_plans, plan_from_path, render_diff
+    from rlc.compiler.diff import diff_plans, plan_from_path, render_diff, same_plan
 
     _check_target(target)
     if target and a.is_dir() and b.is_dir():
@@ -315,7 +316,7 @@ def diff(
         typer.echo(json.dumps([c.to_json() for c in changes], indent=2, sort_keys=True))
     else:
         typer.echo(render_diff(changes) if changes else "no differences")
-    raise typer.Exit(EXIT_FINDINGS if changes else EXIT_OK)
+    raise typer.Exit(EXIT_OK if same_plan(changes) else EXIT_FINDINGS)
 
 
 @app.command()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from plan_fixtures import A2_SPEC, a2_plan, a3_plan, spec_from
 
-from rlc.compiler.diff import diff_plans, flatten, plan_from_path, render_diff
+from rlc.compiler.diff import diff_plans, flatten, plan_from_path, render_diff, same_plan
 from rlc.compiler.emit import emit_plan_dir
 
 
@@ -85,3 +85,31 @@ def test_plan_dirs_and_specs(tmp_path: Path) -> None:
     bad.write_text("name: x\n")
     plan, found = plan_from_path(bad)
     assert plan is None and any(d.severity == "error" for d in found)
+
+
+def test_a_spec_and_its_resolved_spec_give_the_same_plan(tmp_path: Path) -> None:
+    """`spec.resolved.yaml` states what the spec left to the compiler: only the spec hash differs, and diff says
+    it is the same plan (exit 0), not a difference."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("rlc.compiler.planner")
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(A2_SPEC)
+    plan_dir = tmp_path / "plan"
+    cli = [sys.executable, "-m", "rlc"]
+    subprocess.run([*cli, "compile", str(spec_file), "-o", str(plan_dir)], check=True, capture_output=True)
+    resolved = plan_dir / "spec.resolved.yaml"
+    one, _ = plan_from_path(spec_file)
+    two, _ = plan_from_path(resolved)
+    assert one is not None and two is not None
+    changes = diff_plans(one, two)
+    assert {c.path for c in changes} <= {"spec_hash", "runners_up"} and any(c.path == "spec_hash" for c in changes)
+    assert same_plan(changes) and render_diff(changes).startswith("same plan: what runs is identical")
+    result = subprocess.run([*cli, "diff", str(spec_file), str(resolved)], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("same plan"), result.stdout + result.stderr
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(resolved.read_text().replace("batch_prompts: 64", "batch_prompts: 32"))
+    result = subprocess.run([*cli, "diff", str(spec_file), str(edited)], capture_output=True, text=True)
+    assert result.returncode == 1 and "schedule.batch_prompts: 64 → 32" in result.stdout, result.stdout
+    assert "same plan" not in result.stdout
