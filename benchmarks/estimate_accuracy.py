@@ -4,8 +4,9 @@ What: each held-out run is compiled as written there (the published layout pinne
 run's mean tokens per sample and the extra forward passes it made, and its estimate is set against the
 measured step time, and against the measured phases where the source splits them (generation, training,
 weight sync). The table prints predicted / measured per run; the summary gives the median and geometric mean
-of the step ratios and how many runs are predicted too fast (ratio < 1) or too slow. A ratio of 0.5 means the
-planner expects the step in half the time it took.
+of the step ratios and how many runs are predicted too fast (ratio < 1) or too slow, and how many land within
+the band their target's profile states (`estimate_uncertainty`, which explain prints as the "likely" range;
+`!` marks a run outside it). A ratio of 0.5 means the planner expects the step in half the time it took.
 
 No constant of the time model is fitted on these runs (so there is no fitted and held-out half to report):
 the targets' efficiencies and overheads were fitted on the shared deployments (tests/test_deployments.py), and
@@ -72,6 +73,15 @@ def estimate(run: dict[str, Any]) -> Any:
     return best if best is not None else "no plan fits"
 
 
+def band_of(target: str) -> tuple[float, float]:
+    """The factors by which the target's profile says measured step times may fall short of the estimate and
+    exceed it (explain's "likely" range)."""
+    from rlc.compiler.profiles import find_target
+
+    profile = find_target(target)[0]
+    return profile.estimate_uncertainty_fast or profile.estimate_uncertainty, profile.estimate_uncertainty
+
+
 def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for run in runs:
@@ -80,12 +90,16 @@ def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rows.append({"id": run["id"], "error": best})
             continue
         measured = run["measured"]
+        ratio = best.step.step_s / measured["step_s"]
+        fast, slow = band_of(run["target"])
         row: dict[str, Any] = {
             "id": run["id"],
             "target": run["target"],
             "predicted_s": best.step.step_s,
             "measured_s": measured["step_s"],
-            "ratio": best.step.step_s / measured["step_s"],
+            "ratio": ratio,
+            "band": [fast, slow],
+            "in_band": 1 / slow <= ratio <= fast,  # measured within predicted / fast .. predicted x slow
             "plan": best.summary,
         }
         phases = dict(measured)
@@ -107,6 +121,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
         "too_fast": sum(r < 1 for r in ratios),
         "too_slow": sum(r > 1 for r in ratios),
         "within_1_5x": sum(1 / 1.5 <= r <= 1.5 for r in ratios),
+        "in_band": sum(bool(r.get("in_band")) for r in rows),
     }
 
 
@@ -115,21 +130,24 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the rows and the summary here")
     args = parser.parse_args()
     rows = compare(load_runs())
-    print(f"{'run':40s} {'target':6s} {'predicted':>9s} {'measured':>9s} {'ratio':>6s}   phases (predicted / measured)")
+    print(
+        f"{'run':40s} {'target':6s} {'predicted':>9s} {'measured':>9s} {'ratio':>6s} {'band':>10s}  "
+        "phases (predicted / measured)"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['id']:40s} not expressible: {r['error'][:150]}")
             continue
         phases = "  ".join(f"{k[:-2]} {r[f'{k}_ratio']:.2f}" for k in PHASES if f"{k}_ratio" in r)
         print(
-            f"{r['id']:40s} {r['target']:6s} {r['predicted_s']:9.1f} {r['measured_s']:9.1f} {r['ratio']:6.2f}   "
-            f"{phases}"
+            f"{r['id']:40s} {r['target']:6s} {r['predicted_s']:9.1f} {r['measured_s']:9.1f} {r['ratio']:6.2f} "
+            f"{' ' if r['in_band'] else '!'}{'/'.join(f'{b:g}' for b in r['band']):>9s}  {phases}"
         )
     s = summary(rows)
     print(
         f"summary: {s['runs']} runs, predicted / measured step time median {s['median']:.2f}, geometric mean "
         f"{s['geomean']:.2f}; {s['too_fast']} predicted too fast, {s['too_slow']} too slow, "
-        f"{s['within_1_5x']} within 1.5x"
+        f"{s['within_1_5x']} within 1.5x; {s['in_band']} within their target's stated band (explain's \"likely\" range)"
     )
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "summary": s}, indent=2, sort_keys=True))

@@ -374,7 +374,9 @@ def calibrate(base: TargetProfile, runs: list[Run]) -> TargetProfile:
     for name in fitted:
         sources[f"efficiency.{name}"] = f"rlc calibrate: fitted to {record['runs']}"
     sources["estimate_uncertainty"] = "rlc calibrate: twice the largest step-time residual of the fit, at least 1.15"
-    return target.model_copy(update={"estimate_uncertainty": uncertainty, "sources": sources, "calibration": record})
+    sources["estimate_uncertainty_fast"] = "rlc calibrate: unset, the residuals' band is stated both ways"
+    update = {"estimate_uncertainty": uncertainty, "estimate_uncertainty_fast": None}
+    return target.model_copy(update={**update, "sources": sources, "calibration": record})
 
 
 def _distinct_names(runs: list[Run]) -> list[Run]:

@@ -203,7 +203,7 @@ def render_summary(plan: Plan, *, plan_hash: str, version: str = __version__) ->
         parts.append(("phase switch", est.switch_s))
     if est.overhead_s:
         parts.append(("fixed per step", est.overhead_s))
-    low, high = est.step_time_s / est.uncertainty, est.step_time_s * est.uncertainty
+    low, high = est.band
     context = {
         "band": (low, high),
         "plan": plan,

@@ -67,12 +67,6 @@ def memory_table(plan: Plan, measured: dict[str, dict[str, float]] | None = None
     return table
 
 
-def band(plan: Plan) -> tuple[float, float]:
-    """The step-time range the target's stated uncertainty gives: estimate / u .. estimate × u."""
-    e = plan.estimates
-    return e.step_time_s / e.uncertainty, e.step_time_s * e.uncertainty
-
-
 def phases(plan: Plan) -> list[tuple[str, float]]:
     e = plan.estimates
     return [
@@ -86,9 +80,9 @@ def phases(plan: Plan) -> list[tuple[str, float]]:
 
 def time_table(plan: Plan, measured: dict[str, float] | None = None) -> Table:
     e = plan.estimates
-    low, high = band(plan)
+    low, high = e.band
     title = (
-        f"step time {e.step_time_s:.3g} s (likely {low:.3g}-{high:.3g} s, ×{e.uncertainty:g}), "
+        f"step time {e.step_time_s:.3g} s (likely {low:.3g}-{high:.3g} s, {e.band_text}), "
         f"{e.tokens_per_s:,.0f} trained tokens/s"
     )
     table = Table(title=title)
@@ -180,7 +174,7 @@ def explain_json(
         ],
         "runtime_gaps": plan.runtime_gaps,
         "estimates": plan.estimates.model_dump(),
-        "step_time_band_s": list(band(plan)),
+        "step_time_band_s": list(plan.estimates.band),
         "profile": plan.profile,
         "reproducibility": plan.reproducibility.model_dump(),
         **({"measured": measured} if measured else {}),

@@ -258,8 +258,23 @@ class Estimates(PlanModel):
     tokens_per_s: float = Field(description="Trained tokens per second (the ranking score).")
     overhead_s: float = Field(0.0, description="Fixed per-step cost beside the phases (the target's step_overhead_s).")
     uncertainty: float = Field(
-        1.5, description="Measured step times land within step_time_s / uncertainty .. step_time_s × uncertainty."
+        1.5, description="Measured step times land at most at step_time_s × uncertainty (the band's slow side)."
     )
+    uncertainty_fast: float | None = Field(
+        None,
+        description="... and at least at step_time_s / uncertainty_fast (None, in plans before it: uncertainty).",
+    )
+
+    @property
+    def band(self) -> tuple[float, float]:
+        """The step-time range the target's stated uncertainty gives (explain's and SUMMARY's "likely")."""
+        return self.step_time_s / (self.uncertainty_fast or self.uncertainty), self.step_time_s * self.uncertainty
+
+    @property
+    def band_text(self) -> str:
+        """How the band relates to the estimate: `×1.5` either way, or `÷1.25 to ×2.5`."""
+        fast = self.uncertainty_fast or self.uncertainty
+        return f"×{self.uncertainty:g}" if fast == self.uncertainty else f"÷{fast:g} to ×{self.uncertainty:g}"
 
 
 class Candidate(PlanModel):

@@ -183,7 +183,15 @@ class TargetProfile(BaseModel):
     estimate_uncertainty: float = Field(
         1.5,
         ge=1.0,
-        description="Factor within which measured step times land around the estimate (the band explain shows).",
+        description="Factor by which measured step times may exceed the estimate, and fall short of it unless "
+        "estimate_uncertainty_fast says otherwise (the band explain shows).",
+    )
+    estimate_uncertainty_fast: float | None = Field(
+        None,
+        ge=1.0,
+        description="Factor by which measured step times may fall short of the estimate; unset: "
+        "estimate_uncertainty (a symmetric band). Published runs mostly take longer than estimated, so the two "
+        "sides of the evidence differ.",
     )
     calibration: dict[str, str] = Field(
         default_factory=dict,

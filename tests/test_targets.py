@@ -113,3 +113,26 @@ def test_inconsistent_profiles_are_rejected(change: dict, message: str) -> None:
 def test_profiles_are_frozen() -> None:
     with pytest.raises(ValidationError):
         load_target("a2").hbm_gib = 1.0  # type: ignore[misc]
+
+
+def test_the_estimate_band_leans_the_way_the_evidence_does() -> None:
+    """Published runs mostly took longer than estimated, so the shipped accelerator bands reach further on the slow
+    side; a plan written before the fast side existed reads as the symmetric band it stated."""
+    from rlc.schemas.plan import Estimates
+
+    for name in ("a2", "a2-32g", "a3", "h100", "h800", "h20", "a800"):
+        p = load_target(name)
+        assert p.estimate_uncertainty_fast is not None and p.estimate_uncertainty_fast < p.estimate_uncertainty, name
+    assert load_target("cpu").estimate_uncertainty_fast is None
+    leaning = Estimates(
+        step_time_s=100,
+        rollout_s=60,
+        train_s=40,
+        weight_sync_s=0,
+        tokens_per_s=1,
+        uncertainty=2.5,
+        uncertainty_fast=1.25,
+    )
+    assert leaning.band == (80.0, 250.0) and leaning.band_text == "÷1.25 to ×2.5"
+    older = Estimates.model_validate({**leaning.model_dump(), "uncertainty": 1.5, "uncertainty_fast": None})
+    assert older.band == pytest.approx((100 / 1.5, 150.0)) and older.band_text == "×1.5"
