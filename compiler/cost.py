@@ -251,7 +251,8 @@ def _link_gbps(target: TargetProfile, group: int, devices_per_node: int) -> floa
 
 @dataclass(frozen=True)
 class RolloutTime:
-    """Rollout seconds per step: synchronous (batch waits for its longest sequence) and streaming."""
+    """Rollout seconds per step: synchronous (the batch waits for its longest sequence) and asynchronous (each
+    engine's share waits for its own longest)."""
 
     sync_s: float
     async_s: float
@@ -396,9 +397,11 @@ def rollout_time(
     batching refills a slot as soon as a sequence finishes, so a rank's samples take samples / c mean-length
     passes (fractional: 64 samples on 54 slots cost 1.19 passes, not 2 whole waves), then the long tail
     (the batch's expected longest response, `expected_longest_response`, less the mean) decodes at 1/8
-    concurrency. Streaming (async, staleness > 0): only the
-    throughput counts, tokens / (c · tokens-per-step / step time). Prefill: 2 · active params · a rank's prompt
-    tokens / (its devices · peak · prefill MFU) (Kaplan et al. 2020 forward FLOPs).
+    concurrency. Asynchronous (staleness > 0): rollout overlaps training, but an engine still serves one request
+    at a time holding its whole share of a step (ENGINE_CHUNKS; `LLM.generate` returns when its last sequence
+    does), so each share pays its own long tail: the expected longest of a rank's samples, not of the batch.
+    Prefill: 2 · active params · a rank's prompt tokens / (its devices · peak · prefill MFU) (Kaplan et al. 2020
+    forward FLOPs).
     """
     ranks = layout.replicas * layout.attention_dp
     per_rank = ceil(work.samples / ranks)
@@ -429,9 +432,9 @@ def rollout_time(
     prefill = prefill_flops / (rank_devices * target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu)
     prefill += per_rank * decode_sequence_overhead_s(target)  # each sequence's prefill is one engine step
     sync = waves * mean_steps * step + tail + prefill
-    tokens = per_rank * work.response_tokens
-    rate = c * tau / step
-    stream = tokens / rate + prefill
+    share_longest = expected_longest_response(work.response_tokens, work.max_response, per_rank)
+    share_tail = max(0.0, share_longest - work.response_tokens) / tau * tail_step
+    stream = waves * mean_steps * step + share_tail + prefill
     return RolloutTime(sync, stream, prefill, step, c, work.samples * work.response_tokens / stream)
 
 
@@ -725,9 +728,10 @@ def step_time(
 ) -> StepTime:
     """Combine the phases.
 
-    Disaggregated with staleness > 0 (AReaL-style asynchrony): rollout streams while the trainer works, so
-    step ≈ max(rollout, teachers, train) + sync. Staleness 0 serialises them: rollout (waiting for its long
-    tail) + teachers + train + sync. Colocated: rollout + teachers + train + sync + switch. Every step also pays
+    Disaggregated with staleness > 0 (AReaL-style asynchrony): rollout runs while the trainer works, so
+    step ≈ max(rollout, teachers, train) + sync, the rollout paying each engine share's own tail (`rollout_time`).
+    Staleness 0 serialises them: rollout (waiting for the batch's long tail) + teachers + train + sync.
+    Colocated: rollout + teachers + train + sync + switch. Every step also pays
     the target's fixed `step_overhead_s` (controller bookkeeping, rewards, Python).
     """
     if mode == "disaggregated" and work.staleness > 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rlc.compiler import cost, memory
@@ -165,3 +167,19 @@ def test_rollout_past_one_sample_per_rank_gains_nothing() -> None:
     times = [cost.rollout_time(SIZES, RolloutLayout(n, tp=1), A2, w, 8, 64) for n in (8, 16, 64)]
     assert times[0].sync_s == pytest.approx(times[1].sync_s) == pytest.approx(times[2].sync_s)
     assert times[0].prefill_s == pytest.approx(times[2].prefill_s)
+
+
+def test_an_asynchronous_engine_share_still_waits_for_its_own_longest_sample() -> None:
+    """An engine serves one request at a time, holding its whole share of a step, so overlap with training hides
+    the rollout, not the tail: one engine's share is the batch (async = sync); eight engines each wait for the
+    longest of their eighth, less than the batch's longest but more than mean-length passes alone."""
+    work = dataclasses.replace(_work(max_response_len=2048, max_prompt_len=2048, batch_prompts=32), response_tokens=200)
+    whole = cost.rollout_time(SIZES, RolloutLayout(8, tp=8), A2, work, 8, 1024)
+    assert whole.async_s == pytest.approx(whole.sync_s)
+    shares = cost.rollout_time(SIZES, RolloutLayout(8, tp=1), A2, work, 8, 1024)
+    per_engine = work.samples // 8
+    passes = per_engine / shares.concurrency * work.response_tokens * shares.step_s + shares.prefill_s
+    assert passes < shares.async_s < shares.sync_s
+    share_longest = cost.expected_longest_response(work.response_tokens, work.max_response, per_engine)
+    batch_longest = cost.expected_longest_response(work.response_tokens, work.max_response, work.samples)
+    assert work.response_tokens < share_longest < batch_longest < work.max_response
