@@ -49,9 +49,12 @@ def test_every_actor_binds_its_own_slice_of_its_roles_devices(name: str) -> None
 
 
 def test_engines_of_one_node_get_disjoint_devices() -> None:
-    plan = _plan("a2-disaggregated")
+    """The A3 golden runs four TP 8 engines on two 16-device nodes: two per node, each on its own half."""
+    plan = _plan("a3-colocated-mopd-lora-mtp")
     engines = [a for a in launch_request(plan).actors if a.kind == "rollout"]
-    assert [a.devices for a in engines] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    halves = [tuple(range(8)), tuple(range(8, 16))]
+    assert [a.devices for a in engines] == halves * 2
+    assert [a.bundle_index for a in engines] == [0, 8, 16, 24]  # node 0's bundles 0-15, node 1's 16-31
 
 
 def test_an_actor_whose_devices_span_nodes_is_refused() -> None:
