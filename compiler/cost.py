@@ -432,7 +432,10 @@ def rollout_time(
     prefill = prefill_flops / (rank_devices * target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu)
     prefill += per_rank * decode_sequence_overhead_s(target)  # each sequence's prefill is one engine step
     sync = waves * mean_steps * step + tail + prefill
-    share_longest = expected_longest_response(work.response_tokens, work.max_response, per_rank)
+    # An engine's generate call returns with the last sequence of all its attention-DP ranks: its share is the
+    # engine's, not a rank's.
+    engine_share = ceil(work.samples / layout.replicas)
+    share_longest = expected_longest_response(work.response_tokens, work.max_response, engine_share)
     share_tail = max(0.0, share_longest - work.response_tokens) / tau * tail_step
     stream = waves * mean_steps * step + share_tail + prefill
     return RolloutTime(sync, stream, prefill, step, c, work.samples * work.response_tokens / stream)

@@ -155,9 +155,11 @@ class DataSettings(PlanModel):
     digits: int
     shots: int = Field(0, description="Built-in arithmetic: solved examples before each question.")
     reward: str
-    reward_timeout_s: float = Field(10.0, description="Seconds one sample's reward may take (reward.timeout_s).")
+    reward_timeout_s: float = Field(
+        10.0, ge=0.001, le=86_400, description="Seconds one sample's reward may take (reward.timeout_s)."
+    )
     reward_max_failed_share: float = Field(
-        0.05, description="Share of a batch-worth of samples whose reward may fail before the run stops."
+        0.05, ge=0, le=1, description="Share of a batch-worth of samples whose reward may fail before the run stops."
     )
 
 
@@ -258,10 +260,11 @@ class Estimates(PlanModel):
     tokens_per_s: float = Field(description="Trained tokens per second (the ranking score).")
     overhead_s: float = Field(0.0, description="Fixed per-step cost beside the phases (the target's step_overhead_s).")
     uncertainty: float = Field(
-        1.5, description="Measured step times land at most at step_time_s × uncertainty (the band's slow side)."
+        1.5, ge=1, description="Measured step times land at most at step_time_s × uncertainty (the band's slow side)."
     )
     uncertainty_fast: float | None = Field(
         None,
+        ge=1,
         description="... and at least at step_time_s / uncertainty_fast (None, in plans before it: uncertainty).",
     )
 

@@ -156,3 +156,35 @@ def test_off_the_main_thread_the_call_runs_unbounded() -> None:
     worker.start()
     worker.join(10)
     assert out == [2.0] and not logs
+
+
+def _swallows_everything(completion: str, answer: str) -> float:
+    for _ in range(3):  # a bare `except:` that retries: the alarm repeats until the call gives up
+        try:
+            time.sleep(60)
+        except BaseException:  # the user mistake this test is about
+            continue
+    return 1.0
+
+
+@pytest.mark.timeout(60, method="thread")
+def test_a_repeating_alarm_outlasts_a_reward_that_swallows_it() -> None:
+    guard, _ = _guard(_swallows_everything, timeout_s=0.1)
+    started = time.monotonic()
+    assert guard.score_group(["x"], "y") == [1.0]  # it returned a number in the end, after three interruptions
+    assert time.monotonic() - started < 5 and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+@pytest.mark.timeout(60, method="thread")
+def test_a_pending_repeating_alarm_keeps_its_interval() -> None:
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 5.0, 1.0)
+        guard, _ = _guard(lambda c, a: 1.0)
+        assert guard.score_group(["x"], "y") == [1.0]
+        remaining, interval = signal.getitimer(signal.ITIMER_REAL)
+        assert 4.0 < remaining <= 5.0 and interval == pytest.approx(1.0)
+        assert signal.getsignal(signal.SIGALRM) is not None and signal.getsignal(signal.SIGALRM).__name__ == "<lambda>"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

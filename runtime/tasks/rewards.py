@@ -138,32 +138,36 @@ def _raise_timeout(signum: int, frame: object) -> None:
 @contextmanager
 def reward_alarm() -> Iterator[bool]:
     """While scoring, SIGALRM raises RewardTimeout; yields whether calls can be bounded (signals reach only the
-    main thread, so elsewhere they cannot). An alarm someone else had pending is held off and then gets what
-    is left of it back.
+    main thread, so elsewhere they cannot). An alarm someone else had pending (a repeating one too) is held off
+    and then gets what is left of it back.
 
     SIGALRM interrupts pure Python, blocking system calls and `re` alike, for about 2 microseconds a call; a
-    thread per call would cost more, and a hung thread cannot be stopped.
+    thread per call would cost more, and a hung thread cannot be stopped. A reward that sets its own SIGALRM
+    timer (some verifiers do) replaces this bound while its own runs.
     """
     if threading.current_thread() is not threading.main_thread():
         yield False
         return
-    previous = signal.signal(signal.SIGALRM, _raise_timeout)
-    pending, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+    pending, interval = signal.setitimer(signal.ITIMER_REAL, 0)  # disarm theirs before taking the signal over
     started = time.monotonic()
+    previous = signal.getsignal(signal.SIGALRM)
     try:
+        signal.signal(signal.SIGALRM, _raise_timeout)
         yield True
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         if pending > 0:
-            signal.setitimer(signal.ITIMER_REAL, max(1e-6, pending - (time.monotonic() - started)))
+            left = max(1e-6, pending - (time.monotonic() - started))
+            signal.setitimer(signal.ITIMER_REAL, left, interval)
 
 
 def call_within(fn: RewardFn, seconds: float | None, *args: object) -> float:
-    """`fn(*args)`, interrupted with RewardTimeout after `seconds` (inside `reward_alarm()`); None: unbounded."""
+    """`fn(*args)`, interrupted with RewardTimeout after `seconds` (inside `reward_alarm()`); None: unbounded.
+    The alarm repeats, so a reward whose bare `except:` swallowed the first one is interrupted again."""
     if seconds is None:
         return fn(*args)  # type: ignore[no-any-return]
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, seconds)
     try:
         return fn(*args)  # type: ignore[no-any-return]
     finally:
