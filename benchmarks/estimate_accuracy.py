@@ -79,7 +79,7 @@ def band_of(target: str) -> tuple[float, float]:
     from rlc.compiler.profiles import find_target
 
     profile = find_target(target)[0]
-    return profile.estimate_uncertainty_fast or profile.estimate_uncertainty, profile.estimate_uncertainty
+    return profile.uncertainty_below, profile.estimate_uncertainty
 
 
 def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -399,7 +399,8 @@ def rollout_time(
     (the batch's expected longest response, `expected_longest_response`, less the mean) decodes at 1/8
     concurrency. Asynchronous (staleness > 0): rollout overlaps training, but an engine still serves one request
     at a time holding its whole share of a step (ENGINE_CHUNKS; `LLM.generate` returns when its last sequence
-    does), so each share pays its own long tail: the expected longest of a rank's samples, not of the batch.
+    does), so each share pays its own long tail: the expected longest of the engine's samples (all its
+    attention-DP ranks'), not of the batch.
     Prefill: 2 · active params · a rank's prompt tokens / (its devices · peak · prefill MFU) (Kaplan et al. 2020
     forward FLOPs).
     """

@@ -203,9 +203,8 @@ def render_summary(plan: Plan, *, plan_hash: str, version: str = __version__) ->
         parts.append(("phase switch", est.switch_s))
     if est.overhead_s:
         parts.append(("fixed per step", est.overhead_s))
-    low, high = est.band
     context = {
-        "band": (low, high),
+        "band": est.band,
         "plan": plan,
         "plan_hash": plan_hash,
         "version": version,

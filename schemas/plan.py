@@ -269,15 +269,20 @@ class Estimates(PlanModel):
     )
 
     @property
+    def uncertainty_below(self) -> float:
+        """The band's fast-side factor (plans before it stated one factor for both sides)."""
+        return self.uncertainty_fast or self.uncertainty
+
+    @property
     def band(self) -> tuple[float, float]:
         """The step-time range the target's stated uncertainty gives (explain's and SUMMARY's "likely")."""
-        return self.step_time_s / (self.uncertainty_fast or self.uncertainty), self.step_time_s * self.uncertainty
+        return self.step_time_s / self.uncertainty_below, self.step_time_s * self.uncertainty
 
     @property
     def band_text(self) -> str:
         """How the band relates to the estimate: `×1.5` either way, or `÷1.25 to ×2.5`."""
-        fast = self.uncertainty_fast or self.uncertainty
-        return f"×{self.uncertainty:g}" if fast == self.uncertainty else f"÷{fast:g} to ×{self.uncertainty:g}"
+        fast, slow = self.uncertainty_below, self.uncertainty
+        return f"×{slow:g}" if fast == slow else f"÷{fast:g} to ×{slow:g}"
 
 
 class Candidate(PlanModel):

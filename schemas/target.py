@@ -242,6 +242,11 @@ class TargetProfile(BaseModel):
         return self
 
     @property
+    def uncertainty_below(self) -> float:
+        """The factor measured step times may fall short of the estimate by (estimate_uncertainty when unset)."""
+        return self.estimate_uncertainty_fast or self.estimate_uncertainty
+
+    @property
     def budget_gib(self) -> float:
         """Per-device memory the planner may fill: usable_hbm_gib − reserve_gib."""
         return self.usable_hbm_gib - self.reserve_gib
