@@ -214,6 +214,7 @@ def run_workload(plan: Plan, prompt_tokens: float, response_tokens: float) -> co
         reference=algo.kl_coef > 0 and plan.lora is None,
         lora=plan.lora is not None,
         mtp_tokens=int(spec.get("num_speculative_tokens", 0)),
+        minibatches=algo.minibatches,
     )
     return replace(base, prompt_tokens=prompt_tokens, response_tokens=response_tokens)
 

@@ -139,10 +139,19 @@ class Workload:
     mtp_acceptance: float = 0.0
     mtp_draft_layers: int = 0
     group_size: int = 1
-    #: Forward-only passes over the batch besides a KL reference's. rlc's own steps make none (the decoupled
-    #: loss takes its proximal log-probs from the train forward); comparisons with frameworks that recompute
-    #: old log-probs before training (verl's old_log_prob, NeMo-RL's prev_logprobs) set 1.
+    #: Forward-only passes over the batch besides a KL reference's and the proximal one (`proximal_forwards`);
+    #: comparisons with frameworks that make one where rlc makes none (verl's old_log_prob with a single
+    #: mini-batch) set 1.
     extra_forwards: int = 0
+    #: Optimizer steps per RL step (`algorithm.minibatches`): each takes its share of the micro-batches, its
+    #: own pipeline fill and drain, gradient reduction and optimizer update.
+    minibatches: int = 1
+
+    @property
+    def proximal_forwards(self) -> int:
+        """Forward passes for the decoupled loss' proximal log-probs: none with one minibatch (the train
+        forward's own), one over the batch with several (before the first update, AReaL's recompute_logprob)."""
+        return 1 if self.decoupled and self.minibatches > 1 else 0
 
     @property
     def context_tokens(self) -> float:
@@ -186,6 +195,7 @@ def workload(
     mtp_tokens: int = 0,
     mtp_acceptance: float = 0.0,
     mtp_draft_layers: int = 0,
+    minibatches: int = 1,
 ) -> Workload:
     """Build a Workload with the documented mean-length assumptions."""
     return Workload(
@@ -202,6 +212,7 @@ def workload(
         mtp_tokens=mtp_tokens,
         mtp_acceptance=mtp_acceptance,
         mtp_draft_layers=mtp_draft_layers,
+        minibatches=minibatches,
     )
 
 
@@ -474,9 +485,9 @@ def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
     6·N_active·T for forward and backward (Kaplan et al. 2020; Narayanan et al. 2021 eq. 3) — 4·N·T with
     LoRA, whose frozen weights need no weight gradients — plus causal attention 3 · 2·n_q·d_h·ctx per token
     per full layer. Extra forwards of 2·N·T (+ attention): full recompute (one more forward), selective
-    (about a tenth of one), a KL reference policy and `Workload.extra_forwards`. The decoupled loss' proximal
-    log-probs cost none: with one optimizer step per batch they are the train forward's own (AReaL recomputes
-    them, recompute_logprob, because it takes several minibatch steps per batch).
+    (about a tenth of one), a KL reference policy, the proximal pass of several minibatches
+    (`Workload.proximal_forwards`; with one the train forward's own log-probs serve) and
+    `Workload.extra_forwards`.
     """
     arch = sizes.arch
     tokens = work.trained_tokens
@@ -484,7 +495,7 @@ def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
     fwd = (2 * sizes.active + attn_fwd) * tokens
     flops = (2 if work.lora else 3) * fwd
     extra = {"full": 1.0, "selective": 0.1}.get(recompute, 0.0)
-    extra += (1.0 if work.reference else 0.0) + work.extra_forwards
+    extra += (1.0 if work.reference else 0.0) + work.proximal_forwards + work.extra_forwards
     return flops + extra * fwd
 
 
@@ -540,15 +551,16 @@ def train_time(
     """Seconds per training step for `layout`.
 
     Compute: train_flops / (devices · peak · train MFU). PP bubble (pp − 1)/(m + pp − 1) with m micro-batches
-    per pipeline (Narayanan et al. 2021, 1F1B). TP: 4 all-reduces per layer per micro-batch (2 forward,
+    per pipeline and optimizer step (Narayanan et al. 2021, 1F1B): each of `Workload.minibatches` steps fills
+    and drains the pipeline again. TP: 4 all-reduces per layer per micro-batch (2 forward,
     2 backward; Shoeybi et al. 2019), ring volume 2(t−1)/t · tokens · h · bytes. CP (Ulysses, Jacobs et al.
     2023): 4 all-to-alls of q,k,v,o forward and backward, (c−1)/c of the local tokens' heads. EP: dispatch and
     combine all-to-alls per MoE layer, forward and backward (Lepikhin et al. 2020), at `ep_width_bandwidth` of
     the scale-out link for a group over several nodes. DP: FSDP2 all-gathers
     parameters for forward and backward of every micro-batch and reduce-scatters gradients once; Megatron's
-    distributed optimizer reduce-scatters gradients and all-gathers parameters once per step; half of it hides
-    behind compute. Offload: parameters cross the host link per micro-batch (forward, backward), also for a
-    LoRA run's frozen base; offloaded optimizer moments are brought to the device for the update and back.
+    distributed optimizer reduce-scatters gradients and all-gathers parameters once per optimizer step; half of
+    it hides behind compute. Offload: parameters cross the host link per micro-batch (forward, backward), also
+    for a LoRA run's frozen base; offloaded optimizer moments are brought to the device for each update and back.
     CP ring (Liu et al. 2023): K/V blocks passed cp − 1 times per layer and pass. Expert GEMMs that see too
     few tokens run below peak (`expert_gemm_efficiency`).
     """
@@ -559,8 +571,10 @@ def train_time(
     expert_share = (sizes.active_expert / sizes.active) if sizes.active else 0.0
     expert_s = compute * expert_share * (1 / expert_gemm_efficiency(sizes, layout, target) - 1)
     tokens_rank = work.rank_tokens(layout.dp)
-    micro = max(1, ceil(tokens_rank / layout.micro_batch_tokens))
-    bubble = (layout.pp - 1) / (micro + layout.pp - 1)
+    steps = work.minibatches
+    per_step = max(1, ceil(tokens_rank / steps / layout.micro_batch_tokens))  # micro-batches per optimizer step
+    micro = steps * per_step
+    bubble = (layout.pp - 1) / (per_step + layout.pp - 1)
     passes = 2.0 + (1.0 if layout.recompute == "full" else 0.0)
     stage_layers = ceil(arch.num_layers / layout.pp)
     local = tokens_rank / layout.cp
@@ -595,11 +609,11 @@ def train_time(
         ring = (group - 1) / group
         link = _link_gbps(target, layout.world_size, devices_per_node)
         if fsdp:
-            volume = (2 * micro * b + layout.precision.reduce_bytes) * replica * ring
+            volume = (2 * micro * b + steps * layout.precision.reduce_bytes) * replica * ring
             count = 3 * micro * arch.num_layers
         else:
-            volume = 2 * b * replica * ring
-            count = 2
+            volume = steps * 2 * b * replica * ring
+            count = 2 * steps
         dp_nodes = _nodes(layout.world_size, devices_per_node)
         dp_s = max(0.0, _collective_s(target, volume, link, count, dp_nodes) - DP_OVERLAP * compute)
         dp_s = max(dp_s, (1 - DP_OVERLAP) * _collective_s(target, volume, link, count, dp_nodes))
@@ -610,18 +624,20 @@ def train_time(
     if layout.offload_params:
         # Parameters cross the host link for forward and backward of every micro-batch; gradients come back
         # once (a LoRA run's frozen base has none, but its weights still travel).
-        offload_s += (2 * micro * w_bytes + (0 if work.lora else layout.precision.reduce_bytes)) * shard / host
+        grads = 0 if work.lora else steps * layout.precision.reduce_bytes
+        offload_s += (2 * micro * w_bytes + grads) * shard / host
     if layout.offload_optimizer and not work.lora:
         if fsdp and layout.offload_params:
             # CPUOffloadPolicy runs AdamW on the host, whose cores update every local rank's shard.
-            offload_s += shard * min(devices_per_node, layout.world_size) / HOST_ADAM_PARAMS_PER_S
+            offload_s += steps * shard * min(devices_per_node, layout.world_size) / HOST_ADAM_PARAMS_PER_S
         else:
-            # The moments come to the device for the update and go back: 2 × their bytes.
+            # The moments come to the device for each update and go back: 2 × their bytes.
             moments = 2 * layout.precision.param_bytes * shard if fsdp else 12 * shard / max(1, group)
-            offload_s += 2 * moments / host
+            offload_s += steps * 2 * moments / host
     # Fixed cost per pass over a micro-batch (launches, packing, Python): one forward+backward pass each, plus
-    # the forward-only pass of a KL reference.
-    launches = micro * (1 + (1 if work.reference else 0) + work.extra_forwards)
+    # the forward-only passes (a KL reference, the proximal pass of several minibatches, extra ones).
+    forwards = (1 if work.reference else 0) + work.proximal_forwards + work.extra_forwards
+    launches = micro + max(1, ceil(tokens_rank / layout.micro_batch_tokens)) * forwards
     overhead = launches * target.efficiency.micro_batch_overhead_s
     return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s, overhead, expert_s)
 

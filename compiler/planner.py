@@ -653,6 +653,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
         schedule=schedule,
         algorithm=AlgorithmSettings(
             name=algo.name,
+            minibatches=algo.minibatches,
             decoupled_loss=algo.decoupled_loss,
             clip=algo.clip,
             behave_imp_weight_cap=algo.behave_imp_weight_cap,

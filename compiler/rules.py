@@ -594,6 +594,30 @@ def check_group_size(ctx: RuleContext) -> Iterator[Diagnostic]:
         )
 
 
+@rule("RLC221", "algorithm.minibatches must give every optimizer step samples")
+def check_minibatches(ctx: RuleContext) -> Iterator[Diagnostic]:
+    algo = ctx.problem.spec.algorithm
+    samples = algo.batch_prompts * algo.group_size
+    if algo.minibatches > samples:
+        yield ctx.diag(
+            "RLC221",
+            "algorithm.minibatches",
+            f"minibatches {algo.minibatches} > the {samples} samples of a step "
+            f"(batch_prompts {algo.batch_prompts} × group_size {algo.group_size}): some optimizer steps would "
+            "have nothing to learn from",
+            f"use minibatches <= {samples}",
+        )
+    elif algo.minibatches > 1 and samples % algo.minibatches:
+        yield ctx.diag(
+            "RLC221",
+            "algorithm.minibatches",
+            f"the {samples} samples of a step do not split evenly into {algo.minibatches} minibatches: their "
+            f"optimizer steps see {samples // algo.minibatches} or {samples // algo.minibatches + 1} samples",
+            "choose minibatches that divide batch_prompts × group_size for equal steps",
+            "warning",
+        )
+
+
 @rule("RLC217", "The cluster must be within what the planner searches")
 def check_cluster_size(ctx: RuleContext) -> Iterator[Diagnostic]:
     from rlc.schemas.spec import MAX_DEVICES

@@ -97,6 +97,7 @@ def make_context(problem: Problem, exhaustive: bool = False) -> Context:
         mtp_tokens=mtp.num_speculative_tokens if mtp else 0,
         mtp_acceptance=mtp.acceptance_rate if mtp else 0.0,
         mtp_draft_layers=1 if uses_mtp_layers else 0,
+        minibatches=spec.algorithm.minibatches,
     )
     return Context(
         problem=problem,

@@ -316,8 +316,8 @@ class Controller:
         stats["data/truncated_prompts"] = float(self.prompts.truncated)
         self.phases.before_train()
         t0 = time.perf_counter()
-        # Teachers score on their own devices while the trainer works. The proximal log-probs of the
-        # decoupled loss are those of the train step's own forward (one optimizer step per batch).
+        # Teachers score on their own devices while the trainer works. The trainer computes the proximal
+        # log-probs of the decoupled loss itself (`TrainerWorker.train_step`).
         scoring = self.teachers.score(batch["input_ids"], domains) if self.teachers is not None else None
         loss_cfg = {
             "clip": algo.clip,
@@ -339,7 +339,7 @@ class Controller:
             stats.update(teacher_metrics(rows, batch["behaviour_logprobs"], batch["loss_mask"]))
             stats["time/teacher_wait_s"] = time.perf_counter() - t_teach
             stats["distill/teacher_restarts"] = float(self.teachers.restarts)
-        result = self.trainer.train_step(batch, loss_cfg)
+        result = self.trainer.train_step(batch, loss_cfg, minibatches=algo.minibatches)
         train_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.phases.before_sync()
@@ -365,6 +365,9 @@ class Controller:
                 "behave_imp_weight/mean": result.get("behave_imp_weight_mean", 1.0),
                 "behave_imp_weight/max": result.get("behave_imp_weight_max", 1.0),
                 "clip_fraction": result.get("clip_fraction", 0.0),
+                # How far the step's updates moved the policy from the proximal one on the tokens trained after
+                # them: 0 with one minibatch (each token is trained before the only update).
+                "approx_kl": result.get("approx_kl", 0.0),
                 "time/train_s": train_s,
                 "time/weight_sync_s": sync_s,
                 "throughput/train_tokens_per_s": stats["train/tokens"] / train_s if train_s > 0 else 0.0,

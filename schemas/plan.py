@@ -126,6 +126,7 @@ class Schedule(PlanModel):
 
 class AlgorithmSettings(PlanModel):
     name: str
+    minibatches: int = Field(1, ge=1, le=4096, description="Optimizer steps per training step.")
     decoupled_loss: bool
     clip: float
     behave_imp_weight_cap: float

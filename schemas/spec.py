@@ -141,6 +141,14 @@ class Algorithm(StrictModel):
         le=1024,
         description="How many policy versions a sample may lag behind the trainer (0 = synchronous).",
     )
+    minibatches: Annotated[int, Field(ge=1, le=4096)] = Field(
+        1,
+        description="Optimizer steps per training step: the batch is split into this many nearly equal "
+        "minibatches, each a step of its own, and the new weights go to the engines after the last (AReaL's "
+        "ppo_n_minibatches; verl's train batch / ppo_mini_batch_size). Above 1 the decoupled loss recomputes "
+        "the proximal log-probs before the first update (one more forward pass over the batch), and later "
+        "minibatches are clipped against them.",
+    )
     decoupled_loss: bool = Field(
         True, description="Decoupled PPO: clip against a recomputed proximal policy, reweight by behaviour."
     )

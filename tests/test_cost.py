@@ -183,3 +183,22 @@ def test_an_asynchronous_engine_share_still_waits_for_its_own_longest_sample() -
     share_longest = cost.expected_longest_response(work.response_tokens, work.max_response, per_engine)
     batch_longest = cost.expected_longest_response(work.response_tokens, work.max_response, work.samples)
     assert work.response_tokens < share_longest < batch_longest < work.max_response
+
+
+def test_minibatches_pay_their_own_pipeline_fills_updates_and_proximal_pass() -> None:
+    """Four optimizer steps per batch: the pipeline fills and drains four times over a quarter of the
+    micro-batches each (Megatron's gradient reduce-scatter and parameter all-gather, and offloaded moments,
+    four times), and the decoupled loss adds one forward pass for the proximal log-probs; without the decoupled
+    loss there is no proximal pass."""
+    layout = TrainLayout(world_size=16, backend="megatron", pp=4, micro_batch_tokens=8192, offload_optimizer=True)
+    one, four = _work(), _work(minibatches=4)
+    t1, t4 = (cost.train_time(SIZES, layout, A2, w, 8) for w in (one, four))
+    micro = max(1, -(-one.rank_tokens(layout.dp) // layout.micro_batch_tokens))
+    assert t1.bubble == pytest.approx(3 / (micro + 3))
+    assert t4.bubble == pytest.approx(3 / (-(-micro // 4) + 3))
+    assert t4.dp_s > t1.dp_s and t4.offload_s == pytest.approx(4 * t1.offload_s)
+    fwd = cost.train_flops(SIZES, one, "none") / 3
+    assert cost.train_flops(SIZES, four, "none") == pytest.approx(4 * fwd)
+    assert four.proximal_forwards == 1 and _work(minibatches=4, decoupled=False).proximal_forwards == 0
+    assert cost.train_flops(SIZES, _work(minibatches=4, decoupled=False), "none") == pytest.approx(3 * fwd)
+    assert t4.total_s > t1.total_s

@@ -80,9 +80,13 @@ def kill_actor_after(run_dir: Path, actor: str, steps: int) -> threading.Event:
 
 
 def test_colocated_is_strictly_on_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    plan = compile_example("cpu-colocated", tmp_path, "algorithm.steps=4", "output.checkpoint_every=100")
+    plan = compile_example(
+        "cpu-colocated", tmp_path, "algorithm.steps=4", "output.checkpoint_every=100", "algorithm.minibatches=2"
+    )
     rows = run(plan, tmp_path / "run")
-    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]  # two optimizer steps each, one policy version
+    # The second minibatch trains after the first update, against the proximal log-probs of the step's start.
+    assert all(r["approx_kl"] > 0 for r in rows)
     assert all(r["staleness/max"] == 0 for r in rows), "every sample must come from the current policy"
     assert all(r["time/overlap_s"] == 0 for r in rows), "colocated: no rollout while the trainer holds the devices"
     # cpu: no sleep mode and trainer state already in host memory; recorded as 0, not pretended.

@@ -72,6 +72,23 @@ def test_split_batch_keeps_order_and_shared_keys() -> None:
     assert a["temperature"] == b["temperature"] == 0.7
 
 
+def test_minibatch_shares_give_every_optimizer_step_samples_on_every_split() -> None:
+    """Minibatches are split across the ranks, not ranks' shares into minibatches: with 5 sequences, 3
+    minibatches and 2 ranks no optimizer step is empty, and rank by rank, minibatch by minibatch, every
+    sequence is trained once, in order."""
+    from rlc.runtime.train.group import minibatch_shares
+
+    batch = {"input_ids": [[i] for i in range(5)], "loss_mask": [[1]] * 5, "temperature": 0.7}
+    shares = minibatch_shares(batch, 3, 2)
+    assert len(shares) == 2 and all(len(rank) == 3 for rank in shares)
+    steps = [shares[0][m]["input_ids"] + shares[1][m]["input_ids"] for m in range(3)]
+    assert all(steps) and [s for step in steps for s in step] == batch["input_ids"]
+    assert minibatch_shares(batch, 1, 2) == split_batch(batch, 2)  # one minibatch: one share per rank
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match="minibatches for a batch of 5"):
+            minibatch_shares(batch, bad, 2)
+
+
 def test_in_place_updates_only_where_every_weight_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     """An update copies in place only when the plan chose torch GEMMs and no layer freed its weight for a packed
     copy; otherwise it re-runs vLLM's weight processing."""

@@ -287,3 +287,33 @@ def test_the_plans_kl_estimator_is_the_one_trained_with(pg, tiny_model_dir) -> N
         # Position 0 has no log-prob (nothing predicts it), so the trainer never counts it.
         values = [f(0.01 * (i % 3)) for mask in batch["loss_mask"] for i, m in enumerate(mask) if m and i > 0]
         assert got == pytest.approx(sum(values) / len(values), rel=1e-4), kind
+
+
+def test_minibatches_are_optimizer_steps_clipped_against_the_step_start(pg, tiny_model_dir) -> None:
+    """`algorithm.minibatches: 2` takes the same two optimizer steps as two one-minibatch steps given the
+    proximal log-probs of the weights before the first: the proximal pass runs before any update."""
+    from rlc.runtime.train.group import split_batch
+
+    batch = _batch(4)
+    split = _worker(tiny_model_dir, pg, packing=True, packed_attention="varlen")
+    by_hand = _worker(tiny_model_dir, pg, packing=True, packed_attention="varlen")
+    lp = by_hand.compute_logprobs(batch)
+    behaviour = [[v - 0.05 * (i % 2) for i, v in enumerate(row)] for row in lp]
+    cfg = {"clip": 0.2, "decoupled": True}
+    first, second = split_batch({**batch, "behaviour_logprobs": behaviour}, 2)
+    got = split.train_step([first, second], cfg)
+    a = by_hand.train_step({**first, "proximal_logprobs": lp[: len(first["input_ids"])]}, cfg)
+    b = by_hand.train_step({**second, "proximal_logprobs": lp[len(first["input_ids"]) :]}, cfg)
+    sd_a, sd_b = split.model.state_dict(), by_hand.model.state_dict()
+    assert max((sd_a[n].full_tensor() - sd_b[n].full_tensor()).abs().max().item() for n in sd_a) < WEIGHT_TOL
+    assert got["optimizer_steps"] == 2
+    assert got["grad_norm"] == pytest.approx((a["grad_norm"] + b["grad_norm"]) / 2, abs=TOL)
+    assert got["loss"] == pytest.approx((a["loss"] + b["loss"]) / 2, abs=TOL)
+    assert got["n_tokens"] == a["n_tokens"] + b["n_tokens"]
+    # The second minibatch trains after the first update, so the policy has moved from the proximal one there;
+    # within one minibatch it has not.
+    assert a["approx_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert b["approx_kl"] > 1e-6
+    assert got["approx_kl"] == pytest.approx(
+        (a["approx_kl"] * a["n_tokens"] + b["approx_kl"] * b["n_tokens"]) / got["n_tokens"], rel=1e-3
+    )

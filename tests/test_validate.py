@@ -417,6 +417,18 @@ def test_group_size_one_needs_a_teacher() -> None:
     assert [d.severity for d in with_teacher.diagnostics if d.code == "RLC216"] == ["info"] and with_teacher.ok
 
 
+def test_minibatches_must_leave_every_optimizer_step_samples() -> None:
+    """RLC221: more minibatches than samples is an error at its line; an uneven split is a warning."""
+    base = "name: t\ntarget: a2\nmodel: {name: qwen3-8b, path: /m}\ndata: {train: arithmetic}\n"
+    too_many = check(base + "algorithm: {batch_prompts: 2, group_size: 4, minibatches: 9}\n")
+    (d,) = [d for d in too_many.diagnostics if d.code == "RLC221"]
+    assert d.severity == "error" and d.path == "algorithm.minibatches" and d.line == 5
+    assert "9 > the 8 samples" in d.message and "minibatches <= 8" in d.hint
+    uneven = check(base + "algorithm: {batch_prompts: 2, group_size: 4, minibatches: 3}\n")
+    assert [d.severity for d in uneven.diagnostics if d.code == "RLC221"] == ["warning"] and uneven.ok
+    assert "RLC221" not in codes(check(base + "algorithm: {batch_prompts: 2, group_size: 4, minibatches: 4}\n"))
+
+
 def test_rule_agent_settings() -> None:
     """RLC220 (more in test_agent_spec.py): an agent cannot run colocated, nor take more per turn than the budget."""
     agent = "rollout: {max_response_len: 64, agent: {run: 'a.b:run', max_tokens_per_turn: 128}}\nmode: colocated\n"

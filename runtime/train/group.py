@@ -18,7 +18,7 @@ from ..platform import Platform, get_platform
 from ..rollout.weight_sync import TensorMeta
 from .rendezvous import probe_address
 
-__all__ = ["TrainerGroup", "split_batch"]
+__all__ = ["TrainerGroup", "minibatch_shares", "split_batch"]
 
 
 def split_batch(batch: Mapping[str, Any], parts: int) -> list[dict[str, Any]]:
@@ -33,6 +33,19 @@ def split_batch(batch: Mapping[str, Any], parts: int) -> list[dict[str, Any]]:
         lo, hi = bounds[i], bounds[i + 1]
         shares.append({k: (v[lo:hi] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in batch.items()})
     return shares
+
+
+def minibatch_shares(batch: Mapping[str, Any], minibatches: int, dp: int) -> list[Any]:
+    """Each data-parallel rank's part of a train step: its share of the batch (one minibatch), or the list of
+    its shares of the ``minibatches`` contiguous, nearly equal minibatches (each split across all ranks, so
+    every optimizer step has samples and the ranks take it together)."""
+    n = len(batch["input_ids"])
+    if not 1 <= minibatches <= n:
+        raise ValueError(f"{minibatches} minibatches for a batch of {n} sequences")
+    if minibatches == 1:
+        return split_batch(batch, dp)
+    parts = [split_batch(part, dp) for part in split_batch(batch, minibatches)]
+    return [[part[d] for part in parts] for d in range(dp)]
 
 
 class TrainerGroup:
@@ -131,11 +144,14 @@ class TrainerGroup:
         parts = ray.get(refs)
         return [row for r in self._speakers for row in parts[r]]
 
-    def train_step(self, batch: Mapping[str, Any], loss_fn_cfg: Mapping[str, Any] | None = None) -> dict[str, float]:
-        """One optimizer step over the whole batch; returns the group-wide stats (rank 0's)."""
+    def train_step(
+        self, batch: Mapping[str, Any], loss_fn_cfg: Mapping[str, Any] | None = None, minibatches: int = 1
+    ) -> dict[str, float]:
+        """One training step over the whole batch: ``minibatches`` optimizer steps, each on a contiguous, nearly
+        equal part of it split across the data-parallel ranks; returns the group-wide stats (rank 0's)."""
         import ray
 
-        shares = split_batch(batch, self.layout.dp)
+        shares = minibatch_shares(batch, minibatches, self.layout.dp)
         refs = [w.train_step.remote(shares[d], loss_fn_cfg) for w, d in zip(self.workers, self._share_of, strict=True)]
         return ray.get(refs)[0]
 

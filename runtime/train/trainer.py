@@ -288,42 +288,107 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
     # ---------------------------------------------------------------- training
 
     @measured("train")
-    def train_step(self, batch: Mapping[str, Any], loss_fn_cfg: Mapping[str, Any] | None = None) -> dict[str, float]:
-        """One optimizer step on this rank's share of a batch; returns group-wide stats.
+    def train_step(
+        self, batch: Mapping[str, Any] | Sequence[Mapping[str, Any]], loss_fn_cfg: Mapping[str, Any] | None = None
+    ) -> dict[str, float]:
+        """One training step on this rank's share of a batch; returns group-wide stats.
 
+        ``batch`` is this rank's share, or a list of its shares of the step's minibatches (the plan's
+        `algorithm.minibatches`, split by `TrainerGroup`): one optimizer step each, in order. With more than one
+        and the decoupled loss, the proximal log-probs of every minibatch are computed first, under the weights
+        the step starts from, so later minibatches are clipped against the policy before the step (AReaL's
+        recompute_logprob); with one, the train forward's own log-probs are the proximal ones (no extra pass).
         ``loss_fn_cfg``: ``kind`` ("ppo", default, AReaL's decoupled PPO; or "distill", reverse-KL
         to ``teacher_logprobs``), ``clip``, ``behave_imp_weight_cap``, ``clip_higher``,
         ``dual_clip``, ``decoupled``, ``kl_coef`` (penalty to ``ref_logprobs``),
         ``kl_estimator`` (its estimator: "k1", "k2" or "k3", the plan's `algorithm.kl_estimator`),
         ``entropy_coef``, ``distill_coef`` (a "ppo" step then adds ``distill_coef`` × the reverse-KL
         distillation term to ``teacher_logprobs`` on the tokens of sequences whose ``distill_weights``
-        is non-zero; on-policy distillation next to the RL loss). The loss is a token mean over the whole
-        group's masked tokens.
+        is non-zero; on-policy distillation next to the RL loss). The loss is a token mean over each
+        minibatch's masked tokens across the group; the returned loss and grad_norm are means over minibatches,
+        the other statistics token-weighted over the whole step.
         """
+        cfg = dict(loss_fn_cfg or {})
+        minibatches = [batch] if isinstance(batch, Mapping) else list(batch)
+        if not minibatches:
+            raise ValueError("a train step needs at least one minibatch")
+        t0 = time.perf_counter()
+        recompute = len(minibatches) > 1 and cfg.get("kind", "ppo") == "ppo" and bool(cfg.get("decoupled", True))
+        if recompute:  # every minibatch's proximal log-probs under the weights before this step's first update
+            with torch.no_grad():
+                minibatches = [
+                    mb if "proximal_logprobs" in mb else {**mb, "proximal_logprobs": self._compute_logprobs(mb)}
+                    for mb in minibatches
+                ]
+        self.model.train()
+        sums: dict[str, float] = {}
+        maxima: dict[str, float] = {}
+        norms: list[float] = []
+        step_tokens = 0.0
+        for i, share in enumerate(minibatches):
+            # The weights have moved after the first update; only proximal log-probs say what they were before.
+            before_known = i == 0 or "proximal_logprobs" in share
+            tokens, norm = self._optimizer_step(share, cfg, sums, maxima, before_known)
+            step_tokens += tokens
+            norms.append(norm)
+        self.step += 1
+
+        keys = sorted(sums)
+        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(vec, group=self.mesh.shard_group)
+        out = {k: float(v) for k, v in zip(keys, vec.tolist(), strict=True)}
+        result = {"loss": out.pop("loss") / len(minibatches)}
+        gap_tokens = out.pop("gap_tokens", 0.0)
+        if "behaviour_gap" in out:  # over the tokens whose pre-step log-probs are known
+            result["behaviour_gap"] = out.pop("behaviour_gap") / max(gap_tokens, 1.0)
+        for k, v in out.items():
+            result[k] = v / max(step_tokens, 1.0)
+        max_keys = sorted(maxima)
+        if max_keys:
+            peaks = torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+            result.update({k: max(float(v), 0.0) for k, v in zip(max_keys, peaks.tolist(), strict=True)})
+        result.update(
+            grad_norm=sum(norms) / len(norms),
+            n_tokens=max(step_tokens, 1.0),
+            optimizer_steps=float(len(minibatches)),
+            step=float(self.step),
+            lr=self.optimizer.lr,
+            time_s=time.perf_counter() - t0,
+        )
+        return result
+
+    def _optimizer_step(
+        self,
+        batch: Mapping[str, Any],
+        loss_fn_cfg: Mapping[str, Any],
+        sums: dict[str, float],
+        maxima: dict[str, float],
+        before_known: bool = True,
+    ) -> tuple[float, float]:
+        """Forward and backward over one minibatch share, then one optimizer step. Adds this rank's statistics
+        to ``sums`` (token-weighted) and ``maxima``; returns the minibatch's group-wide token count and the
+        gradient norm before clipping. ``before_known``: the log-probs under the step's first weights are at
+        hand (given, or the weights have not moved yet), so the engine-trainer gap can be measured."""
         from ..algo import loss as L
 
-        cfg = dict(loss_fn_cfg or {})
+        cfg = dict(loss_fn_cfg)
         kind = cfg.pop("kind", "ppo")
         kl_coef = float(cfg.pop("kl_coef", 0.0))
         kl_estimator = cfg.pop("kl_estimator", "k3")
         entropy_coef = float(cfg.pop("entropy_coef", 0.0))
         distill_coef = float(cfg.pop("distill_coef", 0.0))
-        t0 = time.perf_counter()
-        self.model.train()
         seqs = batch["input_ids"]
         masks = batch["loss_mask"]
         # Statistics and the token count are sums over the dp·cp ranks: TP peers hold the same tokens.
-        group = self.mesh.shard_group
         local_tokens = sum(sum(1 for m in row[1:] if m) for row in masks) if self.mesh.coords["cp"] == 0 else 0
         total = torch.tensor([float(local_tokens)])
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(total, group=self.mesh.shard_group)
         global_tokens = max(float(total.item()), 1.0)
         # FSDP2 averages gradients over its dp·cp ranks; scaling by their number turns that into a global sum,
         # so the gradient is that of the token mean over every rank's tokens.
         scale = float(self.layout.shard_group)
 
-        sums: dict[str, float] = {}
-        maxima: dict[str, float] = {}
         self.optimizer.zero_grad()
         for idx in self._micro_batches(seqs):
             real = bool(idx)
@@ -332,15 +397,14 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             mask = mb.local([[0.0, *masks[i][1:]] for i in idx] if real else [[0.0] * len(self._dummy)]) > 0
             lp, ent = self._forward_logprobs(mb, with_entropy=True, entropy_grad=bool(entropy_coef))
             tok = {k: mb.local(self._per_token(batch, k, idx, mb.seqs)) for k in _PER_TOKEN_KEYS if k in batch}
+            # Until this step's first update the weights are the proximal policy, so a single minibatch's forward
+            # gives the proximal log-probs itself (no second pass over the batch).
+            before = tok["proximal_logprobs"] if "proximal_logprobs" in tok else lp.detach()
             if kind == "ppo":
-                behaviour = tok["behaviour_logprobs"]
-                # One optimizer step per batch: until it runs, the weights are the proximal policy, so this
-                # forward's log-probs are the proximal ones (no second pass over the batch).
-                proximal = tok["proximal_logprobs"] if "proximal_logprobs" in tok else lp.detach()
                 loss, stats = L.decoupled_ppo_loss(
                     lp,
-                    proximal,
-                    behaviour,
+                    before,
+                    tok["behaviour_logprobs"],
                     tok["advantages"],
                     mask,
                     token_count=global_tokens,
@@ -350,10 +414,11 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
                 loss, stats = L.reverse_kl_distill(lp, tok["teacher_logprobs"], mask, token_count=global_tokens)
             else:
                 raise ValueError(f"unknown loss kind {kind!r}; expected 'ppo' or 'distill'")
-            if "behaviour_logprobs" in tok:  # engine vs trainer on the sampled tokens, before the update
-                gap = torch.where(mask, (lp.detach() - tok["behaviour_logprobs"]).abs(), torch.zeros_like(lp))
+            if before_known and "behaviour_logprobs" in tok:  # engine vs trainer under the step's first weights
+                gap = torch.where(mask, (before - tok["behaviour_logprobs"]).abs(), torch.zeros_like(lp))
                 stats["behaviour_gap"] = gap.sum() / mask.sum().clamp(min=1)
                 stats["behaviour_gap_max"] = gap.max() if mask.any() else torch.zeros(())
+                sums["gap_tokens"] = sums.get("gap_tokens", 0.0) + float(mask.sum())
             if kind == "ppo" and distill_coef and "teacher_logprobs" in tok:
                 routed = mask & (tok["distill_weights"] > 0) if "distill_weights" in tok else mask
                 d_loss, d_stats = L.reverse_kl_distill(lp, tok["teacher_logprobs"], routed, token_count=global_tokens)
@@ -380,28 +445,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         sum_partial_grads(self._partial_grads, self.mesh)
         grad_norm = clip_grad_norm(self._trainable(), float(self.cfg["max_grad_norm"]))
         self.optimizer.step()
-        self.step += 1
-
-        keys = sorted(sums)
-        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(vec, group=group)
-        out = {k: float(v) for k, v in zip(keys, vec.tolist(), strict=True)}
-        result = {"loss": out.pop("loss")}
-        for k, v in out.items():
-            result[k] = v / global_tokens
-        max_keys = sorted(maxima)
-        if max_keys:
-            peaks = torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64)
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-            result.update({k: max(float(v), 0.0) for k, v in zip(max_keys, peaks.tolist(), strict=True)})
-        result.update(
-            grad_norm=float(grad_norm),
-            n_tokens=global_tokens,
-            step=float(self.step),
-            lr=self.optimizer.lr,
-            time_s=time.perf_counter() - t0,
-        )
-        return result
+        return float(total.item()), float(grad_norm)
 
     def _per_token(
         self, batch: Mapping[str, Any], key: str, idx: Sequence[int], seqs: Sequence[Sequence[int]]
