@@ -50,6 +50,7 @@ CODES: dict[str, str] = {
     "RLC303": "The runtime cannot execute this plan yet",
     "RLC304": "Thin memory headroom: under a GiB spare per device",
     "RLC305": "The environment workers do not fit the nodes' host memory",
+    "RLC306": "A minibatch smaller than the trainer's data parallelism leaves ranks idle",
     "RLC701": "Not a compiled plan directory",
     "RLC702": "Unsupported plan format",
     "RLC703": "Plan compiled by an incompatible rlc",

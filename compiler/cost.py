@@ -178,8 +178,10 @@ class Workload:
     def rank_tokens(self, dp: int) -> float:
         """Tokens the busiest of `dp` data-parallel ranks trains: a sequence is never split across DP ranks
         (context parallelism splits it, inside a rank's group), so it takes ceil(samples / dp) mean-length
-        sequences. Data parallelism wider than the step's samples leaves ranks idle and gains nothing."""
-        return ceil(self.samples / max(1, dp)) * self.context_tokens
+        sequences of each minibatch, and the ranks take every optimizer step together. Data parallelism wider
+        than a minibatch's samples leaves ranks idle and gains nothing."""
+        per_step = ceil(self.samples / self.minibatches)
+        return self.minibatches * ceil(per_step / max(1, dp)) * self.context_tokens
 
 
 def workload(
@@ -634,10 +636,12 @@ def train_time(
             # The moments come to the device for each update and go back: 2 × their bytes.
             moments = 2 * layout.precision.param_bytes * shard if fsdp else 12 * shard / max(1, group)
             offload_s += steps * 2 * moments / host
-    # Fixed cost per pass over a micro-batch (launches, packing, Python): one forward+backward pass each, plus
-    # the forward-only passes (a KL reference, the proximal pass of several minibatches, extra ones).
-    forwards = (1 if work.reference else 0) + work.proximal_forwards + work.extra_forwards
-    launches = micro + max(1, ceil(tokens_rank / layout.micro_batch_tokens)) * forwards
+    # Fixed cost per pass over a micro-batch (launches, packing, Python): one forward+backward pass each, the
+    # proximal pass over the same minibatches, and the forward-only passes over the whole batch (a KL
+    # reference, extra ones). Forward-only passes are priced as compute and launches: their parameter gathers
+    # and collectives are not counted (a lower bound, as for the reference pass).
+    whole = max(1, ceil(tokens_rank / layout.micro_batch_tokens))
+    launches = micro * (1 + work.proximal_forwards) + whole * ((1 if work.reference else 0) + work.extra_forwards)
     overhead = launches * target.efficiency.micro_batch_overhead_s
     return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s, overhead, expert_s)
 

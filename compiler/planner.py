@@ -295,6 +295,29 @@ def thin_headroom(problem: Problem, best: search.Candidate, lines: LineMap, file
     return out
 
 
+def idle_minibatch_ranks(problem: Problem, best: search.Candidate, lines: LineMap, file: str) -> list[Diagnostic]:
+    """RLC306 when a minibatch has fewer samples than the trainer has data-parallel ranks: a sequence is never
+    split across them, so the others run empty micro-batches (to keep FSDP's collectives in step) in every
+    optimizer step, and the time model, which spreads a step's tokens over the ranks, is optimistic."""
+    algo = problem.spec.algorithm
+    dp = best.train.layout.dp
+    per_step = algo.batch_prompts * algo.group_size // algo.minibatches
+    if algo.minibatches == 1 or per_step >= dp:
+        return []
+    return [
+        Diagnostic(
+            "RLC306",
+            f"a minibatch of {per_step} samples is spread over the trainer's {dp} data-parallel ranks: "
+            f"{dp - per_step} of them train nothing in each of its {algo.minibatches} optimizer steps",
+            "algorithm.minibatches",
+            "warning",
+            f"use minibatches <= {max(1, algo.batch_prompts * algo.group_size // dp)}, or a larger batch",
+            lines.line_for("algorithm.minibatches"),
+            file,
+        )
+    ]
+
+
 def build_plan(
     problem: Problem, lines: LineMap | None = None, file: str = "", *, exhaustive: bool = False
 ) -> tuple[Plan | None, list[Diagnostic]]:
@@ -308,6 +331,7 @@ def build_plan(
     if result.best is None:
         return None, diags + refusal.infeasible(problem, result, lines, file)
     diags += thin_headroom(problem, result.best, lines, file)
+    diags += idle_minibatch_ranks(problem, result.best, lines, file)
     for gap in plan_gaps(problem, result.best):
         diags.append(
             Diagnostic(

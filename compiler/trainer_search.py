@@ -261,7 +261,7 @@ def _train_lower_bound_s(ctx: Context, n: int, shape: Shape, rc: str, mbts: list
     pp = shape.pp
     layout = shape.layout(ctx, n, rc, False, False, mbts[0])
     t = cost.train_time(ctx.sizes, layout, ctx.target, ctx.work, ctx.devices_per_node)
-    micro = max(1, ceil(ctx.work.rank_tokens(layout.dp) / mbts[-1]))
+    micro = max(1, ceil(ctx.work.rank_tokens(layout.dp) / ctx.work.minibatches / mbts[-1]))  # per optimizer step
     bubble = (pp - 1) / (micro + pp - 1)
     return t.compute_s / (1 - bubble) + t.tp_s + t.cp_s + t.ep_s + t.dp_s + t.overhead_s
 

@@ -365,8 +365,10 @@ class Controller:
                 "behave_imp_weight/mean": result.get("behave_imp_weight_mean", 1.0),
                 "behave_imp_weight/max": result.get("behave_imp_weight_max", 1.0),
                 "clip_fraction": result.get("clip_fraction", 0.0),
-                # How far the step's updates moved the policy from the proximal one on the tokens trained after
-                # them: 0 with one minibatch (each token is trained before the only update).
+                # k3 KL of the trained policy from the proximal one (the behaviour policy without the decoupled
+                # loss), token mean over the step. With the decoupled loss and one minibatch it is 0 (each token
+                # trains before the only update); with several it shows how far the earlier updates moved the
+                # policy, diluted by the first minibatch's tokens.
                 "approx_kl": result.get("approx_kl", 0.0),
                 "time/train_s": train_s,
                 "time/weight_sync_s": sync_s,

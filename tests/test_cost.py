@@ -202,3 +202,12 @@ def test_minibatches_pay_their_own_pipeline_fills_updates_and_proximal_pass() ->
     assert four.proximal_forwards == 1 and _work(minibatches=4, decoupled=False).proximal_forwards == 0
     assert cost.train_flops(SIZES, _work(minibatches=4, decoupled=False), "none") == pytest.approx(3 * fwd)
     assert t4.total_s > t1.total_s
+
+
+def test_a_minibatch_is_shared_by_the_data_parallel_ranks() -> None:
+    """512 samples in 4 minibatches of 128: 256 ranks take one sample of each (4 in all), and 512 ranks gain
+    nothing over 128, since each optimizer step has only 128 samples to spread."""
+    w = _work(minibatches=4)
+    assert w.rank_tokens(256) == pytest.approx(4 * w.context_tokens)
+    assert w.rank_tokens(512) == w.rank_tokens(128) == pytest.approx(4 * w.context_tokens)
+    assert _work().rank_tokens(512) == pytest.approx(w.context_tokens)

@@ -46,6 +46,12 @@ def test_pruned_equals_exhaustive(model: str, target: str, nodes: int) -> None:
     _same_best(problem(model, nodes, target))
 
 
+@pytest.mark.parametrize(("model", "nodes"), [("qwen3-32b", 2), ("qwen3-30b-a3b", 2)])
+def test_pruned_equals_exhaustive_with_minibatches(model: str, nodes: int) -> None:
+    """Several optimizer steps per batch: the trainer's lower bound prices each step's pipeline fill and drain."""
+    _same_best(problem(model, nodes, "a3", "algorithm: {batch_prompts: 32, group_size: 8, minibatches: 8}\n"))
+
+
 @pytest.mark.parametrize("nodes", [1, 2, 3])
 def test_pruned_equals_exhaustive_with_teachers(nodes: int) -> None:
     extra = (

@@ -317,3 +317,52 @@ def test_minibatches_are_optimizer_steps_clipped_against_the_step_start(pg, tiny
     assert got["approx_kl"] == pytest.approx(
         (a["approx_kl"] * a["n_tokens"] + b["approx_kl"] * b["n_tokens"]) / got["n_tokens"], rel=1e-3
     )
+
+
+def _three_sequences() -> dict:
+    """Three sequences for two ranks and two minibatches: the first minibatch (one sequence) leaves rank 0 empty."""
+    b = _batch(5)
+    return {k: v[1:4] for k, v in b.items()}
+
+
+def _rank_minibatches(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    from rlc.runtime.train.group import minibatch_shares
+    from rlc.runtime.train.trainer import TrainerWorker
+
+    cfg = {"lr": 1e-3, "logprob_chunk_tokens": 7, "micro_batch_tokens": BUDGET, "packing": True}
+    w = TrainerWorker(rank, 2, "127.0.0.1", port, model_dir, "cpu", cfg)
+    batch = _three_sequences()
+    batch["behaviour_logprobs"] = torch.load(f"{out_dir}/behaviour.pt")
+    shares = minibatch_shares(batch, 2, 2)[rank]
+    assert [len(s["input_ids"]) for s in shares] == ([0, 1] if rank == 0 else [1, 1])
+    stats = w.train_step(shares, {"clip": 0.2})
+    torch.save({"stats": stats, "sd": w.full_state_dict()}, f"{out_dir}/rank{rank}.pt")
+    w.shutdown()
+
+
+@pytest.mark.slow
+def test_two_ranks_take_minibatch_steps_together_with_an_empty_share(pg, tiny_model_dir, tmp_path) -> None:
+    """Two data-parallel ranks, two minibatches of three sequences: rank 0 has nothing in the first and runs a dummy
+    micro-batch, and the group takes the same two optimizer steps as one rank with the whole batch."""
+    import torch.multiprocessing as mp
+
+    from rlc.runtime.train.group import minibatch_shares
+
+    one = _worker(tiny_model_dir, pg, packing=True, packed_attention="varlen")
+    batch = _three_sequences()
+    lp = one.compute_logprobs(batch)
+    behaviour = [[v - 0.05 * (i % 2) for i, v in enumerate(row)] for row in lp]
+    torch.save(behaviour, tmp_path / "behaviour.pt")
+    mp.spawn(_rank_minibatches, args=(_free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    (shares,) = minibatch_shares({**batch, "behaviour_logprobs": behaviour}, 2, 1)
+    ref = one.train_step(shares, {"clip": 0.2})
+    for key in ("loss", "grad_norm", "n_tokens", "approx_kl", "behaviour_gap", "behaviour_gap_max"):
+        assert r0["stats"][key] == pytest.approx(ref[key], abs=TOL) == r1["stats"][key], key
+    masked = [
+        abs(lp[r][j] - behaviour[r][j]) for r, m in enumerate(batch["loss_mask"]) for j in range(1, len(m)) if m[j]
+    ]
+    assert ref["behaviour_gap"] == pytest.approx(sum(masked) / len(masked), abs=TOL)  # over every minibatch
+    sd = {k: v.full_tensor() for k, v in one.model.state_dict().items()}
+    assert max((r0["sd"][k] - sd[k]).abs().max().item() for k in sd) < WEIGHT_TOL

@@ -74,3 +74,24 @@ distill:
     result = runner.invoke(app, ["validate", str(_write(tmp_path, text))])
     assert result.exit_code == 1
     assert "error[RLC301] placement.teachers.big: teacher-big" in result.output
+
+
+def test_a_minibatch_smaller_than_the_data_parallelism_is_flagged(tmp_path: Path) -> None:
+    """RLC306: 8 samples in 4 minibatches over a pinned data parallelism of 8 leave 6 ranks idle in every optimizer
+    step; 32 samples in 4 (8 each) do not."""
+    spec = """name: t
+target: a2
+model: {name: qwen3-8b, path: /m}
+data: {train: arithmetic}
+algorithm: {batch_prompts: 2, group_size: 4, minibatches: 4}
+cluster: {nodes: 2}
+placement: {train: {devices: 8, tp: 1, cp: 1}}
+"""
+    result = runner.invoke(app, ["validate", str(_write(tmp_path, spec))])
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if "RLC306" in x)
+    assert ":5: warning[RLC306] algorithm.minibatches:" in line and "6 of them train nothing" in line
+    result = runner.invoke(
+        app, ["validate", str(_write(tmp_path, spec.replace("batch_prompts: 2", "batch_prompts: 8")))]
+    )
+    assert result.exit_code == 0 and "RLC306" not in result.output, result.output
