@@ -636,12 +636,15 @@ def train_time(
             # The moments come to the device for each update and go back: 2 × their bytes.
             moments = 2 * layout.precision.param_bytes * shard if fsdp else 12 * shard / max(1, group)
             offload_s += steps * 2 * moments / host
-    # Fixed cost per pass over a micro-batch (launches, packing, Python): one forward+backward pass each, the
-    # proximal pass over the same minibatches, and the forward-only passes over the whole batch (a KL
-    # reference, extra ones). Forward-only passes are priced as compute and launches: their parameter gathers
-    # and collectives are not counted (a lower bound, as for the reference pass).
+    # Fixed cost per pass over a micro-batch (launches, packing, Python): a forward+backward pass counts one, a
+    # forward-only pass a third, since a backward launches about two kernels per forward op (input and weight
+    # gradients, the 1:2 of their FLOPs; Narayanan et al. 2021 eq. 3); benchmarks/forward_pass_cost.py measures
+    # 0.27-0.30 on the cpu target, where fixed costs dominate. Forward-only passes: the proximal pass
+    # over the same minibatches and, over the whole batch, a KL reference and extra ones; they are priced as
+    # compute and launches, without their parameter gathers and collectives (a lower bound).
     whole = max(1, ceil(tokens_rank / layout.micro_batch_tokens))
-    launches = micro * (1 + work.proximal_forwards) + whole * ((1 if work.reference else 0) + work.extra_forwards)
+    forward_only = micro * work.proximal_forwards + whole * ((1 if work.reference else 0) + work.extra_forwards)
+    launches = micro + forward_only / 3
     overhead = launches * target.efficiency.micro_batch_overhead_s
     return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s, overhead, expert_s)
 
