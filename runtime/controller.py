@@ -339,7 +339,16 @@ class Controller:
             stats.update(teacher_metrics(rows, batch["behaviour_logprobs"], batch["loss_mask"]))
             stats["time/teacher_wait_s"] = time.perf_counter() - t_teach
             stats["distill/teacher_restarts"] = float(self.teachers.restarts)
-        result = self.trainer.train_step(batch, loss_cfg, minibatches=algo.minibatches)
+        # An agent batch holds one sequence per model call, so one whose trajectories made few calls can have fewer
+        # sequences than the plan's minibatches: each optimizer step then takes one (the metric says how many ran).
+        minibatches = min(algo.minibatches, len(batch["input_ids"]))
+        if minibatches < algo.minibatches:
+            self.logger.message(
+                f"step {self.step + 1}: {len(batch['input_ids'])} sequence(s) for {algo.minibatches} minibatches; "
+                f"taking {minibatches} optimizer step(s)"
+            )
+        stats["train/optimizer_steps"] = float(minibatches)
+        result = self.trainer.train_step(batch, loss_cfg, minibatches=minibatches)
         train_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.phases.before_sync()

@@ -86,7 +86,7 @@ def test_colocated_is_strictly_on_policy(tmp_path: Path, capsys: pytest.CaptureF
     rows = run(plan, tmp_path / "run")
     assert [r["version"] for r in rows] == [1, 2, 3, 4]  # two optimizer steps each, one policy version
     # The second minibatch trains after the first update, against the proximal log-probs of the step's start.
-    assert all(r["approx_kl"] > 0 for r in rows)
+    assert all(r["approx_kl"] > 0 and r["train/optimizer_steps"] == 2 for r in rows)
     assert all(r["staleness/max"] == 0 for r in rows), "every sample must come from the current policy"
     assert all(r["time/overlap_s"] == 0 for r in rows), "colocated: no rollout while the trainer holds the devices"
     # cpu: no sleep mode and trainer state already in host memory; recorded as 0, not pretended.
