@@ -458,6 +458,10 @@ def _actor_role(problem: Problem, best: search.Candidate, placements: dict[str, 
     ]
     if tl.offload_params or tl.offload_optimizer:
         notes.append(f"host memory for offloaded state: {mem.host_gib_per_node:.0f} GiB per node")
+    algo = spec.algorithm
+    if algo.minibatches > 1:
+        proximal = ", after a forward pass for the proximal log-probs" if algo.decoupled_loss else ""
+        notes.append(f"{algo.minibatches} optimizer steps per training step (algorithm.minibatches){proximal}")
     return Role(
         name="actor",
         kind="train",

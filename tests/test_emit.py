@@ -263,3 +263,20 @@ def test_an_output_that_is_no_plan_is_refused_without_walking_it(tmp_path: Path,
     monkeypatch.setattr(emit, "list_files", lambda _: pytest.fail("walked a folder that is no plan"))
     with pytest.raises(emit.PlanDirError, match=r"no manifest\.json"):
         emit._check_replaceable(tmp_path)
+
+
+def test_the_plan_says_how_many_optimizer_steps_a_training_step_takes() -> None:
+    """The trainer role's notes (explain, its JSON) and SUMMARY state minibatches and the proximal pass."""
+    from rlc.compiler.emit import render_summary
+    from rlc.compiler.planner import build_plan
+    from rlc.compiler.validate import check_text
+
+    text = "name: t\ntarget: a3\nmodel: {name: qwen3-8b, path: /m}\ndata: {train: arithmetic}\n"
+    checked = check_text(text + "algorithm: {batch_prompts: 64, group_size: 8, minibatches: 4}\n", "spec.yaml")
+    plan, _ = build_plan(checked.problem, checked.lines, "spec.yaml")
+    assert plan is not None and plan.algorithm.minibatches == 4
+    notes = plan.role("actor").notes
+    assert "4 optimizer steps per training step (algorithm.minibatches), after a forward pass" in " ".join(notes)
+    assert "4 optimizer steps (`algorithm.minibatches`), one per minibatch of about 128 samples" in render_summary(
+        plan, plan_hash="0"
+    )
