@@ -554,14 +554,14 @@ def train_time(
 
     Compute: train_flops / (devices · peak · train MFU). PP bubble (pp − 1)/(m + pp − 1) with m micro-batches
     per pipeline and optimizer step (Narayanan et al. 2021, 1F1B): each of `Workload.minibatches` steps fills
-    and drains the pipeline again. TP: 4 all-reduces per layer per micro-batch (2 forward,
-    2 backward; Shoeybi et al. 2019), ring volume 2(t−1)/t · tokens · h · bytes. CP (Ulysses, Jacobs et al.
-    2023): 4 all-to-alls of q,k,v,o forward and backward, (c−1)/c of the local tokens' heads. EP: dispatch and
-    combine all-to-alls per MoE layer, forward and backward (Lepikhin et al. 2020), at `ep_width_bandwidth` of
-    the scale-out link for a group over several nodes. DP: FSDP2 all-gathers
-    parameters for forward and backward of every micro-batch and reduce-scatters gradients once; Megatron's
-    distributed optimizer reduce-scatters gradients and all-gathers parameters once per optimizer step; half of
-    it hides behind compute. Offload: parameters cross the host link per micro-batch (forward, backward), also
+    and drains the pipeline again. TP: 4 all-reduces per layer per micro-batch (2 forward, 2 backward; Shoeybi
+    et al. 2019), ring volume 2(t−1)/t · tokens · h · bytes. CP (Ulysses, Jacobs et al. 2023): 4 all-to-alls
+    of q,k,v,o forward and backward, (c−1)/c of the local tokens' heads. EP: dispatch and combine all-to-alls
+    per MoE layer, forward and backward (Lepikhin et al. 2020), at `ep_width_bandwidth` of the scale-out link
+    for a group over several nodes. DP: FSDP2 all-gathers parameters for forward and backward of every
+    micro-batch and reduce-scatters gradients once per optimizer step; Megatron's distributed optimizer
+    reduce-scatters gradients and all-gathers parameters once per optimizer step; half of it hides behind
+    compute. Offload: parameters cross the host link per micro-batch (forward, backward), also
     for a LoRA run's frozen base; offloaded optimizer moments are brought to the device for each update and back.
     CP ring (Liu et al. 2023): K/V blocks passed cp − 1 times per layer and pass. Expert GEMMs that see too
     few tokens run below peak (`expert_gemm_efficiency`).
