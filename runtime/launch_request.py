@@ -63,6 +63,8 @@ class LaunchRequest:
     engines: dict[str, dict[str, Any]]
     weight_sync: dict[str, Any]
     refusals: list[str]
+    #: Optimizer steps each training step takes (the plan's `algorithm.minibatches`).
+    optimizer_steps: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -224,6 +226,7 @@ def launch_request(plan: Plan) -> LaunchRequest:
         engines={r.name: dict(r.engine) for r in plan.roles if r.kind in ("rollout", "teacher")},
         weight_sync=weight_sync_path(plan),
         refusals=refusals,
+        optimizer_steps=plan.algorithm.minibatches,
     )
 
 
@@ -255,7 +258,8 @@ def render_request(req: LaunchRequest) -> str:
         lines.append(f"  {a.name:<24} {a.kind:<9} {where}  {_resources(a.resources)}{extra}")
     trainers = req.trainer_ranks()
     if trainers:
-        lines.append(f"trainer layout: {trainers[0].detail['layout']}")
+        steps = f"; {req.optimizer_steps} optimizer steps per training step" if req.optimizer_steps > 1 else ""
+        lines.append(f"trainer layout: {trainers[0].detail['layout']}{steps}")
     for role, args in req.engines.items():
         shown = {k: v for k, v in sorted(args.items()) if k != "model"}
         lines.append(f"engine {role}: model {args.get('model')}; " + ", ".join(f"{k}={v}" for k, v in shown.items()))

@@ -104,6 +104,16 @@ def test_dry_run_shows_the_plans_layout(name: str, tmp_path: Path) -> None:
     assert "nothing started (dry run)" in text.output
 
 
+def test_dry_run_shows_the_plans_optimizer_steps(tmp_path: Path) -> None:
+    """`algorithm.minibatches` is part of what the dry run says will execute, in text and JSON."""
+    spec = _spec_for("quickstart", tmp_path)
+    plan_dir = _compile(spec, tmp_path / "plan", f"output.dir={tmp_path / 'run'}", "algorithm.minibatches=4")
+    request = json.loads(runner.invoke(app, ["run", str(plan_dir), "--dry-run", "--format", "json"]).output)
+    assert request["optimizer_steps"] == 4
+    text = runner.invoke(app, ["run", str(plan_dir), "--dry-run"]).output
+    assert "; 4 optimizer steps per training step" in text
+
+
 def test_pinned_layouts_are_what_the_plan_states(tmp_path: Path) -> None:
     """The pins reach the plan's layout unchanged (the planner fills in only what is not pinned)."""
     expected = {
