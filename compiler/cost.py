@@ -183,6 +183,10 @@ class Workload:
         per_step = ceil(self.samples / self.minibatches)
         return self.minibatches * ceil(per_step / max(1, dp)) * self.context_tokens
 
+    def micro_batches_per_step(self, dp: int, budget: int) -> int:
+        """Micro-batches of at most `budget` tokens the busiest rank runs in each optimizer step."""
+        return max(1, ceil(self.rank_tokens(dp) / self.minibatches / budget))
+
 
 def workload(
     *,
@@ -574,7 +578,7 @@ def train_time(
     expert_s = compute * expert_share * (1 / expert_gemm_efficiency(sizes, layout, target) - 1)
     tokens_rank = work.rank_tokens(layout.dp)
     steps = work.minibatches
-    per_step = max(1, ceil(tokens_rank / steps / layout.micro_batch_tokens))  # micro-batches per optimizer step
+    per_step = work.micro_batches_per_step(layout.dp, layout.micro_batch_tokens)
     micro = steps * per_step
     bubble = (layout.pp - 1) / (per_step + layout.pp - 1)
     passes = 2.0 + (1.0 if layout.recompute == "full" else 0.0)

@@ -301,7 +301,7 @@ def idle_minibatch_ranks(problem: Problem, best: search.Candidate, lines: LineMa
     optimizer step, and the time model, which spreads a step's tokens over the ranks, is optimistic."""
     algo = problem.spec.algorithm
     dp = best.train.layout.dp
-    per_step = algo.batch_prompts * algo.group_size // algo.minibatches
+    per_step = algo.batch_samples // algo.minibatches
     if algo.minibatches == 1 or per_step >= dp:
         return []
     return [
@@ -311,7 +311,7 @@ def idle_minibatch_ranks(problem: Problem, best: search.Candidate, lines: LineMa
             f"{dp - per_step} of them train nothing in each of its {algo.minibatches} optimizer steps",
             "algorithm.minibatches",
             "warning",
-            f"use minibatches <= {max(1, algo.batch_prompts * algo.group_size // dp)}, or a larger batch",
+            f"use minibatches <= {max(1, algo.batch_samples // dp)}, or a larger batch",
             lines.line_for("algorithm.minibatches"),
             file,
         )
@@ -593,7 +593,7 @@ def _schedule(problem: Problem, ctx: search.Context, best: search.Candidate) -> 
         steps=spec.algorithm.steps,
         batch_prompts=spec.algorithm.batch_prompts,
         group_size=spec.algorithm.group_size,
-        batch_samples=spec.algorithm.batch_prompts * spec.algorithm.group_size,
+        batch_samples=spec.algorithm.batch_samples,
         micro_batch_tokens=best.train.layout.micro_batch_tokens,
         logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
         packing=spec.train.packing,

@@ -597,7 +597,7 @@ def check_group_size(ctx: RuleContext) -> Iterator[Diagnostic]:
 @rule("RLC221", "algorithm.minibatches must give every optimizer step samples")
 def check_minibatches(ctx: RuleContext) -> Iterator[Diagnostic]:
     algo = ctx.problem.spec.algorithm
-    samples = algo.batch_prompts * algo.group_size
+    samples = algo.batch_samples
     if algo.minibatches > samples:
         yield ctx.diag(
             "RLC221",

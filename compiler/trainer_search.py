@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from math import ceil, inf
+from math import inf
 
 from rlc.compiler import cost, memory
 from rlc.compiler.memory import MemoryBreakdown
@@ -261,7 +261,7 @@ def _train_lower_bound_s(ctx: Context, n: int, shape: Shape, rc: str, mbts: list
     pp = shape.pp
     layout = shape.layout(ctx, n, rc, False, False, mbts[0])
     t = cost.train_time(ctx.sizes, layout, ctx.target, ctx.work, ctx.devices_per_node)
-    micro = max(1, ceil(ctx.work.rank_tokens(layout.dp) / ctx.work.minibatches / mbts[-1]))  # per optimizer step
+    micro = ctx.work.micro_batches_per_step(layout.dp, mbts[-1])
     bubble = (pp - 1) / (micro + pp - 1)
     return t.compute_s / (1 - bubble) + t.tp_s + t.cp_s + t.ep_s + t.dp_s + t.overhead_s
 

@@ -347,8 +347,8 @@ class Controller:
                 f"step {self.step + 1}: {len(batch['input_ids'])} sequence(s) for {algo.minibatches} minibatches; "
                 f"taking {minibatches} optimizer step(s)"
             )
-        stats["train/optimizer_steps"] = float(minibatches)
         result = self.trainer.train_step(batch, loss_cfg, minibatches=minibatches)
+        stats["train/optimizer_steps"] = result["optimizer_steps"]
         train_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.phases.before_sync()

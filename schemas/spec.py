@@ -176,6 +176,11 @@ class Algorithm(StrictModel):
         "more engine CPU per token on the cpu target) and with them exact repeats and `rlc run --replay`.",
     )
 
+    @property
+    def batch_samples(self) -> int:
+        """Samples per training step: batch_prompts × group_size."""
+        return self.batch_prompts * self.group_size
+
     @field_validator("deterministic", mode="before")
     @classmethod
     def _true_false_or_auto(cls, value: object) -> object:

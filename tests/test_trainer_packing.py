@@ -19,6 +19,8 @@ TOL = 1e-5  # fp32 CPU kernels on both sides; measured differences are ~1e-6 (di
 # zero can move a weight by a good part of lr (1e-3). Gradients themselves are compared at TOL.
 WEIGHT_TOL = 1e-4
 BUDGET = 64  # micro-batch token budget of the packed workers
+#: Each rank of the spawned two-rank groups: packed, the same learning rate and log-prob chunks as `_worker`.
+RANK_CFG = {"lr": 1e-3, "logprob_chunk_tokens": 7, "micro_batch_tokens": BUDGET, "packing": True}
 
 
 def _free_port() -> int:
@@ -208,8 +210,7 @@ def _rank_main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     from rlc.runtime.train.group import split_batch
     from rlc.runtime.train.trainer import TrainerWorker
 
-    cfg = {"lr": 1e-3, "logprob_chunk_tokens": 7, "micro_batch_tokens": BUDGET, "packing": True}
-    w = TrainerWorker(rank, 2, "127.0.0.1", port, model_dir, "cpu", cfg)
+    w = TrainerWorker(rank, 2, "127.0.0.1", port, model_dir, "cpu", RANK_CFG)
     share = split_batch(_two_rank_batch(), 2)[rank]
     lp = w.compute_logprobs(share)
     stats = w.train_step({**share, "behaviour_logprobs": lp, "proximal_logprobs": lp}, {"clip": 0.2})
@@ -330,8 +331,7 @@ def _rank_minibatches(rank: int, port: int, model_dir: str, out_dir: str) -> Non
     from rlc.runtime.train.group import minibatch_shares
     from rlc.runtime.train.trainer import TrainerWorker
 
-    cfg = {"lr": 1e-3, "logprob_chunk_tokens": 7, "micro_batch_tokens": BUDGET, "packing": True}
-    w = TrainerWorker(rank, 2, "127.0.0.1", port, model_dir, "cpu", cfg)
+    w = TrainerWorker(rank, 2, "127.0.0.1", port, model_dir, "cpu", RANK_CFG)
     batch = _three_sequences()
     batch["behaviour_logprobs"] = torch.load(f"{out_dir}/behaviour.pt")
     shares = minibatch_shares(batch, 2, 2)[rank]
