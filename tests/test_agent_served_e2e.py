@@ -139,7 +139,10 @@ def test_a_weight_update_during_a_long_call(ray_cluster, served, agent_model_dir
     save_file(new, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     folders = [tmp_path, agent_model_dir]  # updates alternate between the changed and the original weights
     spanned: list[list[tuple[int, ...]]] = []
-    for attempt in range(3):  # a loaded machine may start the calls after the update: then try again
+    # A loaded machine may start the calls after the update lands, a fast one finish them before: each try gives
+    # the calls a different head start, short and long.
+    head_starts = (0.3, 0.1, 0.6, 0.0, 0.2)
+    for attempt, head_start in enumerate(head_starts):
         llm = session(ray_cluster, served)
         client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
         before = ray_cluster.get(served.get_version.remote())
@@ -151,7 +154,7 @@ def test_a_weight_update_during_a_long_call(ray_cluster, served, agent_model_dir
 
         with concurrent.futures.ThreadPoolExecutor(llm.max_turns) as pool:
             calls = [pool.submit(long_call) for _ in range(llm.max_turns)]
-            time.sleep(0.3 * (attempt + 1))
+            time.sleep(head_start)
             update = served.update_weights_from_path.remote(str(folders[attempt % 2]), before + 1)
             ray_cluster.get(update, timeout=120)
             outs = [c.result(timeout=120) for c in calls]
@@ -164,7 +167,7 @@ def test_a_weight_update_during_a_long_call(ray_cluster, served, agent_model_dir
             break
         spanned.append(versions)
     else:
-        pytest.fail(f"no call was in flight during any of three updates: {spanned}")
+        pytest.fail(f"no call was in flight during any of {len(head_starts)} updates: {spanned}")
     if attempt % 2 == 0:  # the changed weights are loaded: put the original back for the other tests
         version = ray_cluster.get(served.get_version.remote())
         ray_cluster.get(served.update_weights_from_path.remote(str(agent_model_dir), version + 1), timeout=120)
