@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rlc.compiler import search
+from rlc.compiler import cost, search
 from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
 from rlc.compiler.resolve import Problem
+from rlc.compiler.search_context import agent_work
 from rlc.schemas.plan import AgentSettings, Memory, Parallel, RayPlacement, Role
 from rlc.schemas.spec import Agent
 
@@ -38,7 +39,9 @@ class AgentTerms:
     kv_sequences: int  # trajectories whose prefix the engine's KV cache holds at once
     reprefill_tokens: int  # context tokens prefilled again per turn when the cache cannot hold them all
     turns_token_factor: float  # export turns: trained tokens relative to export trajectory
-    batch_rollout_s: float  # a batch of trajectories at max_turns each, waves of inflight per engine
+    batch_rollout_s: float  # the estimate's rollout if every trajectory used all max_turns
+    expected_turns: float  # the mean calls per trajectory the step-time estimate prices
+    call_s: float  # host seconds per call (endpoint and client), cost.agent_call_overhead_s
 
     def notes(self, agent: Agent, replicas: int) -> list[str]:
         busy = self.model_s_per_turn / (self.model_s_per_turn + self.tool_s_per_turn or 1.0)
@@ -55,9 +58,12 @@ class AgentTerms:
                 f"{self.inflight_per_engine} in flight: about {self.reprefill_tokens} tokens are prefilled again per "
                 "turn (prefix evicted while its tool ran)"
             )
+        assumed = "stated" if agent.expected_turns is not None else "assumed: half of max_turns"
         out.append(
-            f"agent: a batch takes about {self.batch_rollout_s:.3g} s of rollout if every trajectory uses all "
-            f"{agent.max_turns} turns (an upper bound; the step-time estimate does not count agent turns yet)"
+            f"agent: the step-time estimate prices {self.expected_turns:g} turns per trajectory ({assumed}), each "
+            f"waiting for the tool and paying {self.call_s * 1e3:.3g} ms of endpoint and client work per call, one "
+            f"call at a time per engine; a batch takes at most about {self.batch_rollout_s:.3g} s of rollout if every "
+            f"trajectory uses all {agent.max_turns} turns"
         )
         if agent.export == "turns":
             out.append(
@@ -84,9 +90,13 @@ def agent_terms(problem: Problem, best: search.Candidate) -> AgentTerms:
     waiting = max(0, inflight - ro.seqs)
     reprefill = waiting * context // 2 if waiting else 0
     factor = (agent.max_turns + 1) / 2 if agent.export == "turns" else 1.0
-    waves = math.ceil(spec.algorithm.batch_prompts * spec.algorithm.group_size / (inflight * ro.layout.replicas))
-    batch_s = waves * agent.max_turns * (model_s + tool_s)
-    return AgentTerms(turn_tokens, model_s, tool_s, inflight, ro.seqs, reprefill, factor, batch_s)
+    work = agent_work(problem)
+    assert work is not None
+    # The estimate's rollout scaled to every trajectory using all max_turns (its rounds in proportion, the prompts'
+    # prefill once): an upper bound, as a longer tail with more turns is small next to the extra rounds.
+    batch_s = ro.time.prefill_s + (ro.time.sync_s - ro.time.prefill_s) * agent.max_turns / work.turns
+    call_s = cost.agent_call_overhead_s(problem.target)
+    return AgentTerms(turn_tokens, model_s, tool_s, inflight, ro.seqs, reprefill, factor, batch_s, work.turns, call_s)
 
 
 def agent_settings(problem: Problem, best: search.Candidate, served_model_name: str) -> AgentSettings | None:
@@ -109,6 +119,8 @@ def agent_settings(problem: Problem, best: search.Candidate, served_model_name: 
         max_failed_share=agent.max_failed_share,
         inflight_per_engine=terms.inflight_per_engine,
         concurrency_per_worker=max(1, math.ceil(total / workers)),
+        expected_turns=terms.expected_turns,
+        tool_latency_s=agent.environments.tool_latency_s,
         options=dict(sorted(agent.options.items())),
     )
 

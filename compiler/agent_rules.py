@@ -60,6 +60,14 @@ def check_agent(ctx: RuleContext) -> Iterator[Diagnostic]:
             f"({spec.rollout.max_response_len}), the tokens a whole trajectory may add to its prompt",
             f"use max_tokens_per_turn <= {spec.rollout.max_response_len} or raise rollout.max_response_len",
         )
+    if agent.expected_turns is not None and agent.expected_turns > agent.max_turns:
+        yield ctx.diag(
+            "RLC220",
+            "rollout.agent.expected_turns",
+            f"expected_turns {agent.expected_turns:g} is more than max_turns ({agent.max_turns}), the calls a "
+            "trajectory may make",
+            f"use expected_turns <= {agent.max_turns} (the mean the step-time estimate prices), or raise max_turns",
+        )
     if agent.export == "trajectory" and agent.turn_discount != 1.0:
         yield ctx.diag(
             "RLC220",

@@ -7,9 +7,9 @@ measured mean prompt and response lengths) is what the cost model is asked about
 hardware terms, not of the length assumptions. Each phase is fitted with the parameters only it reads:
 
   train    train_mfu, micro_batch_overhead_s       (cost.train_time)
-  rollout  decode_bandwidth_efficiency, prefill_mfu, decode_step_overhead_s, decode_sequence_overhead_s
-           (cost.rollout_time; synchronous runs only, where time/rollout_s is the generation itself rather
-           than a wait for the streaming pool)
+  rollout  decode_bandwidth_efficiency, prefill_mfu, decode_step_overhead_s, decode_sequence_overhead_s,
+           agent_call_overhead_s (agent runs only) (cost.rollout_time; synchronous runs only, where
+           time/rollout_s is the generation itself rather than a wait for the streaming pool)
   sync     weight_sync_overhead_s, weight_reload_gbps (cost.weight_sync_s)
   step     step_overhead_s                          (the rest of time/step_s, cost.step_time)
 
@@ -34,6 +34,7 @@ from rlc.compiler import cost, memory
 from rlc.compiler.memory import ModelSizes, RolloutLayout
 from rlc.schemas.plan import Plan
 from rlc.schemas.registry import load_arch
+from rlc.schemas.spec import Environments
 from rlc.schemas.target import TargetProfile
 
 #: Steps skipped at the start of a run (engine warm-up, first compilations, allocator growth).
@@ -46,10 +47,20 @@ SPAN = 100.0
 MIN_UNCERTAINTY = 1.15
 PHASE_PARAMS: dict[str, tuple[str, ...]] = {
     "train": ("train_mfu", "micro_batch_overhead_s"),
-    "rollout": ("decode_bandwidth_efficiency", "prefill_mfu", "decode_step_overhead_s", "decode_sequence_overhead_s"),
+    "rollout": (
+        "decode_bandwidth_efficiency",
+        "prefill_mfu",
+        "decode_step_overhead_s",
+        "decode_sequence_overhead_s",
+        "agent_call_overhead_s",
+    ),
     "sync": ("weight_sync_overhead_s", "weight_reload_gbps"),
     "step": ("step_overhead_s",),
 }
+#: The spec's default tool latency, for a plan that records none.
+TOOL_LATENCY_S = Environments.model_fields["tool_latency_s"].default
+#: Parameters only agent runs read (`cost.agent_rollout_s`).
+AGENT_PARAMS = {"agent_call_overhead_s"}
 FRACTIONS = {"train_mfu", "prefill_mfu", "decode_bandwidth_efficiency", "collective_efficiency"}
 
 
@@ -102,6 +113,7 @@ MEASURED_BOUNDS: dict[str, Bound] = {
     "time/weight_sync_s": Bound("a time in seconds", 0, MAX_SECONDS),
     "train/tokens": Bound("a token count", 0, MAX_TOKENS),
     "response_len/mean": Bound("a token count", 0, MAX_TOKENS),
+    "agent/turns": Bound("a number of model calls", 0, 1e6),
 }
 
 
@@ -197,11 +209,17 @@ def load_run(run_dir: Path) -> Run:
     response = _median(rows, "response_len/mean") or 0.0
     prompt = max(1.0, tokens / samples - response) if tokens else plan.sampling.max_prompt_len * cost.PROMPT_FRACTION
     work = run_workload(plan, prompt, response or plan.sampling.max_response_len * cost.RESPONSE_FRACTION)
+    if work.agent is not None and response and (turns := _median(rows, "agent/turns")):
+        # An agent run's response_len/mean counts the tokens its calls sampled (the tools' replies, masked, are
+        # in train/tokens only), over agent/turns calls.
+        turns = max(1.0, turns)
+        work = replace(work, agent=replace(work.agent, turns=turns, turn_tokens=response / turns))
     return Run(run_dir.name, plan, measured, work, len(rows))
 
 
 def run_workload(plan: Plan, prompt_tokens: float, response_tokens: float) -> cost.Workload:
-    """The plan's workload with the run's measured mean lengths in place of the planner's assumptions."""
+    """The plan's workload with the run's measured mean lengths in place of the planner's assumptions (for an
+    agent, its turns as the plan priced them: `load_run` puts the measured ones in)."""
     algo, sampling = plan.algorithm, plan.sampling
     spec = sampling.speculative or {}
     base = cost.workload(
@@ -215,8 +233,26 @@ def run_workload(plan: Plan, prompt_tokens: float, response_tokens: float) -> co
         lora=plan.lora is not None,
         mtp_tokens=int(spec.get("num_speculative_tokens", 0)),
         minibatches=algo.minibatches,
+        agent=_agent_work(plan),
     )
     return replace(base, prompt_tokens=prompt_tokens, response_tokens=response_tokens)
+
+
+def _agent_work(plan: Plan) -> cost.AgentWork | None:
+    agent = plan.agent
+    if agent is None:
+        return None
+    tool_s = agent.tool_latency_s
+    if tool_s is None:  # a plan compiled before the agent settings recorded it: its environments role's estimate
+        env = next((r for r in plan.roles if r.kind == "environments"), None)
+        tool_s = env.estimates.get("tool_s_per_turn", TOOL_LATENCY_S) if env is not None else TOOL_LATENCY_S
+    return cost.agent_work(
+        max_turns=agent.max_turns,
+        expected_turns=agent.expected_turns,
+        max_tokens_per_turn=agent.max_tokens_per_turn,
+        max_response_len=plan.sampling.max_response_len,
+        tool_s=tool_s,
+    )
 
 
 def _sizes(plan: Plan) -> ModelSizes:
@@ -299,6 +335,8 @@ def _value(target: TargetProfile, name: str) -> float:
         return cost.decode_step_overhead_s(target)
     if name == "decode_sequence_overhead_s":
         return cost.decode_sequence_overhead_s(target)
+    if name == "agent_call_overhead_s":
+        return cost.agent_call_overhead_s(target)
     return float(getattr(target.efficiency, name))
 
 
@@ -331,9 +369,12 @@ def fit(base: TargetProfile, runs: list[Run]) -> tuple[TargetProfile, dict[str, 
     train, rollout, sync, step (the step's overhead is what the other phases leave unexplained)."""
     target = base
     fitted: dict[str, float] = {}
-    for phase, names in PHASE_PARAMS.items():
+    agents = any(r.work.agent is not None for r in runs)
+    for phase, all_names in PHASE_PARAMS.items():
         if not any(_usable(r, phase) for r in runs):
             continue
+        # Only agent runs tell the per-call cost; without one it stays what the base profile says.
+        names = tuple(n for n in all_names if agents or n not in AGENT_PARAMS)
         for _ in range(3):
             for name in names:
                 lo, hi = _bounds(name, _value(base, name))

@@ -26,6 +26,9 @@ from rlc.schemas.target import TargetProfile
 #: Mean response length as a fraction of max_response_len. RL responses are long-tailed: most finish well
 #: before the cap while a few hit it (AReaL, StreamRL report means around half the cap on math tasks).
 RESPONSE_FRACTION = 0.5
+#: Mean model calls of an agent trajectory as a fraction of max_turns when the spec does not state
+#: `expected_turns`: the cap is set for the longest episode, as the length caps are.
+TURNS_FRACTION = 0.5
 #: Mean prompt length as a fraction of max_prompt_len (the cap is set for the longest prompt).
 PROMPT_FRACTION = 0.5
 #: Latency of one small collective (ring start-up), seconds. HCCL small-message all-reduce on A2 measures in
@@ -75,6 +78,15 @@ EAGER_LAYER_LAUNCH_S = {
 #: model (vLLM generate of 4 tokens for 8 vs 128 sequences, TP 1 and TP 2 alike). Accelerators: not measured
 #: here; a dedicated host core makes it small next to the device's step, so it is left in their efficiencies.
 DECODE_SEQUENCE_OVERHEAD_S = {"npu": 0.0, "gpu": 0.0, "cpu": 0.23e-3}
+#: Host seconds one agent model call costs beyond the engine's decode work: the OpenAI-compatible endpoint in
+#: the engine's actor (HTTP, rlc's session router, chat template, tokenization, detokenization, recording) and
+#: the agent's `openai` client. Both run on Python event loops that take calls one at a time, so an engine
+#: serving n calls in a turn round pays about n times this beside its decode steps (`agent_rollout_s`).
+#: cpu: measured 8 ms, the central value of benchmarks/agent_call_cost.py over three runs on a two-core machine
+#: (the slope over n of the wall time of n concurrent one-token chat calls on examples/cpu-agent.yaml's engine:
+#: 7.2, 8.4 and 11.8 ms; about 4 ms of it the engine actor's CPU, 5 ms the clients'). [estimate] accelerators:
+#: the same Python path on a server's faster host cores; not measured, `rlc calibrate` fits it from an agent run.
+AGENT_CALL_OVERHEAD_S = {"npu": 2e-3, "gpu": 2e-3, "cpu": 8e-3}
 #: Share of data-parallel gradient/parameter traffic hidden behind compute (FSDP2 prefetch, Megatron
 #: overlap_grad_reduce). Half is a conservative middle of what torchtitan and Megatron report.
 DP_OVERLAP = 0.5
@@ -123,6 +135,17 @@ def expected_longest_response(mean: float, cap: int, samples: int) -> float:
 
 
 @dataclass(frozen=True)
+class AgentWork:
+    """What an agentic rollout asks of an engine per trajectory, beside its tokens: several model calls, each
+    after the environment answered the one before."""
+
+    turns: float  # mean model calls per trajectory (the spec's expected_turns)
+    turn_tokens: float  # mean tokens one call generates
+    max_turn_tokens: int  # the most one call may generate (max_tokens_per_turn, within max_response_len)
+    tool_s: float  # seconds the environment takes between two calls (the spec's assumed tool latency)
+
+
+@dataclass(frozen=True)
 class Workload:
     """What one RL step processes; derived from the spec once."""
 
@@ -146,6 +169,8 @@ class Workload:
     #: Optimizer steps per RL step (`algorithm.minibatches`): each takes its share of the micro-batches, its
     #: own pipeline fill and drain, gradient reduction and optimizer update.
     minibatches: int = 1
+    #: Agentic rollouts (`rollout.agent`): each trajectory is several calls with tool time between them.
+    agent: AgentWork | None = None
 
     @property
     def proximal_forwards(self) -> int:
@@ -202,6 +227,7 @@ def workload(
     mtp_acceptance: float = 0.0,
     mtp_draft_layers: int = 0,
     minibatches: int = 1,
+    agent: AgentWork | None = None,
 ) -> Workload:
     """Build a Workload with the documented mean-length assumptions."""
     return Workload(
@@ -219,7 +245,21 @@ def workload(
         mtp_acceptance=mtp_acceptance,
         mtp_draft_layers=mtp_draft_layers,
         minibatches=minibatches,
+        agent=agent,
     )
+
+
+def agent_work(
+    *, max_turns: int, expected_turns: float | None, max_tokens_per_turn: int, max_response_len: int, tool_s: float
+) -> AgentWork:
+    """An agent's per-trajectory work under the documented assumptions: `expected_turns` calls (unset: half of
+    max_turns, at least one, as lengths default to half their caps), each generating RESPONSE_FRACTION of its
+    token cap, but no more together than the trajectory's mean response (RESPONSE_FRACTION of max_response_len,
+    which the trainer's workload counts): a long episode of many turns runs into its context budget."""
+    turns = expected_turns if expected_turns is not None else max(1.0, max_turns * TURNS_FRACTION)
+    cap = min(max_tokens_per_turn, max_response_len)
+    per_turn = min(cap * RESPONSE_FRACTION, max_response_len * RESPONSE_FRACTION / turns)
+    return AgentWork(float(turns), per_turn, cap, tool_s)
 
 
 def accepted_tokens_per_step(k: int, a: float) -> float:
@@ -360,6 +400,12 @@ def decode_attention_flops(arch: ModelArch) -> float:
     return 4 * arch.num_attention_heads * arch.head_dim
 
 
+def agent_call_overhead_s(target: TargetProfile) -> float:
+    """Host seconds per agent model call: the profile's (e.g. `rlc calibrate`'s fit), else AGENT_CALL_OVERHEAD_S."""
+    value = target.efficiency.agent_call_overhead_s
+    return AGENT_CALL_OVERHEAD_S[target.kind] if value is None else value
+
+
 def decode_step_overhead_s(target: TargetProfile) -> float:
     """Host seconds per engine step: the profile's (e.g. `rlc calibrate`'s fit), else DECODE_STEP_OVERHEAD_S."""
     value = target.efficiency.decode_step_overhead_s
@@ -449,6 +495,11 @@ def rollout_time(
     prefill_flops = 2 * sizes.active * per_rank * work.prompt_tokens
     prefill = prefill_flops / (rank_devices * target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu)
     prefill += per_rank * decode_sequence_overhead_s(target)  # each sequence's prefill is one engine step
+    if work.agent is not None:
+        engine_share = ceil(work.samples / layout.replicas)
+        total = agent_rollout_s(work.agent, per_rank, engine_share, c, step, tail_step, tau, target) + prefill
+        generated = work.samples * work.agent.turns * work.agent.turn_tokens
+        return RolloutTime(total, total, prefill, step, c, generated / total)
     sync = waves * mean_steps * step + tail + prefill
     # An engine's generate call returns with the last sequence of all its attention-DP ranks: its share is the
     # engine's, not a rank's.
@@ -457,6 +508,37 @@ def rollout_time(
     share_tail = max(0.0, share_longest - work.response_tokens) / tau * tail_step
     stream = waves * mean_steps * step + share_tail + prefill
     return RolloutTime(sync, stream, prefill, step, c, work.samples * work.response_tokens / stream)
+
+
+def agent_rollout_s(
+    agent: AgentWork,
+    rank_share: int,
+    engine_share: int,
+    c: int,
+    step: float,
+    tail_step: float,
+    tau: float,
+    target: TargetProfile,
+) -> float:
+    """Seconds an engine takes for its share of a step's agent trajectories (prefill aside).
+
+    The controller admits the whole batch (agent_plan: the trajectories in flight cover an engine's share), so
+    every trajectory starts at once and takes `turns` rounds, each of:
+      decode  every trajectory's call: rank_share / c passes of a mean turn at concurrency c;
+      host    engine_share × `agent_call_overhead_s`: each call's endpoint and client work, one call at a time;
+      tools   `tool_s`: the environments answer every trajectory at once, and its next call waits for that.
+    Then the batch waits for its slowest trajectory, decoding at tail concurrency. A trajectory's decode is the sum
+    of its turns, each modelled as `expected_longest_response` models a response (exponential, capped); one turn's
+    expected excess of the slowest of n over the mean is e1 = longest − mean, and a sum of T such turns has
+    √T times one turn's standard deviation, so the tail is √T · e1 tokens (exact for one turn; at most T · e1, the
+    bound of every turn at its cap). A tool call that overlaps other trajectories' decoding (shares wider than c)
+    is not credited: such a share is priced a little high.
+    """
+    waves = rank_share / c
+    rounds = agent.turns * (waves * agent.turn_tokens / tau * step + engine_share * agent_call_overhead_s(target))
+    rounds += agent.turns * agent.tool_s
+    excess = expected_longest_response(agent.turn_tokens, agent.max_turn_tokens, rank_share) - agent.turn_tokens
+    return rounds + agent.turns**0.5 * max(0.0, excess) / tau * tail_step
 
 
 # --------------------------------------------------------------------------------------------- training

@@ -79,6 +79,21 @@ def train_precision(problem: Problem) -> Precision:
     return BF16 if choice == "bfloat16" else FP32
 
 
+def agent_work(problem: Problem) -> cost.AgentWork | None:
+    """What the spec's agent asks of the engines per trajectory (`cost.agent_work`), or None without an agent."""
+    spec = problem.spec
+    agent = spec.rollout.agent
+    if agent is None:
+        return None
+    return cost.agent_work(
+        max_turns=agent.max_turns,
+        expected_turns=agent.expected_turns,
+        max_tokens_per_turn=agent.max_tokens_per_turn,
+        max_response_len=spec.rollout.max_response_len,
+        tool_s=agent.environments.tool_latency_s,
+    )
+
+
 def make_context(problem: Problem, exhaustive: bool = False) -> Context:
     """Derive the search context from a resolved problem."""
     spec = problem.spec
@@ -98,6 +113,7 @@ def make_context(problem: Problem, exhaustive: bool = False) -> Context:
         mtp_acceptance=mtp.acceptance_rate if mtp else 0.0,
         mtp_draft_layers=1 if uses_mtp_layers else 0,
         minibatches=spec.algorithm.minibatches,
+        agent=agent_work(problem),
     )
     return Context(
         problem=problem,

@@ -217,6 +217,12 @@ class AgentSettings(PlanModel):
         description="Trajectories kept in flight per engine (engine busy while tools run)."
     )
     concurrency_per_worker: int = Field(description="Trajectories one environment worker runs at once.")
+    expected_turns: float | None = Field(
+        None, description="Mean model calls per trajectory the estimates price (the spec's, else half of max_turns)."
+    )
+    tool_latency_s: float | None = Field(
+        None, description="Seconds per tool call the estimates assume (the spec's tool_latency_s)."
+    )
     options: dict[str, str | int | float | bool] = Field(default_factory=dict, description="The agent's `llm.options`.")
 
 

@@ -289,6 +289,13 @@ class Agent(StrictModel):
         8, description="Model calls per trajectory; the next call gets a context_length_exceeded error."
     )
     max_tokens_per_turn: Tokens = Field(1024, description="Tokens one call may generate (max_tokens is capped).")
+    expected_turns: float | None = Field(
+        None,
+        ge=1.0,
+        le=4096.0,
+        description="Model calls a trajectory makes on average; used only by the planner's estimates (default: "
+        "half of max_turns, at least 1).",
+    )
     timeout_s: float = Field(
         600.0, gt=0.0, le=86400.0, description="Wall-clock limit of one trajectory; past it the episode is dropped."
     )

@@ -77,6 +77,12 @@ class Efficiency(BaseModel):
         description="Host seconds per running sequence per engine step (per-request bookkeeping on hosts where "
         "it shows); unset: the cost model's default for the target's kind.",
     )
+    agent_call_overhead_s: float | None = Field(
+        None,
+        ge=0.0,
+        description="Host seconds per agent model call (the engine's OpenAI endpoint and the agent's client, one "
+        "call at a time); unset: the cost model's default for the target's kind.",
+    )
 
 
 class Determinism(BaseModel):

@@ -52,16 +52,12 @@ def _truth():  # type: ignore[no-untyped-def]
     return cpu.model_copy(update={"efficiency": cpu.efficiency.model_copy(update=TRUTH)})
 
 
-def _write_run(tmp_path: Path, batch: int, steps: int = 30) -> Path:
-    """A run directory whose times are the true profile's predictions for its own measured lengths, ±5%."""
-    plan = _plan(batch)
-    run = tmp_path / f"run-{batch}"
+def write_run_dir(run: Path, plan, truth: dict[str, float], tokens: float, steps: int, **extra: float) -> Path:  # type: ignore[no-untyped-def]
+    """A run directory holding `plan` and `steps` metrics rows: `truth`'s phase times ±5% (seeded by the folder's
+    name), the first step three times as long (warm-up steps are skipped), `tokens` trained, and `extra` keys."""
     run.mkdir()
     (run / "plan.json").write_text(plan.model_dump_json())
-    rng = random.Random(batch)
-    prompt, response = 5.0, 2.5
-    work = calibrate.run_workload(plan, prompt, response)
-    truth = calibrate.predict(plan, _truth(), work)
+    rng = random.Random(run.name)
     rows = []
     for step in range(1, steps + 1):
         jitter = {k: v * rng.uniform(0.95, 1.05) for k, v in truth.items()}
@@ -71,13 +67,22 @@ def _write_run(tmp_path: Path, batch: int, steps: int = 30) -> Path:
                 "time/rollout_s": jitter["rollout"],
                 "time/train_s": jitter["train"],
                 "time/weight_sync_s": jitter["sync"],
-                "time/step_s": jitter["step"] * (3 if step == 1 else 1),  # warm-up steps are skipped
-                "train/tokens": (prompt + response) * plan.schedule.batch_samples,
-                "response_len/mean": response,
+                "time/step_s": jitter["step"] * (3 if step == 1 else 1),
+                "train/tokens": tokens,
+                **extra,
             }
         )
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
+
+
+def _write_run(tmp_path: Path, batch: int, steps: int = 30) -> Path:
+    """A run directory whose times are the true profile's predictions for its own measured lengths, ±5%."""
+    plan = _plan(batch)
+    prompt, response = 5.0, 2.5
+    truth = calibrate.predict(plan, _truth(), calibrate.run_workload(plan, prompt, response))
+    tokens = (prompt + response) * plan.schedule.batch_samples
+    return write_run_dir(tmp_path / f"run-{batch}", plan, truth, tokens, steps, **{"response_len/mean": response})
 
 
 def test_calibrated_profile_predicts_another_batch_size(tmp_path: Path) -> None:

@@ -308,7 +308,9 @@ def test_minibatches_are_optimizer_steps_clipped_against_the_step_start(pg, tiny
     sd_a, sd_b = split.model.state_dict(), by_hand.model.state_dict()
     assert max((sd_a[n].full_tensor() - sd_b[n].full_tensor()).abs().max().item() for n in sd_a) < WEIGHT_TOL
     assert got["optimizer_steps"] == 2
-    assert got["grad_norm"] == pytest.approx((a["grad_norm"] + b["grad_norm"]) / 2, abs=TOL)
+    # Norms near 16 carry fp32 rounding of about 1e-6 of their size (the proximal pass and compute_logprobs sum
+    # in their own orders): compared relatively, not to TOL.
+    assert got["grad_norm"] == pytest.approx((a["grad_norm"] + b["grad_norm"]) / 2, rel=1e-5)
     assert got["loss"] == pytest.approx((a["loss"] + b["loss"]) / 2, abs=TOL)
     assert got["n_tokens"] == a["n_tokens"] + b["n_tokens"]
     # The second minibatch trains after the first update, so the policy has moved from the proximal one there;
