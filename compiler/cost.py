@@ -592,11 +592,12 @@ def train_mfu(sizes: ModelSizes, target: TargetProfile) -> float:
 
     MoE layers add work a dense layer has not (router, top-k, permuting tokens to their experts and back) and
     run their expert GEMMs as grouped GEMMs of uneven, smaller shapes, so the same framework reaches a lower
-    share of peak on them: NeMo AutoModel's published DGX-H100 BF16 pre-training table measures 277 model
-    TFLOP/s/GPU for Qwen3-MoE-30B-A3B (EP 8 inside one node, DeepEP) against 389 for dense Llama3-70B, a
-    ratio of 0.71 (the targets' `moe_train_ratio`). That MoE entry keeps its all-to-all inside NVLink, where
-    DeepEP hides it, so the ratio is the compute side only; wider EP groups pay their all-to-alls in
-    `train_time`'s EP term, which is not folded in here (its wider-EP entries, DeepSeek-V3 at 22-25%, include it).
+    share of peak on them. Pre-training shows the mildest form: NeMo AutoModel's published DGX-H100 BF16 table
+    measures 277 model TFLOP/s/GPU for Qwen3-MoE-30B-A3B (EP 8 inside one node, DeepEP) against 389 for dense
+    Llama3-70B, a ratio of 0.71 (the Ascend profiles' `moe_train_ratio`). RL trains smaller packed micro-batches
+    and adds log-prob passes: NeMo-RL v0.3's published per-phase timings put Qwen3-30B-A3B's training at 0.20 of
+    the dense runs' MFU on the same GPUs (the GPU profiles' value, fitted by benchmarks/fit_gpu_efficiency.py).
+    Wider EP groups pay their all-to-alls in `train_time`'s EP term, which is not folded in here.
     """
     mfu = target.efficiency.train_mfu
     if sizes.arch.moe is not None:

@@ -17,6 +17,8 @@ EXPECTED = {
     "qwen3.5-27b",
     "qwen3.6-27b",
     "deepseek-v3",
+    "llama3.1-8b",
+    "llama3.1-70b",
     "rlc-tiny",
 }
 

@@ -116,13 +116,17 @@ def test_profiles_are_frozen() -> None:
 
 
 def test_the_estimate_band_leans_the_way_the_evidence_does() -> None:
-    """Published runs mostly took longer than estimated, so the shipped accelerator bands reach further on the slow
-    side; a plan written before the fast side existed reads as the symmetric band it stated."""
+    """Published Ascend runs mostly took longer than estimated, so those bands reach further on the slow side; the
+    GPU runs checked after the GPU profiles' fit (benchmarks/fit_gpu_efficiency.py) missed furthest the other way.
+    A plan written before the fast side existed reads as the symmetric band it stated."""
     from rlc.schemas.plan import Estimates
 
-    for name in ("a2", "a2-32g", "a3", "h100", "h800", "h20", "a800"):
+    for name in ("a2", "a2-32g", "a3"):
         p = load_target(name)
         assert p.estimate_uncertainty_fast is not None and p.estimate_uncertainty_fast < p.estimate_uncertainty, name
+    for name in ("h100", "h800", "h20", "a800"):
+        p = load_target(name)
+        assert p.estimate_uncertainty_fast is not None and p.estimate_uncertainty_fast > p.estimate_uncertainty, name
     assert load_target("cpu").estimate_uncertainty_fast is None
     leaning = Estimates(
         step_time_s=100,
