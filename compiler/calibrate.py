@@ -209,10 +209,17 @@ def load_run(run_dir: Path) -> Run:
     response = _median(rows, "response_len/mean") or 0.0
     prompt = max(1.0, tokens / samples - response) if tokens else plan.sampling.max_prompt_len * cost.PROMPT_FRACTION
     work = run_workload(plan, prompt, response or plan.sampling.max_response_len * cost.RESPONSE_FRACTION)
-    if work.agent is not None and response and (turns := _median(rows, "agent/turns")):
+    turns = _median(rows, "agent/turns")
+    if work.agent is not None and response and turns is not None:
         # An agent run's response_len/mean counts the tokens its calls sampled (the tools' replies, masked, are
         # in train/tokens only), over agent/turns calls.
-        turns = max(1.0, turns)
+        limit = plan.agent.max_turns if plan.agent is not None else 0
+        if not 1 <= turns <= limit:
+            why = "most trajectories made no model call" if turns < 1 else f"the plan allows {limit}"
+            raise CalibrationError(
+                f"{metrics_file}: agent/turns has median {turns:g} calls per trajectory, but {why}: this run cannot "
+                "calibrate agent rollouts"
+            )
         work = replace(work, agent=replace(work.agent, turns=turns, turn_tokens=response / turns))
     return Run(run_dir.name, plan, measured, work, len(rows))
 
@@ -369,12 +376,11 @@ def fit(base: TargetProfile, runs: list[Run]) -> tuple[TargetProfile, dict[str, 
     train, rollout, sync, step (the step's overhead is what the other phases leave unexplained)."""
     target = base
     fitted: dict[str, float] = {}
-    agents = any(r.work.agent is not None for r in runs)
     for phase, all_names in PHASE_PARAMS.items():
-        if not any(_usable(r, phase) for r in runs):
+        usable = [r for r in runs if _usable(r, phase)]
+        if not usable:
             continue
-        # Only agent runs tell the per-call cost; without one it stays what the base profile says.
-        names = tuple(n for n in all_names if agents or n not in AGENT_PARAMS)
+        names = _phase_names(all_names, usable)
         for _ in range(3):
             for name in names:
                 lo, hi = _bounds(name, _value(base, name))
@@ -385,6 +391,21 @@ def fit(base: TargetProfile, runs: list[Run]) -> tuple[TargetProfile, dict[str, 
                 target = _with(target, {name: exp(_golden(f, lo, hi))})
         fitted.update({n: _value(target, n) for n in names})
     return target, fitted
+
+
+def _phase_names(names: tuple[str, ...], usable: list[Run]) -> tuple[str, ...]:
+    """The parameters a phase's runs can tell apart. Only agent runs tell the per-call cost, so without one it
+    stays what the base profile says; agent runs alone leave the decode parameters to the base too, since their
+    rollout time is mostly calls and tool waits: a fit of both would blame the decode for the calls and
+    mispredict every plan without an agent."""
+    if not AGENT_PARAMS & set(names):
+        return names
+    agents = sum(r.work.agent is not None for r in usable)
+    if agents == 0:
+        return tuple(n for n in names if n not in AGENT_PARAMS)
+    if agents == len(usable):
+        return tuple(n for n in names if n in AGENT_PARAMS)
+    return names
 
 
 def calibrate(base: TargetProfile, runs: list[Run]) -> TargetProfile:

@@ -497,9 +497,14 @@ def rollout_time(
     prefill += per_rank * decode_sequence_overhead_s(target)  # each sequence's prefill is one engine step
     if work.agent is not None:
         engine_share = ceil(work.samples / layout.replicas)
-        total = agent_rollout_s(work.agent, per_rank, engine_share, c, step, tail_step, tau, target) + prefill
+        busy, chain = agent_rollout_s(work.agent, per_rank, engine_share, work.samples, c, step, tail_step, tau, target)
+        sync_s = chain + prefill
+        # Asynchronous: the controller keeps staleness + 1 batches of trajectories in flight (agent_plan sizes the
+        # engines' in-flight work to it), so one batch's tool waits and tail overlap the next batches' calls; a
+        # batch still needs its engine's own work.
+        async_s = max(busy + prefill, sync_s / (work.staleness + 1))
         generated = work.samples * work.agent.turns * work.agent.turn_tokens
-        return RolloutTime(total, total, prefill, step, c, generated / total)
+        return RolloutTime(sync_s, async_s, prefill, step, c, generated / async_s)
     sync = waves * mean_steps * step + tail + prefill
     # An engine's generate call returns with the last sequence of all its attention-DP ranks: its share is the
     # engine's, not a rank's.
@@ -514,31 +519,37 @@ def agent_rollout_s(
     agent: AgentWork,
     rank_share: int,
     engine_share: int,
+    samples: int,
     c: int,
     step: float,
     tail_step: float,
     tau: float,
     target: TargetProfile,
-) -> float:
-    """Seconds an engine takes for its share of a step's agent trajectories (prefill aside).
+) -> tuple[float, float]:
+    """Seconds of an engine's work for its share of a step's agent trajectories, and of the batch's critical path
+    (a synchronous step's rollout), prefill of the prompts aside.
 
-    The controller admits the whole batch (agent_plan: the trajectories in flight cover an engine's share), so
-    every trajectory starts at once and takes `turns` rounds, each of:
-      decode  every trajectory's call: rank_share / c passes of a mean turn at concurrency c;
+    At staleness 0 the controller starts a batch's trajectories together, and they take `turns` rounds:
+      decode  every trajectory's call: rank_share / c passes of a mean turn at concurrency c, and from the second
+              call on its prefill of what came since (one engine step per sequence, `decode_sequence_overhead_s`;
+              the first call's is the prompts' prefill);
       host    engine_share × `agent_call_overhead_s`: each call's endpoint and client work, one call at a time;
-      tools   `tool_s`: the environments answer every trajectory at once, and its next call waits for that.
-    Then the batch waits for its slowest trajectory, decoding at tail concurrency. A trajectory's decode is the sum
-    of its turns, each modelled as `expected_longest_response` models a response (exponential, capped); one turn's
-    expected excess of the slowest of n over the mean is e1 = longest − mean, and a sum of T such turns has
-    √T times one turn's standard deviation, so the tail is √T · e1 tokens (exact for one turn; at most T · e1, the
-    bound of every turn at its cap). A tool call that overlaps other trajectories' decoding (shares wider than c)
-    is not credited: such a share is priced a little high.
+      tools   `tool_s` between two calls (turns − 1 of them): the environments answer every trajectory at once.
+    Then the batch waits for its slowest trajectory, decoding at tail concurrency. One turn's expected excess of
+    the slowest of the batch's trajectories over the mean is e1 (`expected_longest_response`, capped at the turn's
+    limit); a trajectory sums `turns` of them, and the excess of a maximum grows with the spread of what is
+    maximised, which for a sum of T independent turns is √T times one turn's: √T · e1 (exact at T = 1; a
+    heuristic beyond, at most T · e1, every turn at its cap). A tool call that overlaps other trajectories'
+    decoding (shares wider than c) is not credited: such a share is priced a little high.
+    The engine's own work is the decode and host parts without the tool waits and the tail.
     """
     waves = rank_share / c
-    rounds = agent.turns * (waves * agent.turn_tokens / tau * step + engine_share * agent_call_overhead_s(target))
-    rounds += agent.turns * agent.tool_s
-    excess = expected_longest_response(agent.turn_tokens, agent.max_turn_tokens, rank_share) - agent.turn_tokens
-    return rounds + agent.turns**0.5 * max(0.0, excess) / tau * tail_step
+    per_call = waves * agent.turn_tokens / tau * step + engine_share * agent_call_overhead_s(target)
+    later = max(0.0, agent.turns - 1)  # calls after the first, whose prefill the prompts' prefill does not cover
+    busy = agent.turns * per_call + later * rank_share * decode_sequence_overhead_s(target)
+    excess = expected_longest_response(agent.turn_tokens, agent.max_turn_tokens, samples) - agent.turn_tokens
+    tail = agent.turns**0.5 * max(0.0, excess) / tau * tail_step
+    return busy, busy + later * agent.tool_s + tail
 
 
 # --------------------------------------------------------------------------------------------- training

@@ -218,10 +218,13 @@ class AgentSettings(PlanModel):
     )
     concurrency_per_worker: int = Field(description="Trajectories one environment worker runs at once.")
     expected_turns: float | None = Field(
-        None, description="Mean model calls per trajectory the estimates price (the spec's, else half of max_turns)."
+        None,
+        ge=1.0,
+        le=4096.0,
+        description="Mean model calls per trajectory the estimates price (the spec's, else half of max_turns).",
     )
     tool_latency_s: float | None = Field(
-        None, description="Seconds per tool call the estimates assume (the spec's tool_latency_s)."
+        None, ge=0.0, le=86400.0, description="Seconds per tool call the estimates assume (the spec's tool_latency_s)."
     )
     options: dict[str, str | int | float | bool] = Field(default_factory=dict, description="The agent's `llm.options`.")
 

@@ -9,7 +9,7 @@ hardware, so every number carries a source or an uncertainty note, enforced by a
 from __future__ import annotations
 
 import typing
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -83,6 +83,10 @@ class Efficiency(BaseModel):
         description="Host seconds per agent model call (the engine's OpenAI endpoint and the agent's client, one "
         "call at a time); unset: the cost model's default for the target's kind.",
     )
+
+
+#: Efficiencies a profile may leave unset (the cost model's default for the target's kind applies).
+OPTIONAL_EFFICIENCIES = tuple(name for name, f in Efficiency.model_fields.items() if f.default is None)
 
 
 class Determinism(BaseModel):
@@ -217,6 +221,22 @@ class TargetProfile(BaseModel):
             "has an entry."
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_fields_cite_the_default(cls, data: Any) -> Any:
+        """A profile written before an optional efficiency existed (one `rlc calibrate` wrote, say) leaves it unset
+        and has no source line for it: the cost model's default applies, and that is its source."""
+        if not isinstance(data, dict) or not isinstance(data.get("sources"), dict):
+            return data
+        efficiency = data.get("efficiency")
+        given = efficiency if isinstance(efficiency, dict) else {}
+        sources = dict(data["sources"])
+        for name in OPTIONAL_EFFICIENCIES:
+            key = f"efficiency.{name}"
+            if given.get(name) is None and key not in sources:
+                sources[key] = "unset: the cost model's default for the target's kind"
+        return {**data, "sources": sources}
 
     @model_validator(mode="after")
     def _consistent(self) -> TargetProfile:

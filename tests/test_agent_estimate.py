@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlc.compiler import calibrate, cost, search
 from rlc.compiler.pipeline import compile_text
@@ -71,10 +72,11 @@ def test_each_turn_pays_the_tool_and_every_call_its_host_work() -> None:
     assert agent is not None
     base = _rollout(ctx)
     slower_tools = _rollout(ctx, tool_s=agent.tool_s + 1.0)
-    assert slower_tools.sync_s - base.sync_s == pytest.approx(agent.turns * 1.0)
-    more_turns = _rollout(ctx, turns=agent.turns * 2)
+    assert slower_tools.sync_s - base.sync_s == pytest.approx(agent.turns - 1)  # a tool between two calls
+    more_turns = _rollout(ctx, turns=agent.turns * 2, tool_s=0.0)
+    no_tools = _rollout(ctx, tool_s=0.0)
     # Twice the rounds; the slowest trajectory's tail grows only with the square root of its turns.
-    assert 1.5 * base.sync_s < more_turns.sync_s < 2 * base.sync_s
+    assert 1.5 * no_tools.sync_s < more_turns.sync_s < 2 * no_tools.sync_s
     # Every call's host work is paid one call at a time on its engine: turns × the engine's share of the batch.
     dear = cost.agent_call_overhead_s(ctx.target) + 0.01
     target = ctx.target.model_copy(
@@ -84,6 +86,20 @@ def test_each_turn_pays_the_tool_and_every_call_its_host_work() -> None:
     assert best is not None
     share = -(-ctx.work.samples // best.rollout.layout.replicas)
     assert _rollout(ctx, target).sync_s - base.sync_s == pytest.approx(agent.turns * share * 0.01)
+
+
+def test_an_asynchronous_step_overlaps_tool_waits_but_not_the_engines_work() -> None:
+    ctx = _context(A2_AGENT.replace("max_turns: 8", "max_turns: 8\n    environments: {tool_latency_s: 30}"))
+    zero = dataclasses.replace(ctx, work=dataclasses.replace(ctx.work, staleness=0), memo={})
+    on_policy = _rollout(zero)
+    assert on_policy.async_s == on_policy.sync_s  # staleness 0: the batch waits for its own chain of turns
+    two = dataclasses.replace(ctx, work=dataclasses.replace(ctx.work, staleness=2), memo={})
+    stale = _rollout(two)
+    assert stale.async_s == pytest.approx(max(stale.sync_s / 3, stale.async_s))
+    assert stale.async_s < stale.sync_s
+    # Without tool time or tail the chain is the engine's own work: nothing to overlap.
+    busy_only = _rollout(two, tool_s=0.0)
+    assert busy_only.async_s <= busy_only.sync_s
 
 
 def test_the_planner_prices_turns_and_says_so(tmp_path: Path) -> None:
@@ -101,7 +117,8 @@ def test_the_planner_prices_turns_and_says_so(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------------------------- calibrate
 
-TRUTH = {"agent_call_overhead_s": 0.02, "decode_bandwidth_efficiency": 0.08}
+#: What agent runs can tell: the per-call cost (their rollout is mostly calls and tool waits).
+TRUTH = {"agent_call_overhead_s": 0.02}
 
 
 def _agent_plan(batch: int):  # type: ignore[no-untyped-def]
@@ -137,14 +154,43 @@ def test_calibrate_reads_an_agent_runs_turns_and_fits_the_call_cost(tmp_path: Pa
     assert run.work.agent is not None and run.work.agent.turns == pytest.approx(1.9)
     assert run.work.agent.turn_tokens == pytest.approx(11.0 / 1.9)
     assert run.work.agent.tool_s == pytest.approx(0.001)  # the example's assumed tool latency, from the plan
-    # Two batch sizes tell the per-call cost (it grows with an engine's share) from the decode steps' cost.
-    fitted = calibrate.calibrate(load_target("cpu"), [run, calibrate.load_run(_write_agent_run(tmp_path, 36))])
-    assert "agent_call_overhead_s=" in fitted.calibration["fitted"]
+    cpu = load_target("cpu")
+    fitted = calibrate.calibrate(cpu, [run, calibrate.load_run(_write_agent_run(tmp_path, 36))])
+    assert fitted.efficiency.agent_call_overhead_s == pytest.approx(0.02, rel=0.15)
+    assert "train_mfu=" in fitted.calibration["fitted"]  # the other phases are fitted as for any run
+    # Agent runs alone leave the decode to the base profile: a plan without an agent is predicted as before.
+    assert fitted.efficiency.decode_bandwidth_efficiency == cpu.efficiency.decode_bandwidth_efficiency
+    plain = compile_text(EXAMPLE.read_text().split("  agent:")[0] + "reward: {fn: exact_match}\n", "p.yaml").plan
+    assert plain is not None
+    plain_work = calibrate.run_workload(plain, 8.0, 16.0)
+    before = calibrate.predict(plain, cpu, plain_work)["rollout"]
+    assert calibrate.predict(plain, fitted, plain_work)["rollout"] == before
     other = _agent_plan(24)
     work = _measured_work(other, 1.9, 11.0)
     truth = calibrate.predict(other, _truth(), work)["rollout"]
     after = calibrate.predict(other, fitted, work)["rollout"]
     assert abs(after / truth - 1) < 0.10, (after, truth)
+
+
+@pytest.mark.parametrize(("turns", "why"), [(0.0, "no model call"), (7.0, "the plan allows 3")])
+def test_agent_turns_the_plan_cannot_have_are_refused(tmp_path: Path, turns: float, why: str) -> None:
+    plan = _agent_plan(12)
+    truth = calibrate.predict(plan, _truth(), _measured_work(plan, 2.0, 11.0))
+    extra = {"response_len/mean": 11.0, "agent/turns": turns}
+    run = write_run_dir(tmp_path / "odd", plan, truth, 23.0 * plan.schedule.batch_samples, 20, **extra)
+    with pytest.raises(calibrate.CalibrationError, match=why):
+        calibrate.load_run(run)
+
+
+def test_a_profile_written_before_the_call_cost_existed_still_loads(tmp_path: Path) -> None:
+    from rlc.compiler.profiles import read_profile
+
+    data = load_target("cpu").model_dump(mode="json")
+    data["efficiency"].pop("agent_call_overhead_s")
+    data["sources"].pop("efficiency.agent_call_overhead_s")
+    path = tmp_path / "cpu.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert read_profile(path).efficiency.agent_call_overhead_s is None
 
 
 def test_a_plan_without_a_recorded_tool_latency_reads_its_environments_role(tmp_path: Path) -> None:
