@@ -80,13 +80,6 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def slope(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (slope, intercept) of ys against xs."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    return b, my - b * mx
-
-
 class Bench:
     """One served engine and the timed batches of concurrent chat calls."""
 
@@ -197,9 +190,10 @@ def report(raw: Raw, reps: int) -> dict[str, Any]:
                 f"{path:6s} {n:4d} {wall * 1e3:9.1f} {min(walls) * 1e3:8.1f} {max(walls) * 1e3:8.1f} "
                 f"{wall / n * 1e3:8.2f} {cpu * 1e3:19.2f} {client * 1e3:19.2f} {toks:12.2f}"
             )
-        b, a = slope([float(n) for n in SIZES], [rows[n]["wall_s"] for n in SIZES])
+        xs = [float(n) for n in SIZES]
+        b, a = statistics.linear_regression(xs, [rows[n]["wall_s"] for n in SIZES])
         # The same fit per repetition: how steady the slope is on a drifting machine.
-        per_rep = [slope([float(n) for n in SIZES], [raw[path][n][r][0] for n in SIZES])[0] for r in range(reps)]
+        per_rep = [statistics.linear_regression(xs, [raw[path][n][r][0] for n in SIZES]).slope for r in range(reps)]
         figures[path] = {"by_n": rows, "slope_s": b, "intercept_s": a, "slope_per_rep_s": per_rep}
         print(
             f"{path}: wall(n) ~ {a * 1e3:.1f} ms + {b * 1e3:.2f} ms x n (least squares over medians); per-repetition "

@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from rlc.compiler import calibrate
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("estimate_accuracy", ROOT / "benchmarks" / "estimate_accuracy.py")
 accuracy = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
@@ -63,24 +65,6 @@ def with_values(values: dict[str, float], runs: list[dict[str, Any]]) -> list[di
                 os.environ[TARGETS_ENV] = before
 
 
-def golden(f, lo: float, hi: float, rounds: int = 18) -> float:  # type: ignore[no-untyped-def]
-    """Minimise a one-dimensional function on [lo, hi] (golden-section search, in log space)."""
-    ratio = (5**0.5 - 1) / 2
-    a, b = math.log(lo), math.log(hi)
-    c, d = b - ratio * (b - a), a + ratio * (b - a)
-    fc, fd = f(math.exp(c)), f(math.exp(d))
-    for _ in range(rounds):
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - ratio * (b - a)
-            fc = f(math.exp(c))
-        else:
-            a, c, fc = c, d, fd
-            d = a + ratio * (b - a)
-            fd = f(math.exp(d))
-    return math.exp((a + b) / 2)
-
-
 def _loss(rows: list[dict[str, Any]], key: str) -> float:
     return sum(math.log(r[key]) ** 2 for r in rows if key in r)
 
@@ -94,10 +78,11 @@ def fit(fit_runs: list[dict[str, Any]], start: dict[str, float]) -> dict[str, fl
             ("moe_train_ratio", moe_runs, "train_s_ratio"),
         ):
 
-            def f(x: float, name: str = name, runs: list = runs, key: str = key) -> float:
-                return _loss(with_values({**values, name: x}, runs), key)
+            def f(log_x: float, name: str = name, runs: list = runs, key: str = key) -> float:
+                return _loss(with_values({**values, name: math.exp(log_x)}, runs), key)
 
-            values[name] = golden(f, *BOUNDS[name])
+            lo, hi = BOUNDS[name]
+            values[name] = math.exp(calibrate.golden_section(f, math.log(lo), math.log(hi), rounds=18))
     return values
 
 

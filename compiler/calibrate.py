@@ -210,10 +210,10 @@ def load_run(run_dir: Path) -> Run:
     prompt = max(1.0, tokens / samples - response) if tokens else plan.sampling.max_prompt_len * cost.PROMPT_FRACTION
     work = run_workload(plan, prompt, response or plan.sampling.max_response_len * cost.RESPONSE_FRACTION)
     turns = _median(rows, "agent/turns")
-    if work.agent is not None and response and turns is not None:
+    if plan.agent is not None and work.agent is not None and response and turns is not None:
         # An agent run's response_len/mean counts the tokens its calls sampled (the tools' replies, masked, are
         # in train/tokens only), over agent/turns calls.
-        limit = plan.agent.max_turns if plan.agent is not None else 0
+        limit = plan.agent.max_turns
         if not 1 <= turns <= limit:
             why = "most trajectories made no model call" if turns < 1 else f"the plan allows {limit}"
             raise CalibrationError(
@@ -331,20 +331,9 @@ def _loss(target: TargetProfile, base: TargetProfile, runs: list[Run], phase: st
             predicted = predict(run.plan, target, run.work)[phase]
             total += log(max(predicted, 1e-9) / run.measured[phase]) ** 2
     for name in PHASE_PARAMS[phase]:
-        now, was = _value(target, name), _value(base, name)
+        now, was = cost.efficiency(target, name), cost.efficiency(base, name)
         total += RIDGE * log(max(now, 1e-9) / max(was, 1e-9)) ** 2
     return total
-
-
-def _value(target: TargetProfile, name: str) -> float:
-    """An efficiency as the cost model reads it (an unset host overhead is the kind's default)."""
-    if name == "decode_step_overhead_s":
-        return cost.decode_step_overhead_s(target)
-    if name == "decode_sequence_overhead_s":
-        return cost.decode_sequence_overhead_s(target)
-    if name == "agent_call_overhead_s":
-        return cost.agent_call_overhead_s(target)
-    return float(getattr(target.efficiency, name))
 
 
 def _bounds(name: str, value: float) -> tuple[float, float]:
@@ -353,7 +342,7 @@ def _bounds(name: str, value: float) -> tuple[float, float]:
     return log(value / SPAN), log(high)
 
 
-def _golden(f, lo: float, hi: float, rounds: int = 40) -> float:  # type: ignore[no-untyped-def]
+def golden_section(f, lo: float, hi: float, rounds: int = 40) -> float:  # type: ignore[no-untyped-def]
     """Minimise a one-dimensional function on [lo, hi] (golden-section search)."""
     ratio = (5**0.5 - 1) / 2
     a, b = lo, hi
@@ -383,13 +372,13 @@ def fit(base: TargetProfile, runs: list[Run]) -> tuple[TargetProfile, dict[str, 
         names = _phase_names(all_names, usable)
         for _ in range(3):
             for name in names:
-                lo, hi = _bounds(name, _value(base, name))
+                lo, hi = _bounds(name, cost.efficiency(base, name))
 
                 def f(x: float, name: str = name, now: TargetProfile = target, phase: str = phase) -> float:
                     return _loss(_with(now, {name: exp(x)}), base, runs, phase)
 
-                target = _with(target, {name: exp(_golden(f, lo, hi))})
-        fitted.update({n: _value(target, n) for n in names})
+                target = _with(target, {name: exp(golden_section(f, lo, hi))})
+        fitted.update({n: cost.efficiency(target, n) for n in names})
     return target, fitted
 
 

@@ -400,22 +400,34 @@ def decode_attention_flops(arch: ModelArch) -> float:
     return 4 * arch.num_attention_heads * arch.head_dim
 
 
+#: Host overheads a profile may leave unset, each with its default per target kind (the constants above).
+KIND_DEFAULTS = {
+    "decode_step_overhead_s": DECODE_STEP_OVERHEAD_S,
+    "decode_sequence_overhead_s": DECODE_SEQUENCE_OVERHEAD_S,
+    "agent_call_overhead_s": AGENT_CALL_OVERHEAD_S,
+}
+
+
+def efficiency(target: TargetProfile, name: str) -> float:
+    """An efficiency as the cost model reads it: the profile's (e.g. `rlc calibrate`'s fit), else for a host
+    overhead the profile leaves unset its kind's default (KIND_DEFAULTS)."""
+    value = getattr(target.efficiency, name)
+    return KIND_DEFAULTS[name][target.kind] if value is None else float(value)
+
+
 def agent_call_overhead_s(target: TargetProfile) -> float:
-    """Host seconds per agent model call: the profile's (e.g. `rlc calibrate`'s fit), else AGENT_CALL_OVERHEAD_S."""
-    value = target.efficiency.agent_call_overhead_s
-    return AGENT_CALL_OVERHEAD_S[target.kind] if value is None else value
+    """Host seconds per agent model call."""
+    return efficiency(target, "agent_call_overhead_s")
 
 
 def decode_step_overhead_s(target: TargetProfile) -> float:
-    """Host seconds per engine step: the profile's (e.g. `rlc calibrate`'s fit), else DECODE_STEP_OVERHEAD_S."""
-    value = target.efficiency.decode_step_overhead_s
-    return DECODE_STEP_OVERHEAD_S[target.kind] if value is None else value
+    """Host seconds per engine step."""
+    return efficiency(target, "decode_step_overhead_s")
 
 
 def decode_sequence_overhead_s(target: TargetProfile) -> float:
-    """Host seconds per sequence per engine step: the profile's, else DECODE_SEQUENCE_OVERHEAD_S."""
-    value = target.efficiency.decode_sequence_overhead_s
-    return DECODE_SEQUENCE_OVERHEAD_S[target.kind] if value is None else value
+    """Host seconds per sequence per engine step."""
+    return efficiency(target, "decode_sequence_overhead_s")
 
 
 def eager_launch_s(sizes: ModelSizes, target: TargetProfile) -> float:

@@ -9,7 +9,7 @@ hardware, so every number carries a source or an uncertainty note, enforced by a
 from __future__ import annotations
 
 import typing
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -222,25 +222,12 @@ class TargetProfile(BaseModel):
         ),
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _unset_fields_cite_the_default(cls, data: Any) -> Any:
-        """A profile written before an optional efficiency existed (one `rlc calibrate` wrote, say) leaves it unset
-        and has no source line for it: the cost model's default applies, and that is its source."""
-        if not isinstance(data, dict) or not isinstance(data.get("sources"), dict):
-            return data
-        efficiency = data.get("efficiency")
-        given = efficiency if isinstance(efficiency, dict) else {}
-        sources = dict(data["sources"])
-        for name in OPTIONAL_EFFICIENCIES:
-            key = f"efficiency.{name}"
-            if given.get(name) is None and key not in sources:
-                sources[key] = "unset: the cost model's default for the target's kind"
-        return {**data, "sources": sources}
-
     @model_validator(mode="after")
     def _consistent(self) -> TargetProfile:
-        missing = [name for name in numeric_field_names(type(self)) if name not in self.sources]
+        # An optional efficiency left unset (in a profile written before it existed, say) takes the cost model's
+        # default for the kind, which is its source.
+        unset = {f"efficiency.{n}" for n in OPTIONAL_EFFICIENCIES if getattr(self.efficiency, n) is None}
+        missing = [n for n in numeric_field_names(type(self)) if n not in self.sources and n not in unset]
         if missing:
             raise ValueError(f"sources has no entry for {', '.join(missing)}")
         known = set(type(self).model_fields) | set(numeric_field_names(type(self)))
