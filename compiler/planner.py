@@ -28,6 +28,7 @@ from rlc.schemas.plan import (
     DataSettings,
     DistillSettings,
     Estimates,
+    LinearAttentionLayers,
     LoraSettings,
     Memory,
     ModelSettings,
@@ -107,6 +108,20 @@ def model_settings(problem: Problem, ref: ModelRef, arch: ModelArch) -> ModelSet
         vocab_size=arch.vocab_size,
         build_tiny=build,
         tiny_max_positions=arch.max_position_embeddings if build else None,
+        linear_attention=linear_attention_layers(arch),
+    )
+
+
+def linear_attention_layers(arch: ModelArch) -> LinearAttentionLayers | None:
+    """The plan's record of a hybrid model's Gated-DeltaNet layers (None for models without them)."""
+    a = arch.attention
+    if a.kind != "linear-hybrid":
+        return None
+    return LinearAttentionLayers(
+        layers=arch.num_linear_attention_layers(),
+        full_attention_interval=a.full_attention_interval or 1,
+        key_heads=a.linear_num_key_heads or 1,
+        value_heads=a.linear_num_value_heads or 1,
     )
 
 
@@ -357,6 +372,7 @@ def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
         platform,  # type: ignore[arg-type]
         lora=problem.spec.lora is not None,
         kv_heads=problem.arch.num_kv_heads,
+        linear_heads=layout_lib.linear_heads(problem.arch),
     )
     dpn = problem.devices_per_node
     for name, lay in [("rollout", best.rollout.layout)] + [(f"teacher-{t.name}", t.layout) for t in best.teachers]:

@@ -24,6 +24,7 @@ from rlc.schemas.layout import (
     cp_problem,
     default_cp_kind,
     fsdp2_runs_tp,
+    linear_heads,
     tp_problem,
 )
 
@@ -81,7 +82,8 @@ def train_lower_bound_s(ctx: Context, n: int) -> float:
 def _cp_kinds(ctx: Context, backend: str, tp: int, cp: int) -> list[CpKind]:
     """CP kinds to try for (tp, cp): the pinned one; else Ulysses where the heads allow it, otherwise ring,
     which the fsdp2 runtime executes on cpu only (`layout.runtime_gaps`), so there it is offered on cpu or
-    when nothing else is possible for a pinned CP."""
+    when nothing else is possible for a pinned CP. Hybrid models' linear-attention heads must split too, and
+    ring is never offered for them on fsdp2."""
     pin = ctx.spec.placement.train
     arch = ctx.sizes.arch
     if cp == 1:
@@ -91,6 +93,9 @@ def _cp_kinds(ctx: Context, backend: str, tp: int, cp: int) -> list[CpKind]:
     kind = default_cp_kind(arch, tp, cp)
     if kind == "ring" and backend == "fsdp2" and ctx.target.kind != "cpu" and not pin.cp:
         return []
+    heads = linear_heads(arch)
+    if heads and backend == "fsdp2" and not pin.cp and (kind == "ring" or heads[0] % cp or heads[1] % cp):
+        return []  # Gated-DeltaNet layers run Ulysses over whole heads only (`layout.linear_attention_gaps`)
     return [kind]
 
 
@@ -124,7 +129,8 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
             offloads = list(OFFLOAD_ORDER)
         tps = [pin.tp] if pin.tp else [t for t in pow2_upto(min(dpn, n)) if tp_problem(arch, t) is None]
         if backend == "fsdp2" and not pin.tp:  # only what the fsdp2 runtime executes (`layout.runtime_gaps`)
-            tps = [t for t in tps if fsdp2_runs_tp(t, arch.num_kv_heads, ctx.lora_rank is not None)]
+            hybrid = linear_heads(arch) is not None
+            tps = [t for t in tps if fsdp2_runs_tp(t, arch.num_kv_heads, ctx.lora_rank is not None, hybrid)]
         if backend == "fsdp2":
             pps, eps = [1], [1]
         else:

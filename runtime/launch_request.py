@@ -65,6 +65,8 @@ class LaunchRequest:
     refusals: list[str]
     #: Optimizer steps each training step takes (the plan's `algorithm.minibatches`).
     optimizer_steps: int = 1
+    #: How the trainer builds a hybrid model's linear-attention layers (None: every layer is attention).
+    token_mixers: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -211,10 +213,14 @@ def launch_request(plan: Plan) -> LaunchRequest:
                 actors.append(
                     ActorRequest(name, role.name, kind, ray.placement_group, bundle, resources, {}, devices[index])
                 )
+    linear = plan.model.linear_attention
+    hybrid_heads = (linear.key_heads, linear.value_heads) if linear else None
     for role in plan.roles_of("train"):
         assert role.layout is not None
         refusals += [
-            g for g in runtime_gaps(role.layout, plan.platform, lora=plan.lora is not None) if g not in refusals
+            g
+            for g in runtime_gaps(role.layout, plan.platform, lora=plan.lora is not None, linear_heads=hybrid_heads)
+            if g not in refusals
         ]
     return LaunchRequest(
         plan=plan.name,
@@ -227,6 +233,35 @@ def launch_request(plan: Plan) -> LaunchRequest:
         weight_sync=weight_sync_path(plan),
         refusals=refusals,
         optimizer_steps=plan.algorithm.minibatches,
+        token_mixers=_token_mixers(plan),
+    )
+
+
+#: The packed linear-attention kernels each platform's trainer uses (`runtime/train/linear_attention.kernels_for`).
+LINEAR_KERNELS = {
+    "cpu": "torch, split at cu_seqlens",
+    "cuda": "the varlen kernels of flash-linear-attention and causal-conv1d, which the trainer's image must have",
+    "npu": "the varlen kernels of flash-linear-attention and causal-conv1d, which the trainer's image must have",
+}
+
+
+def _token_mixers(plan: Plan) -> str | None:
+    """The dry run's statement of a hybrid model's layers as the trainer will build them."""
+    linear = plan.model.linear_attention
+    if linear is None:
+        return None
+    train = plan.roles_of("train")[0].layout
+    assert train is not None
+    full = linear.layers // max(linear.full_attention_interval - 1, 1)
+    split = (
+        f"; Ulysses CP {train.cp} gives each rank {linear.key_heads // train.cp} key / "
+        f"{linear.value_heads // train.cp} value linear heads over the whole row"
+        if train.cp > 1
+        else ""
+    )
+    return (
+        f"hybrid: {linear.layers} Gated-DeltaNet + {full} attention layers; packed sequence boundaries reach "
+        f"attention, the causal conv and the delta rule ({LINEAR_KERNELS.get(plan.platform, plan.platform)}){split}"
     )
 
 
@@ -260,6 +295,8 @@ def render_request(req: LaunchRequest) -> str:
     if trainers:
         steps = f"; {req.optimizer_steps} optimizer steps per training step" if req.optimizer_steps > 1 else ""
         lines.append(f"trainer layout: {trainers[0].detail['layout']}{steps}")
+    if req.token_mixers:
+        lines.append(f"trainer model: {req.token_mixers}")
     for role, args in req.engines.items():
         shown = {k: v for k, v in sorted(args.items()) if k != "model"}
         lines.append(f"engine {role}: model {args.get('model')}; " + ", ".join(f"{k}={v}" for k, v in shown.items()))

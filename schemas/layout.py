@@ -243,21 +243,64 @@ def backend_recomputes(backend: str) -> tuple[str, ...]:
     return FSDP2_RECOMPUTE if backend == "fsdp2" else ("none", "selective", "full")
 
 
-def fsdp2_runs_tp(tp: int, kv_heads: int, lora: bool) -> bool:
-    """FSDP2's DTensor TP splits K/V projections by head (no KV-head replication) and does not wrap LoRA
-    layers, so it runs TP only where tp divides the KV heads and without LoRA."""
-    return tp == 1 or (kv_heads % tp == 0 and not lora)
+def fsdp2_runs_tp(tp: int, kv_heads: int, lora: bool, hybrid: bool = False) -> bool:
+    """FSDP2's DTensor TP splits K/V projections by head (no KV-head replication), does not wrap LoRA layers and
+    has no plan for Gated-DeltaNet layers, so it runs TP only where tp divides the KV heads, without LoRA, and on
+    models without linear attention (`hybrid`)."""
+    return tp == 1 or (kv_heads % tp == 0 and not lora and not hybrid)
+
+
+def linear_heads(arch: ModelArch) -> tuple[int, int] | None:
+    """(key heads, value heads) of a hybrid model's linear-attention layers; None for models without them."""
+    a = arch.attention
+    if a.kind != "linear-hybrid":
+        return None
+    return (a.linear_num_key_heads or 1, a.linear_num_value_heads or 1)
+
+
+def linear_attention_gaps(layout: TrainLayout, heads: tuple[int, int]) -> list[str]:
+    """What the fsdp2 runtime cannot build for a hybrid model's Gated-DeltaNet layers under `layout`.
+
+    Its packed forward (`runtime/train/linear_attention`) runs data parallelism and Ulysses context parallelism
+    (all tokens of a share of the heads per rank: the convolution is per channel, the recurrence per head).
+    Ring CP would pass the recurrent state from rank to rank, and TP would need the fused q/k/v projection split
+    head by head; neither is built.
+    """
+    key, value = heads
+    gaps = []
+    if layout.tp > 1:
+        gaps.append(
+            f"tensor parallelism (TP {layout.tp}) over Gated-DeltaNet layers is not built on the fsdp2 backend: "
+            "hybrid models train with data and Ulysses context parallelism"
+        )
+    if layout.cp > 1 and layout.cp_kind == "ring":
+        gaps.append(
+            f"ring context parallelism (CP {layout.cp}) over Gated-DeltaNet layers would pass the recurrent state "
+            "between ranks, which is not built: use cp_kind ulysses"
+        )
+    elif layout.cp > 1 and (key % layout.cp or value % layout.cp):
+        gaps.append(
+            f"Ulysses CP {layout.cp} splits the Gated-DeltaNet heads over ranks: {key} key / {value} value heads do "
+            "not divide"
+        )
+    return gaps
 
 
 def runtime_gaps(
-    layout: TrainLayout, platform: PlatformName, *, lora: bool = False, kv_heads: int | None = None
+    layout: TrainLayout,
+    platform: PlatformName,
+    *,
+    lora: bool = False,
+    kv_heads: int | None = None,
+    linear_heads: tuple[int, int] | None = None,
 ) -> list[str]:
     """What `rlc run` cannot execute about this layout on `platform`, one sentence each (empty: it runs).
 
     The capability table: FSDP2 runs data, tensor (DTensor, KV heads split not replicated, no LoRA) and
     context parallelism (Ulysses everywhere; ring on cpu), full or no recompute, parameter and optimizer
     offload, fp32 or bf16 compute. The Megatron backend is planned (its memory and time models are used to
-    size MoE and very large dense runs) but not executed yet. `kv_heads` is checked when known.
+    size MoE and very large dense runs) but not executed yet. `kv_heads` is checked when known; `linear_heads`
+    (key, value) marks a hybrid model, whose Gated-DeltaNet layers add `linear_attention_gaps`.
     """
     gaps: list[str] = []
     if layout.backend == "megatron":
@@ -284,4 +327,6 @@ def runtime_gaps(
             f"ring context parallelism on {platform}: rlc's ring attention is a plain-torch blockwise kernel "
             "(for cpu); accelerators need a fused kernel that returns its log-sum-exp, not wired yet"
         )
+    if linear_heads is not None:
+        gaps += linear_attention_gaps(layout, linear_heads)
     return gaps

@@ -164,6 +164,16 @@ class DataSettings(PlanModel):
     )
 
 
+class LinearAttentionLayers(PlanModel):
+    """A hybrid model's Gated-DeltaNet layers: what the trainer builds with packed boundaries, and the heads
+    that context parallelism splits (`layout.runtime_gaps` checks the layout against them)."""
+
+    layers: int = Field(ge=1, description="Linear-attention (Gated-DeltaNet) decoder layers.")
+    full_attention_interval: int = Field(ge=1, description="Every Nth layer is full attention.")
+    key_heads: int = Field(ge=1, description="Key (and query) heads of a linear-attention layer.")
+    value_heads: int = Field(ge=1, description="Value heads of a linear-attention layer.")
+
+
 class ModelSettings(PlanModel):
     id: str
     path: str | None = Field(description="Local HF folder; None on cpu means build the tiny model.")
@@ -173,6 +183,9 @@ class ModelSettings(PlanModel):
     build_tiny: bool = Field(False, description="Build the quickstart model at `path` when it is missing.")
     tiny_max_positions: int | None = Field(
         None, description="Rotary positions of the tiny model to build (its catalog entry: rlc-tiny, rlc-tiny-long)."
+    )
+    linear_attention: LinearAttentionLayers | None = Field(
+        None, description="Hybrid models only: their linear-attention layers (None: every layer is attention)."
     )
 
 

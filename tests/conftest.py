@@ -29,6 +29,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3.5-architecture hybrid model (3 Gated-DeltaNet + 1 attention layer), once per session.
+
+    Randomly initialised (no warm-up): the numerics tests compare layouts to 1e-5, and a warmed-up model's larger
+    activations turn fp32 rounding of differently shaped matmuls into ~1e-5 by the last layer by themselves.
+    """
+    from rlc.runtime.tasks.tiny_hybrid_model import build_tiny_hybrid_model
+
+    return build_tiny_hybrid_model(tmp_path_factory.mktemp("tiny-hybrid") / "model", seed=0, warmup_steps=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path):
     """The quickstart model loaded in float32, eval mode, with sdpa attention."""
     import torch

@@ -57,14 +57,14 @@ def _batch() -> dict:
     }
 
 
-def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str, layout: dict) -> None:
+def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str, layout: dict, packing: bool) -> None:
     torch.set_num_threads(1)
     from rlc.runtime.train.group import split_batch
     from rlc.runtime.train.trainer import TrainerWorker
     from rlc.schemas.layout import TrainLayout
 
     lay = TrainLayout(**{"micro_batch_tokens": BUDGET, **layout})
-    cfg = {"lr": LR, "logprob_chunk_tokens": 7, "packing": True, "max_grad_norm": 1e9}
+    cfg = {"lr": LR, "logprob_chunk_tokens": 7, "packing": packing, "max_grad_norm": 1e9}
     w = TrainerWorker(rank, world, "127.0.0.1", port, model_dir, "cpu", cfg, lay)
     share = split_batch(_batch(), lay.dp)[lay.coordinates(rank)["dp"]]
     lp = w.compute_logprobs(share)
@@ -98,12 +98,13 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str, layou
     w.shutdown()
 
 
-def _run(model_dir: Path, out: Path, layout: dict) -> list[dict]:
+def _run(model_dir: Path, out: Path, layout: dict, packing: bool = True) -> list[dict]:
     import torch.multiprocessing as mp
 
     world = layout["world_size"]
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank_main, args=(world, _free_port(), str(model_dir), str(out), layout), nprocs=world, join=True)
+    args = (world, _free_port(), str(model_dir), str(out), layout, packing)
+    mp.spawn(_rank_main, args=args, nprocs=world, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -115,7 +116,37 @@ def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_rank(name: str, reference: dict, tiny_model_dir: Path, tmp_path: Path) -> None:
     layout = LAYOUTS[name]
-    ranks = _run(tiny_model_dir, tmp_path, layout)
+    _assert_matches(_run(tiny_model_dir, tmp_path, layout), reference, layout)
+
+
+#: Layouts the capability table accepts for a hybrid (Gated-DeltaNet) model, checked against one rank running the
+#: sequences unpacked (padded rows through transformers' own forward): packing itself is under test here.
+HYBRID_LAYOUTS = {
+    "one-rank-packed": {"world_size": 1},
+    "dp2": {"world_size": 2},
+    "cp2-ulysses": {"world_size": 2, "cp": 2},
+    "cp2-ulysses-recompute": {"world_size": 2, "cp": 2, "recompute": "full"},
+}
+
+
+@pytest.fixture(scope="module")
+def hybrid_reference(tiny_hybrid_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _run(tiny_hybrid_model_dir, tmp_path_factory.mktemp("hybrid-ref"), {"world_size": 1}, packing=False)[0]
+
+
+@pytest.mark.parametrize("name", list(HYBRID_LAYOUTS))
+def test_hybrid_layout_matches_one_unpacked_rank(
+    name: str, hybrid_reference: dict, tiny_hybrid_model_dir: Path, tmp_path: Path
+) -> None:
+    layout = HYBRID_LAYOUTS[name]
+    ranks = _run(tiny_hybrid_model_dir, tmp_path, layout)
+    _assert_matches(ranks, hybrid_reference, layout)
+    built = ranks[0]["built"]["built"]["extra"]
+    assert built["linear_attention_layers"] == 3
+    assert built["linear_attention_kernels"] == "torch (split at cu_seqlens)"
+
+
+def _assert_matches(ranks: list[dict], reference: dict, layout: dict) -> None:
     dp = layout["world_size"] // (layout.get("tp", 1) * layout.get("cp", 1))
     # One answering rank per data-parallel share (cp 0, tp 0), in share order, as TrainerGroup gathers them.
     speakers = [

@@ -34,6 +34,7 @@ from ..packing import PackedBatch, pack_sequences
 __all__ = [
     "CP_ATTENTION",
     "CpShard",
+    "all_to_all_autograd",
     "context_parallel_attention",
     "cp_micro_batch",
     "register_cp_attention",
@@ -90,7 +91,7 @@ def _global_rank(group: Any, rank: int) -> int:
 # --------------------------------------------------------------------------------------------- Ulysses
 
 
-def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
+def all_to_all_autograd(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Differentiable all-to-all over dim 0 (chunk i goes to rank i, chunk i of the result came from rank i)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
@@ -101,7 +102,7 @@ def _seq_to_heads(x: torch.Tensor, size: int, group: Any) -> torch.Tensor:
     """``[1, H, c, D]`` (all heads, my tokens) → ``[1, H/size, size·c, D]`` (my heads, every token)."""
     _, heads, chunk, dim = x.shape
     parts = x.reshape(size, heads // size, chunk, dim)
-    got = _all_to_all(parts, group)  # [size (source rank = token slice), H/size, c, D]
+    got = all_to_all_autograd(parts, group)  # [size (source rank = token slice), H/size, c, D]
     return got.permute(1, 0, 2, 3).reshape(1, heads // size, size * chunk, dim)
 
 
@@ -110,7 +111,7 @@ def _heads_to_seq(x: torch.Tensor, size: int, group: Any) -> torch.Tensor:
     _, total, local_heads, dim = x.shape
     chunk = total // size
     parts = x.reshape(size, chunk, local_heads, dim)  # slice i of the tokens goes to rank i
-    got = _all_to_all(parts, group)  # [size (source rank = head group), c, H/size, D]
+    got = all_to_all_autograd(parts, group)  # [size (source rank = head group), c, H/size, D]
     return got.permute(1, 0, 2, 3).reshape(1, chunk, size * local_heads, dim)
 
 

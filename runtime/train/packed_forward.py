@@ -202,17 +202,22 @@ def packed_attention_inputs(
 ) -> dict[str, Any]:
     """Keyword arguments for the model body that keep packed sequences from attending to each other.
 
-    ``"mask"``: restarted ``position_ids`` and the ``[1, 1, L, L]`` block-causal bool mask (CPU
-    reference; O(L²)). ``"varlen"``: restarted ``position_ids`` and flash-attention-style
-    ``cu_seq_lens_q/k`` + ``max_length_q/k`` (int32 cumulative lengths with a leading 0), which
-    transformers forwards to the attention function: ``flash_attention_2`` on NPU/CUDA,
-    ``varlen_sdpa_attention`` on CPU.
+    ``"mask"``: restarted ``position_ids``, the ``[1, 1, L, L]`` block-causal bool mask (CPU
+    reference; O(L²)) and the boundaries as ``rlc_seq_bounds`` for linear-attention layers.
+    ``"varlen"``: restarted ``position_ids`` and flash-attention-style ``cu_seq_lens_q/k`` + ``max_length_q/k``
+    (int32 cumulative lengths with a leading 0), which transformers forwards to the attention function
+    (``flash_attention_2`` on NPU/CUDA, ``varlen_sdpa_attention`` on CPU) and linear-attention layers read too.
     """
     position_ids = packed.position_ids.to(device)
     if packed_attention == "mask":
         if platform.name != "cpu":
             raise ValueError("the O(L²) block-causal mask is a CPU reference; use packed_attention='varlen' on devices")
-        return {"position_ids": position_ids, "attention_mask": packed.attention_mask().to(device)}
+        return {
+            "position_ids": position_ids,
+            "attention_mask": packed.attention_mask().to(device),
+            # Linear-attention layers take the boundaries themselves (`linear_attention`); attention ignores them.
+            "rlc_seq_bounds": packed.cu_seqlens.to(device),
+        }
     cu = packed.cu_seqlens.to(device=device, dtype=torch.int32)
     return {
         "position_ids": position_ids,

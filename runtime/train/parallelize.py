@@ -26,7 +26,15 @@ from rlc.schemas.layout import TrainLayout
 
 from ..platform import Platform
 
-__all__ = ["TrainerMesh", "apply_layout", "build_mesh", "decoder_layers", "describe_built", "sum_partial_grads"]
+__all__ = [
+    "TrainerMesh",
+    "apply_layout",
+    "attention_layers",
+    "build_mesh",
+    "decoder_layers",
+    "describe_built",
+    "sum_partial_grads",
+]
 
 #: Column-wise (output-split) and row-wise (input-split) projections of a Qwen/Llama decoder layer.
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -80,6 +88,12 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Decoder layers whose token mixer is softmax attention (``self_attn``): every layer of a dense model, the
+    full-attention layers of a hybrid one (its Gated-DeltaNet layers hold ``linear_attn``)."""
+    return [layer for layer in decoder_layers(model) if hasattr(layer, "self_attn")]
+
+
 def _apply_tensor_parallel(model: torch.nn.Module, mesh: TrainerMesh) -> set[str]:
     """Split every decoder layer's projections over the TP mesh; returns the per-head norm weights' names."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -91,6 +105,8 @@ def _apply_tensor_parallel(model: torch.nn.Module, mesh: TrainerMesh) -> set[str
         raise ValueError(
             f"tensor parallel {tp} needs the {cfg.num_attention_heads} attention heads and {kv} KV heads divisible"
         )
+    if len(attention_layers(model)) != len(decoder_layers(model)):
+        raise NotImplementedError("tensor parallelism over Gated-DeltaNet layers is not built on the fsdp2 backend")
     for layer in decoder_layers(model):
         plan: dict[str, Any] = {name: ColwiseParallel() for name in COLWISE}
         plan.update({name: RowwiseParallel() for name in ROWWISE})
@@ -180,7 +196,7 @@ def describe_built(
     None means no forward has run yet, and the FSDP policy's dtype is reported instead. `offload_optimizer`:
     whether the optimizer keeps its moments in host memory between steps.
     """
-    layer = decoder_layers(model)[0]
+    layer = attention_layers(model)[0]
     weight = layer.get_submodule("self_attn.q_proj").weight
     placements = getattr(weight, "placements", ())
     weight_mesh = getattr(weight, "device_mesh", None)
@@ -208,5 +224,9 @@ def describe_built(
         # Moments follow parameters that FSDP2 keeps on the host; otherwise the optimizer keeps them there.
         offload_optimizer=offload_optimizer or isinstance(offload, CPUOffloadPolicy),
         attention=str(model.config._attn_implementation),
-        extra={"q_proj_placements": [str(p) for p in placements]},
+        extra={
+            "q_proj_placements": [str(p) for p in placements],
+            "linear_attention_layers": len(decoder_layers(model)) - len(attention_layers(model)),
+            "linear_attention_kernels": getattr(model, "rlc_linear_kernels", None),
+        },
     )

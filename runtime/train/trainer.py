@@ -32,6 +32,7 @@ from ..platform import Platform, get_platform
 from ..rollout.weight_sync import SyncSender, preload_sync_group
 from . import lora as lora_lib
 from .checkpoints import TrainerCheckpoints
+from .linear_attention import install_packed_linear_attention
 from .memory_probe import PeakMemory, measured
 from .micro_batches import MicroBatch, MicroBatcher
 from .optimizer import UnitOptimizer, clip_grad_norm
@@ -136,6 +137,9 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             **({"attn_implementation": attn} if attn else {}),
         )
         model.config.use_cache = False
+        # Hybrid models: rlc's packed forward for the Gated-DeltaNet layers, with this platform's kernels.
+        kernels = install_packed_linear_attention(model, self.platform)
+        model.rlc_linear_kernels = kernels.name if kernels else None
         for name, param in model.named_parameters():  # a speculative-decoding head stays frozen
             if lora_lib.is_draft_key(name):
                 param.requires_grad_(False)
