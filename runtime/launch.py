@@ -22,6 +22,7 @@ from rlc.compiler.diagnostics import first_line
 from rlc.runtime.errors import RunError, RuntimeGapError, RunUsageError
 from rlc.runtime.host_moves import HostMovesError
 from rlc.runtime.launch_request import ActorRequest, LaunchRequest, launch_request
+from rlc.runtime.model_family import check_model_family
 from rlc.runtime.preflight import Weights, check_model_folder
 from rlc.runtime.weight_push import sync_method
 from rlc.schemas.plan import Plan, Role
@@ -56,6 +57,7 @@ def prepare_model(plan: Plan, log) -> tuple[Path, Weights]:  # type: ignore[no-u
         except (OSError, ValueError) as exc:
             raise RunError(f"cannot build the quickstart model in {path}: {exc}") from None
     weights = check_model_folder(path, "model.path")
+    check_model_family(path, plan.model)
     for teacher in plan.distill.teachers if plan.distill else []:
         if not teacher.model.path:
             raise RunError(f"teacher {teacher.name}: the plan has no model path (distill.teachers[].model.path)")

@@ -54,8 +54,8 @@ class Weights:
     params: int
 
 
-def _safetensors_params(path: Path) -> int:
-    """Parameter count of one safetensors file after checking its header against the file; RunError if corrupt."""
+def _header(path: Path) -> tuple[dict, int, int]:
+    """One safetensors file's header table, its length and the file's size; RunError if it does not read."""
     size = path.stat().st_size
     bad = f"{path} is not a valid safetensors file"
     with path.open("rb") as handle:
@@ -71,6 +71,18 @@ def _safetensors_params(path: Path) -> int:
             raise RunError(f"{bad}: its header is not JSON (corrupt file?); copy the weights again") from None
     if not isinstance(header, dict):
         raise RunError(f"{bad}: its header is not a table of tensors")
+    return header, length, size
+
+
+def safetensors_keys(folder: Path) -> list[str]:
+    """The tensor names of every ``*.safetensors`` file in `folder`, from their headers (nothing loaded)."""
+    return sorted(k for path in sorted(folder.glob("*.safetensors")) for k in _header(path)[0] if k != "__metadata__")
+
+
+def _safetensors_params(path: Path) -> int:
+    """Parameter count of one safetensors file after checking its header against the file; RunError if corrupt."""
+    header, length, size = _header(path)
+    bad = f"{path} is not a valid safetensors file"
     data = size - 8 - length
     params = 0
     for name, entry in header.items():

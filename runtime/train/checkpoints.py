@@ -37,7 +37,7 @@ class TrainerCheckpoints:
         if self.lora:  # the base never changes: the adapter is the checkpoint (`rlc export --merged` folds it in)
             self.save_adapter(str(root / "adapter"))  # type: ignore[attr-defined]
         else:
-            self.save_weights(str(root / "hf"))  # type: ignore[attr-defined]
+            self.save_weights(str(root / "hf"), export=True)  # type: ignore[attr-defined]
         optim = get_optimizer_state_dict(self.model, self.optimizer.optimizers)
         dcp.save({"optim": optim}, checkpoint_id=str(root / "optim"))
         if self.rank == 0:
@@ -61,7 +61,7 @@ class TrainerCheckpoints:
         if self.lora:
             full, _ = lora_lib.read_adapter(root / "adapter")
         else:
-            full = dict(iter_safetensors(root / "hf"))
+            full = self.checkpoint_names.inward_dict(dict(iter_safetensors(root / "hf")))  # type: ignore[attr-defined]
         set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
         optimizers = self.optimizer.optimizers
         state = {"optim": get_optimizer_state_dict(self.model, optimizers)}

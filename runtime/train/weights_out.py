@@ -19,6 +19,7 @@ import torch
 
 from ..rollout.weight_sync import SyncSender, TensorMeta, tensor_meta, write_safetensors
 from . import lora as lora_lib
+from .checkpoint_names import CheckpointNames
 from .memory_probe import measured
 
 __all__ = ["WeightExport"]
@@ -38,13 +39,27 @@ class WeightExport:
     _sender: SyncSender | None
     _sender_key: tuple[str, int, int] | None
 
-    def weight_meta(self, dtype: str | None = None) -> list[TensorMeta]:
-        """Names, global shapes and dtypes of what a sync sends (``sync_state_dict``), without gathering."""
+    @property
+    def checkpoint_names(self) -> CheckpointNames:
+        """The base checkpoint's names for what leaves the trainer (`checkpoint_names`); read once."""
+        names = getattr(self, "_checkpoint_names", None)
+        if names is None:
+            names = CheckpointNames.of(Path(self.model_path), [m[0] for m in self._module_meta()])
+            self._checkpoint_names = names
+        return names
+
+    def _module_meta(self, dtype: str | None = None) -> list[TensorMeta]:
         sd = self.model.state_dict()  # DTensor shapes are global
         meta = [(k, tuple(v.shape), (dtype or str(v.dtype)).removeprefix("torch.")) for k, v in sd.items()]
         if self.lora:
             meta = lora_lib.merged_meta(meta)
         return [m for m in meta if not lora_lib.is_draft_key(m[0])]
+
+    def weight_meta(self, dtype: str | None = None) -> list[TensorMeta]:
+        """Names (the base checkpoint's), global shapes and dtypes of what a sync sends (``sync_state_dict``),
+        without gathering."""
+        names = self.checkpoint_names
+        return [(names.outward(k), shape, dt) for k, shape, dt in self._module_meta(dtype)]
 
     def full_state_dict(self, keep: bool | None = None) -> dict[str, torch.Tensor] | None:
         """The unsharded weights in model names, on CPU, where `keep` (default: rank 0); None elsewhere.
@@ -64,7 +79,7 @@ class WeightExport:
         return out if keep else None
 
     def sync_state_dict(self, keep: bool | None = None) -> dict[str, torch.Tensor] | None:
-        """What engines load, in HF names, where `keep` (default rank 0). Collective.
+        """What engines load, in the base checkpoint's names, where `keep` (default rank 0). Collective.
 
         LoRA adapters are merged into (copies of) the base weights, and a speculative-decoding head (MTP
         or draft keys) is left out: it stays frozen and the engines keep the one they loaded.
@@ -74,7 +89,8 @@ class WeightExport:
             return None
         if self.lora:
             sd = lora_lib.merged_state_dict(sd, self.lora_scaling)
-        return {k: v for k, v in sd.items() if not lora_lib.is_draft_key(k)}
+        names = self.checkpoint_names
+        return {names.outward(k): v for k, v in sd.items() if not lora_lib.is_draft_key(k)}
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The LoRA factors, unsharded, in model names, on rank 0. Collective (gathers only the adapters)."""
@@ -95,18 +111,30 @@ class WeightExport:
         config = self.peft.peft_config[lora_lib.ADAPTER_NAME]
         return str(lora_lib.write_adapter(tensors, config, out_dir, self.model_path))
 
-    def _write_hf(self, sd: dict[str, torch.Tensor], out_dir: str) -> str:
+    def _write_hf(self, sd: dict[str, torch.Tensor], out_dir: str, export: bool = False) -> str:
+        """`export`: a drop-in replacement for the base folder (its config, and its tensors the trainer never held:
+        a vision tower, the frozen MTP head); otherwise the weights an engine reloads, with the model's config."""
         out = Path(out_dir)
+        base = Path(self.model_path)
+        if export and self.checkpoint_names.extra:
+            sd = {**sd, **_base_tensors(base, self.checkpoint_names.extra)}
         path = write_safetensors(sd, out)
-        self.model.config.save_pretrained(out)
+        if export:
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(base / "config.json", out / "config.json")
+        else:
+            self.model.config.save_pretrained(out)
         copy_tokenizer_files(self.model_path, out)
         return str(path)
 
     @measured("sync")
-    def save_weights(self, out_dir: str) -> str | None:
-        """HF-format folder an engine can load or reload from (weights, config, tokenizer). Collective."""
+    def save_weights(self, out_dir: str, export: bool = False) -> str | None:
+        """HF-format folder an engine can load or reload from (weights, config, tokenizer). Collective.
+
+        `export` (checkpoints): the base folder's config and extra tensors come along (`_write_hf`).
+        """
         sd = self.sync_state_dict()
-        return self._write_hf(sd, out_dir) if self.rank == 0 and sd is not None else None
+        return self._write_hf(sd, out_dir, export) if self.rank == 0 and sd is not None else None
 
     @measured("sync")
     def save_weights_per_node(self, out_dirs: dict[int, str]) -> dict[int, str]:
@@ -162,6 +190,19 @@ def _unsharded(value: torch.Tensor) -> torch.Tensor:
             local, mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
         )
     return value.full_tensor()
+
+
+def _base_tensors(base: Path, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """`keys` read from the base folder's safetensors files (only those tensors are loaded)."""
+    from safetensors import safe_open
+
+    wanted, out = set(keys), {}
+    for path in sorted(base.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if name in wanted:
+                    out[name] = handle.get_tensor(name)
+    return out
 
 
 def copy_tokenizer_files(src: str, dst: Path) -> None:

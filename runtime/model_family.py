@@ -1,0 +1,86 @@
+"""Which model families the runtime builds exactly, checked against the model folder before any actor starts.
+
+The trainer's tensor-parallel plan, its packed forwards and the engines' weight names are built and tested per
+family; a folder of another family would load through transformers' auto classes and then train with layers
+rlc does not know (a mixture-of-experts block computed without expert parallelism, a linear-attention layer
+whose packed rows leak). So `rlc run` reads config.json and refuses what it has not been built for, and a folder
+whose layers disagree with the plan the compiler made (a hybrid served under a dense model's plan, or the
+reverse). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlc.runtime.errors import RunError
+from rlc.schemas.plan import ModelSettings
+
+__all__ = ["DENSE_FAMILIES", "HYBRID_FAMILIES", "check_model_family", "model_type"]
+
+#: transformers ``model_type``s whose every layer is softmax attention with a dense MLP.
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
+#: Gated-DeltaNet hybrids (Qwen3.5/3.6): the text model, and the multimodal checkpoint whose text model is trained.
+HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5")
+#: Families known and not built yet, with what is missing.
+NOT_BUILT = {
+    "qwen3_moe": "a mixture-of-experts model (expert parallelism is not built on the fsdp2 trainer)",
+    "qwen2_moe": "a mixture-of-experts model (expert parallelism is not built on the fsdp2 trainer)",
+    "qwen3_5_moe": "a mixture-of-experts model (expert parallelism is not built on the fsdp2 trainer)",
+    "qwen3_5_moe_text": "a mixture-of-experts model (expert parallelism is not built on the fsdp2 trainer)",
+    "qwen3_next": "a mixture-of-experts model (expert parallelism is not built on the fsdp2 trainer)",
+    "deepseek_v3": "a mixture-of-experts model with latent attention (neither is built on the fsdp2 trainer)",
+    "mixtral": "a mixture-of-experts model (expert parallelism is not built on the fsdp2 trainer)",
+}
+#: ``architectures`` entries that name a family when config.json has no ``model_type``.
+ARCHITECTURE_FAMILY = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+
+
+def model_type(config: dict[str, Any]) -> str | None:
+    """The folder's family: config.json's ``model_type``, else its first architecture's."""
+    found = config.get("model_type")
+    if isinstance(found, str) and found:
+        return found
+    archs = config.get("architectures") or []
+    return ARCHITECTURE_FAMILY.get(archs[0]) if archs and isinstance(archs[0], str) else None
+
+
+def _linear_layers(config: dict[str, Any]) -> int:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    types = text.get("layer_types") or []  # type: ignore[union-attr]
+    return sum(1 for t in types if t == "linear_attention")
+
+
+def check_model_family(folder: Path, model: ModelSettings) -> str:
+    """RunError unless `folder` holds a family the runtime builds and its layers match the plan; returns the family.
+
+    `folder`'s config.json must already be valid JSON (`preflight.check_model_folder`).
+    """
+    config = json.loads((folder / "config.json").read_text())
+    family = model_type(config) if isinstance(config, dict) else None
+    built = ", ".join(DENSE_FAMILIES + HYBRID_FAMILIES)
+    if family in NOT_BUILT:
+        raise RunError(f"{folder} holds {family}, {NOT_BUILT[family]}; this runtime trains {built}")
+    if family not in DENSE_FAMILIES + HYBRID_FAMILIES:
+        named = f"model_type {family!r}" if family else "no model_type"
+        raise RunError(
+            f"{folder}'s config.json has {named}: this runtime is built and tested for {built} only, and will not "
+            "train another family with layers it does not know"
+        )
+    linear = _linear_layers(config)
+    planned = model.linear_attention.layers if model.linear_attention else 0
+    if linear != planned:
+        raise RunError(
+            f"{folder} has {linear} linear-attention layer(s) but the plan was compiled for {model.id} with "
+            f"{planned}: compile the spec with the catalog entry of the model in this folder"
+        )
+    return family

@@ -1,0 +1,52 @@
+"""`rlc run` refuses, before any actor starts, a model folder of a family the runtime has not been built for,
+and one whose layers disagree with the plan (a hybrid checkpoint under a dense model's plan, or the reverse)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlc.runtime.errors import RunError
+from rlc.runtime.model_family import check_model_family
+from rlc.schemas.plan import LinearAttentionLayers, ModelSettings
+
+DENSE = ModelSettings(id="rlc-tiny", path="m", hf_architecture="Qwen3ForCausalLM", params_b=0.0003, vocab_size=32)
+HYBRID = DENSE.model_copy(
+    update={
+        "id": "qwen3.6-27b",
+        "hf_architecture": "Qwen3_5ForConditionalGeneration",
+        "linear_attention": LinearAttentionLayers(layers=3, full_attention_interval=4, key_heads=2, value_heads=4),
+    }
+)
+HYBRID_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
+
+
+def _folder(tmp_path: Path, config: dict) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_dense_and_hybrid_folders_that_match_their_plans_pass(tmp_path: Path, tiny_model_dir: Path) -> None:
+    assert check_model_family(tiny_model_dir, DENSE) == "qwen3"
+    multimodal = {"model_type": "qwen3_5", "text_config": {"layer_types": HYBRID_LAYERS}}
+    assert check_model_family(_folder(tmp_path, multimodal), HYBRID) == "qwen3_5"
+    # No model_type: the architecture names the family.
+    assert check_model_family(_folder(tmp_path, {"architectures": ["Qwen3ForCausalLM"]}), DENSE) == "qwen3"
+
+
+@pytest.mark.parametrize(
+    ("config", "plan", "needle"),
+    [
+        ({"model_type": "qwen3_moe"}, DENSE, "mixture-of-experts model"),
+        ({"model_type": "gpt2"}, DENSE, "model_type 'gpt2'"),
+        ({}, DENSE, "no model_type"),
+        ({"model_type": "qwen3_5_text", "layer_types": HYBRID_LAYERS}, DENSE, "3 linear-attention layer(s)"),
+        ({"model_type": "qwen3"}, HYBRID, "compiled for qwen3.6-27b with 3"),
+    ],
+)
+def test_other_families_and_mismatched_layers_are_refused(tmp_path: Path, config: dict, plan, needle: str) -> None:
+    with pytest.raises(RunError) as caught:
+        check_model_family(_folder(tmp_path, config), plan)
+    assert needle in str(caught.value)
