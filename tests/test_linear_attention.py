@@ -236,3 +236,17 @@ def test_the_planner_never_picks_tp_or_ring_for_a_hybrid(tmp_path: Path) -> None
         plan_dir = _compile(tmp_path / str(nodes), f"cluster.nodes={nodes}")
         plan = json.loads((plan_dir / "plan.json").read_text())
         assert plan["runtime_gaps"] == [], (nodes, plan["runtime_gaps"])
+
+
+def test_hybrid_rollout_on_the_cpu_target_is_refused(tmp_path: Path) -> None:
+    spec = tmp_path / "hybrid.yaml"
+    spec.write_text(
+        "name: tiny-hybrid\ntarget: cpu\nmodel: {name: rlc-tiny-hybrid, path: /models/none}\n"
+        "data: {train: arithmetic}\nreward: {fn: exact_match}\nrollout: {max_prompt_len: 8, max_response_len: 4}\n"
+        "algorithm: {group_size: 4, batch_prompts: 4, steps: 2}\n"
+    )
+    compiled = runner.invoke(app, ["compile", str(spec), "-o", str(tmp_path / "plan")])
+    assert compiled.exit_code == 0, compiled.output
+    dry = runner.invoke(app, ["run", str(tmp_path / "plan"), "--dry-run"])
+    assert dry.exit_code == 2 and "rollout of a Gated-DeltaNet hybrid on the cpu target" in dry.output
+    assert "trainer model: hybrid: 3 Gated-DeltaNet + 1 attention layers" in dry.output
