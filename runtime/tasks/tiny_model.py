@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,14 @@ from .arithmetic import all_one_digit_additions
 from .datasets import Example
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, save_char_tokenizer
 
-__all__ = ["MARKER", "build_tiny_model", "greedy_accuracy", "tiny_config"]
+__all__ = [
+    "MARKER",
+    "build_tiny_model",
+    "greedy_accuracy",
+    "save_model_folder",
+    "tiny_config",
+    "write_atomically",
+]
 
 MARKER = "rlc_tiny_model.json"
 RECIPE_VERSION = 1
@@ -147,6 +155,41 @@ def _check_recipe(path: Path, recipe: dict[str, Any]) -> None:
         )
 
 
+def save_model_folder(model: Any, folder: Path, max_positions: int, *tokenizer_args: Any) -> None:
+    """The model (its generation ids the tokenizer's specials) and the character tokenizer into `folder`."""
+    model.generation_config.bos_token_id = BOS_ID
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.pad_token_id = PAD_ID
+    model.save_pretrained(str(folder))
+    save_char_tokenizer(folder, max_positions, *tokenizer_args)
+
+
+def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
+    """Run ``write`` on a temporary sibling of `out` (an empty or missing folder) and rename it into place.
+
+    One torch thread while writing: these ops are tiny, so threads only add contention on a shared machine, and a
+    fixed thread count keeps the weights identical whatever the caller's setting. A crash never leaves a
+    half-built folder behind; losing a rename race to a complete model of the same recipe is fine.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        write(tmp)
+        if out.exists():
+            out.rmdir()  # empty (the callers check); rename cannot replace a directory portably
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not _is_complete(out):  # lost a race to something that is not our model
+                raise
+    finally:
+        torch.set_num_threads(threads)
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def build_tiny_model(
     out_dir: str | Path,
     seed: int = 0,
@@ -175,21 +218,17 @@ def build_tiny_model(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not a complete tiny model; remove it or choose another directory")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    threads = torch.get_num_threads()
-    try:
-        # One thread: these ops are tiny, so threads only add contention on a shared machine, and
-        # a fixed thread count keeps the weights identical whatever the caller's setting.
-        torch.set_num_threads(1)
+    def write(tmp: Path) -> None:
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(tiny_config(max_positions)).to(torch.float32)
         if task == "calculator":
+            from .calculator import AGENT_CHARACTERS, CHAT_TEMPLATE
             from .tiny_agent_model import agent_tokenizer, sampled_success, warmup_calculator
 
             tokenizer = agent_tokenizer(max_positions)
             warmup_calculator(model, tokenizer, warmup_steps, seed)
             measured = {"warmup_sampled": sampled_success(model, tokenizer), "task": "calculator"}
+            save_model_folder(model, tmp, max_positions, AGENT_CHARACTERS, CHAT_TEMPLATE)
         else:
             tokenizer = build_char_tokenizer(max_positions)
             _warmup(model, tokenizer, warmup_steps, seed)
@@ -197,28 +236,10 @@ def build_tiny_model(
                 "warmup_greedy_accuracy": greedy_accuracy(model, tokenizer, all_one_digit_additions()),
                 "task": "one-digit addition",
             }
-        model.generation_config.bos_token_id = BOS_ID
-        model.generation_config.eos_token_id = EOS_ID
-        model.generation_config.pad_token_id = PAD_ID
-        model.save_pretrained(str(tmp))
-        if task == "calculator":
-            from .calculator import AGENT_CHARACTERS, CHAT_TEMPLATE
-
-            save_char_tokenizer(tmp, max_positions, AGENT_CHARACTERS, CHAT_TEMPLATE)
-        else:
-            save_char_tokenizer(tmp, max_positions)
+            save_model_folder(model, tmp, max_positions)
         marker = {**recipe, **measured}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            out.rmdir()  # empty (checked above); rename cannot replace a directory portably
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not _is_complete(out):  # lost a race to something that is not our model
-                raise
-    finally:
-        torch.set_num_threads(threads)
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    write_atomically(out, write)
     _check_recipe(out, recipe)
     return out

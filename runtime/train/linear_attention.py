@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlc.schemas.layout import FUSED_LINEAR_KERNELS, TORCH_LINEAR_KERNELS
+
 from ..platform import Platform
 from .context_parallel import CpShard, all_to_all_autograd
 
@@ -143,7 +145,7 @@ def torch_delta_rule(
 
 
 def torch_kernels() -> LinearKernels:
-    return LinearKernels("torch (split at cu_seqlens)", torch_conv, torch_delta_rule)
+    return LinearKernels(TORCH_LINEAR_KERNELS, torch_conv, torch_delta_rule)
 
 
 # --------------------------------------------------------------------------------------------- fused (cuda, npu)
@@ -164,7 +166,7 @@ def _fla_kernels() -> LinearKernels:
         out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=False)
         return out
 
-    return LinearKernels("flash-linear-attention (cu_seqlens)", conv, delta_rule)
+    return LinearKernels(FUSED_LINEAR_KERNELS, conv, delta_rule)
 
 
 def kernels_for(platform: Platform | str) -> LinearKernels:

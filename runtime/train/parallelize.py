@@ -25,6 +25,7 @@ import torch.distributed as dist
 from rlc.schemas.layout import TrainLayout
 
 from ..platform import Platform
+from .linear_attention import linear_attention_modules
 
 __all__ = [
     "TrainerMesh",
@@ -197,6 +198,7 @@ def describe_built(
     whether the optimizer keeps its moments in host memory between steps.
     """
     layer = attention_layers(model)[0]
+    linear = linear_attention_modules(model)
     weight = layer.get_submodule("self_attn.q_proj").weight
     placements = getattr(weight, "placements", ())
     weight_mesh = getattr(weight, "device_mesh", None)
@@ -226,7 +228,7 @@ def describe_built(
         attention=str(model.config._attn_implementation),
         extra={
             "q_proj_placements": [str(p) for p in placements],
-            "linear_attention_layers": len(decoder_layers(model)) - len(attention_layers(model)),
-            "linear_attention_kernels": getattr(model, "rlc_linear_kernels", None),
+            "linear_attention_layers": len(linear),
+            "linear_attention_kernels": linear[0]._rlc_kernels.name if linear else None,
         },
     )

@@ -138,8 +138,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         )
         model.config.use_cache = False
         # Hybrid models: rlc's packed forward for the Gated-DeltaNet layers, with this platform's kernels.
-        kernels = install_packed_linear_attention(model, self.platform)
-        model.rlc_linear_kernels = kernels.name if kernels else None
+        install_packed_linear_attention(model, self.platform)
         for name, param in model.named_parameters():  # a speculative-decoding head stays frozen
             if lora_lib.is_draft_key(name):
                 param.requires_grad_(False)
