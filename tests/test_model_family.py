@@ -50,3 +50,21 @@ def test_other_families_and_mismatched_layers_are_refused(tmp_path: Path, config
     with pytest.raises(RunError) as caught:
         check_model_family(_folder(tmp_path, config), plan)
     assert needle in str(caught.value)
+
+
+def test_the_dry_run_refuses_an_moe_plan_pinned_to_fsdp2(tmp_path: Path) -> None:
+    """What `rlc run`'s folder check would refuse, the plan-only dry run refuses too."""
+    from typer.testing import CliRunner
+
+    from rlc.cli import app
+
+    spec = tmp_path / "moe.yaml"
+    spec.write_text(
+        "name: moe\ntarget: a2\ncluster: {nodes: 2}\nmodel: {name: qwen3-30b-a3b, path: /models/Qwen3-30B-A3B}\n"
+        "data: {train: /data/math.jsonl}\ntrain: {backend: fsdp2}\n"
+    )
+    runner = CliRunner()
+    assert runner.invoke(app, ["compile", str(spec), "-o", str(tmp_path / "plan")]).exit_code == 0
+    dry = runner.invoke(app, ["run", str(tmp_path / "plan"), "--dry-run"])
+    assert dry.exit_code == 2
+    assert "qwen3-30b-a3b is a mixture-of-experts model: expert parallelism is not built" in dry.output
