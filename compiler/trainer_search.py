@@ -23,6 +23,7 @@ from rlc.schemas.layout import (
     backend_recomputes,
     cp_problem,
     default_cp_kind,
+    fsdp2_runs_ep,
     fsdp2_runs_tp,
     linear_heads,
     tp_problem,
@@ -106,8 +107,8 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
     backend_pin = pin.backend or (spec.train.backend if spec.train.backend != "auto" else None)
     if backend_pin:
         backends = [backend_pin]
-    elif arch.is_moe or any(v and v > 1 for v in (pin.pp, pin.ep)):
-        backends = ["megatron"]
+    elif pin.pp and pin.pp > 1:
+        backends = ["megatron"]  # pipeline parallelism is not built on fsdp2 (`layout.runtime_gaps`)
     else:
         backends = ["fsdp2", "megatron"]
     rc_pin = pin.recompute or (spec.train.recompute if spec.train.recompute != "auto" else None)
@@ -131,18 +132,16 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
         if backend == "fsdp2" and not pin.tp:  # only what the fsdp2 runtime executes (`layout.runtime_gaps`)
             hybrid = linear_heads(arch) is not None
             tps = [t for t in tps if fsdp2_runs_tp(t, arch.num_kv_heads, ctx.lora_rank is not None, hybrid)]
-        if backend == "fsdp2":
-            pps, eps = [1], [1]
+            tps = [1] if arch.moe is not None else tps  # experts split by EP, not TP, on fsdp2
+        pps = [1] if backend == "fsdp2" else [pin.pp] if pin.pp else [p for p in pow2_upto(min(arch.num_layers, n))]
+        if arch.moe is None:
+            eps = [1]
         else:
-            pps = [pin.pp] if pin.pp else [p for p in pow2_upto(min(arch.num_layers, n))]
-            if arch.moe is None:
-                eps = [1]
-            else:
-                eps = (
-                    [pin.ep]
-                    if pin.ep
-                    else [e for e in pow2_upto(min(arch.moe.num_experts, n)) if arch.moe.num_experts % e == 0]
-                )
+            eps = (
+                [pin.ep]
+                if pin.ep
+                else [e for e in pow2_upto(min(arch.moe.num_experts, n)) if arch.moe.num_experts % e == 0]
+            )
         # Context parallelism splits packed micro-batches: without packing there is nothing to split.
         cps_all = [pin.cp] if pin.cp else (pow2_upto(min(16, n)) if spec.train.packing else [1])
         shapes = [
@@ -152,7 +151,9 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
             for kind in _cp_kinds(ctx, backend, tp, cp)
             for ep in eps
             for pp in pps
-            if not n % (tp * pp * cp) and not (ep > 1 and (tp * cp * (n // (tp * pp * cp))) % ep)
+            if not n % (tp * pp * cp)
+            and not (ep > 1 and (tp * cp * (n // (tp * pp * cp))) % ep)
+            and (backend != "fsdp2" or pin.ep or fsdp2_runs_ep(ep, tp, cp, n // (tp * pp * cp)))
         ]
         # Best first by the degrees' time lower bound, so the bar rises fast and the rest stop at once.
         bounds = {s: _train_lower_bound_s(ctx, n, s, recomputes[0], mbts) for s in shapes}

@@ -53,6 +53,7 @@ def prepare_model(plan: Plan, log) -> tuple[Path, Weights]:  # type: ignore[no-u
                 seed=plan.algorithm.seed,
                 max_positions=plan.model.tiny_max_positions or 512,
                 task="calculator" if plan.model.id == "rlc-tiny-agent" else "addition",
+                architecture="moe" if plan.model.experts else "dense",
             )
         except (OSError, ValueError) as exc:
             raise RunError(f"cannot build the quickstart model in {path}: {exc}") from None
@@ -374,6 +375,7 @@ def check_built_layout(plan: Plan, built: list[dict[str, Any]]) -> list[str]:
     want = {
         "mesh": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp},
         "tp": layout.tp,
+        "ep": layout.ep,
         "shard_group": layout.shard_group,
         "cp_kind": layout.cp_kind if layout.cp > 1 else None,
         "param_dtype": layout.precision.param_dtype,

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rlc.schemas.layout import LINEAR_KERNELS, runtime_gaps
-from rlc.schemas.plan import Plan, Role
+from rlc.schemas.layout import LINEAR_KERNELS, TORCH_EXPERT_KERNEL_NAME, TrainLayout, runtime_gaps
+from rlc.schemas.plan import ExpertLayers, Plan, Role
 
 __all__ = ["ActorRequest", "LaunchRequest", "PlacementGroupRequest", "launch_request", "render_request"]
 
@@ -219,7 +219,13 @@ def launch_request(plan: Plan) -> LaunchRequest:
         assert role.layout is not None
         refusals += [
             g
-            for g in runtime_gaps(role.layout, plan.platform, lora=plan.lora is not None, linear_heads=hybrid_heads)
+            for g in runtime_gaps(
+                role.layout,
+                plan.platform,
+                lora=plan.lora is not None,
+                linear_heads=hybrid_heads,
+                moe=plan.model.experts is not None,
+            )
             if g not in refusals
         ]
     return LaunchRequest(
@@ -238,12 +244,14 @@ def launch_request(plan: Plan) -> LaunchRequest:
 
 
 def _token_mixers(plan: Plan) -> str | None:
-    """The dry run's statement of a hybrid model's layers as the trainer will build them."""
+    """The dry run's statement of a hybrid or MoE model's layers as the trainer will build them."""
     linear = plan.model.linear_attention
-    if linear is None:
-        return None
     train = plan.roles_of("train")[0].layout
     assert train is not None
+    if plan.model.experts is not None:
+        return _experts_line(plan.model.experts, train)
+    if linear is None:
+        return None
     full = linear.layers // max(linear.full_attention_interval - 1, 1)
     split = (
         f"; Ulysses CP {train.cp} gives each rank {linear.key_heads // train.cp} key / "
@@ -255,6 +263,20 @@ def _token_mixers(plan: Plan) -> str | None:
         f"hybrid: {linear.layers} Gated-DeltaNet + {full} attention layers; packed sequence boundaries reach "
         f"attention, the causal conv and the delta rule; kernels: {LINEAR_KERNELS[plan.platform]}"
         f"{'' if plan.platform == 'cpu' else ', which the trainer image must have'}{split}"
+    )
+
+
+def _experts_line(experts: ExpertLayers, train: TrainLayout) -> str:
+    text = (
+        f"mixture of experts: {experts.layers} MoE layers of {experts.num_experts} experts, top-"
+        f"{experts.experts_per_token}; "
+    )
+    if train.ep == 1:
+        return text + "every rank computes every expert (experts sharded by FSDP2 like any weight)"
+    held = experts.num_experts // train.ep
+    return (
+        text + f"EP {train.ep}: each rank holds {held} experts (FSDP2 shards them over {train.shard_group // train.ep}"
+        f" rank(s)), tokens reach them by all-to-all; expert kernel: {TORCH_EXPERT_KERNEL_NAME}"
     )
 
 

@@ -1,11 +1,11 @@
 """Which model families the runtime builds exactly, checked against the model folder before any actor starts.
 
-The trainer's tensor-parallel plan, its packed forwards and the engines' weight names are built and tested per
-family; a folder of another family would load through transformers' auto classes and then train with layers
-rlc does not know (a mixture-of-experts block computed without expert parallelism, a linear-attention layer
+The trainer's tensor-parallel plan, its packed forwards, its expert parallelism and the engines' weight names are
+built and tested per family; a folder of another family would load through transformers' auto classes and then
+train with layers rlc does not know (shared experts its expert parallelism leaves out, a linear-attention layer
 whose packed rows leak). So `rlc run` reads config.json and refuses what it has not been built for, and a folder
-whose layers disagree with the plan the compiler made (a hybrid served under a dense model's plan, or the
-reverse). Nothing here imports torch.
+whose layers disagree with the plan the compiler made (a hybrid or MoE model served under a dense model's plan,
+other expert counts, or the reverse). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -15,20 +15,24 @@ from pathlib import Path
 from typing import Any
 
 from rlc.runtime.errors import RunError
-from rlc.schemas.layout import MOE_NOT_BUILT
 from rlc.schemas.plan import ModelSettings
 
-__all__ = ["DENSE_FAMILIES", "HYBRID_FAMILIES", "check_model_family", "model_type"]
+__all__ = ["DENSE_FAMILIES", "HYBRID_FAMILIES", "MOE_FAMILIES", "check_model_family", "model_type"]
 
 #: transformers ``model_type``s whose every layer is softmax attention with a dense MLP.
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
 #: Gated-DeltaNet hybrids (Qwen3.5/3.6): the text model, and the multimodal checkpoint whose text model is trained.
 HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5")
+#: Mixture-of-experts families whose routed experts are transformers' fused weights and nothing else (no shared
+#: experts): what `runtime/train/expert_parallel` splits and the engines' expert reload repacks.
+MOE_FAMILIES = ("qwen3_moe",)
+BUILT = DENSE_FAMILIES + HYBRID_FAMILIES + MOE_FAMILIES
 #: Families known and not built yet, with what is missing.
-MOE = f"a mixture-of-experts model ({MOE_NOT_BUILT})"
+SHARED = "a mixture-of-experts model with shared experts beside the routed ones, which are not built yet"
 NOT_BUILT = {
-    **dict.fromkeys(("qwen3_moe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "mixtral"), MOE),
-    "deepseek_v3": f"a mixture-of-experts model with latent attention ({MOE_NOT_BUILT}; nor is latent attention)",
+    **dict.fromkeys(("qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"), SHARED),
+    "mixtral": "a mixture-of-experts family whose expert weights have not been tested with rlc's expert parallelism",
+    "deepseek_v3": "a mixture-of-experts model with latent attention and shared experts, which are not built yet",
 }
 #: ``architectures`` entries that name a family when config.json has no ``model_type``.
 ARCHITECTURE_FAMILY = {
@@ -57,6 +61,15 @@ def _linear_layers(config: dict[str, Any]) -> int:
     return sum(1 for t in types if t == "linear_attention")
 
 
+def _experts(config: dict[str, Any]) -> tuple[int, int] | None:
+    """(routed experts, experts per token) of an MoE config.json; None for a dense one."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    experts = text.get("num_experts") or text.get("num_local_experts")  # type: ignore[union-attr]
+    if not experts:
+        return None
+    return int(experts), int(text.get("num_experts_per_tok") or 0)  # type: ignore[union-attr]
+
+
 def check_model_family(folder: Path, model: ModelSettings) -> str:
     """RunError unless `folder` holds a family the runtime builds and its layers match the plan; returns the family.
 
@@ -64,10 +77,10 @@ def check_model_family(folder: Path, model: ModelSettings) -> str:
     """
     config = json.loads((folder / "config.json").read_text())
     family = model_type(config) if isinstance(config, dict) else None
-    built = ", ".join(DENSE_FAMILIES + HYBRID_FAMILIES)
+    built = ", ".join(BUILT)
     if family in NOT_BUILT:
         raise RunError(f"{folder} holds {family}, {NOT_BUILT[family]}; this runtime trains {built}")
-    if family not in DENSE_FAMILIES + HYBRID_FAMILIES:
+    if family not in BUILT:
         named = f"model_type {family!r}" if family else "no model_type"
         raise RunError(
             f"{folder}'s config.json has {named}: this runtime is built and tested for {built} only, and will not "
@@ -79,5 +92,16 @@ def check_model_family(folder: Path, model: ModelSettings) -> str:
         raise RunError(
             f"{folder} has {linear} linear-attention layer(s) but the plan was compiled for {model.id} with "
             f"{planned}: compile the spec with the catalog entry of the model in this folder"
+        )
+    found = _experts(config)
+    want = (model.experts.num_experts, model.experts.experts_per_token) if model.experts else None
+    if found != want:
+
+        def says(x: tuple[int, int] | None) -> str:
+            return f"{x[0]} experts, top-{x[1]}" if x else "no experts (dense)"
+
+        raise RunError(
+            f"{folder} has {says(found)} but the plan was compiled for {model.id} with {says(want)}: compile the "
+            "spec with the catalog entry of the model in this folder"
         )
     return family

@@ -266,8 +266,38 @@ LINEAR_KERNELS: dict[str, str] = {
     "cuda": FUSED_LINEAR_KERNELS,
     "npu": FUSED_LINEAR_KERNELS,
 }
-#: Why an MoE model is not trained: said by the plan's gaps and by `rlc run`'s model-folder check alike.
-MOE_NOT_BUILT = "expert parallelism is not built on the fsdp2 trainer"
+#: The expert kernel the trainer's expert parallelism uses (`runtime/train/expert_parallel.TORCH_EXPERT_KERNEL`).
+TORCH_EXPERT_KERNEL_NAME = "torch (one GEMM pair per local expert)"
+
+
+def fsdp2_runs_ep(ep: int, tp: int, cp: int, dp: int) -> bool:
+    """FSDP2's expert parallelism (`runtime/train/expert_parallel`) groups `ep` neighbouring dp·cp ranks: every CP
+    rank of ep/cp data-parallel ranks. So it needs TP 1 (no expert-TP plan), cp | ep and (ep/cp) | dp."""
+    return ep == 1 or (tp == 1 and ep % cp == 0 and dp % (ep // cp) == 0)
+
+
+def moe_gaps(layout: TrainLayout, lora: bool) -> list[str]:
+    """What the fsdp2 runtime cannot build for a mixture-of-experts model under `layout`.
+
+    It runs the experts with data, context and expert parallelism (`fsdp2_runs_ep`). TP has no plan for expert
+    weights, and LoRA adapters on fused expert weights are not built (PEFT's all-linear would leave them out).
+    """
+    gaps = []
+    if layout.tp > 1:
+        gaps.append(
+            f"tensor parallelism (TP {layout.tp}) over an MoE model's experts is not built on the fsdp2 backend: "
+            "split the experts with EP instead (train.placement ep)"
+        )
+    elif not fsdp2_runs_ep(layout.ep, layout.tp, layout.cp, layout.dp):
+        gaps.append(
+            f"EP {layout.ep} with CP {layout.cp} and DP {layout.dp}: the fsdp2 backend's EP groups span every CP "
+            f"rank of EP/CP data-parallel ranks, so CP must divide EP and EP/CP must divide DP"
+        )
+    if lora:
+        gaps.append(
+            "LoRA on a mixture-of-experts model is not built on the fsdp2 backend (adapters on fused expert weights)"
+        )
+    return gaps
 
 
 def linear_attention_gaps(layout: TrainLayout, heads: tuple[int, int]) -> list[str]:
@@ -305,14 +335,16 @@ def runtime_gaps(
     lora: bool = False,
     kv_heads: int | None = None,
     linear_heads: tuple[int, int] | None = None,
+    moe: bool = False,
 ) -> list[str]:
     """What `rlc run` cannot execute about this layout on `platform`, one sentence each (empty: it runs).
 
     The capability table: FSDP2 runs data, tensor (DTensor, KV heads split not replicated, no LoRA) and
-    context parallelism (Ulysses everywhere; ring on cpu), full or no recompute, parameter and optimizer
-    offload, fp32 or bf16 compute. The Megatron backend is planned (its memory and time models are used to
-    size MoE and very large dense runs) but not executed yet. `kv_heads` is checked when known; `linear_heads`
-    (key, value) marks a hybrid model, whose Gated-DeltaNet layers add `linear_attention_gaps`.
+    context parallelism (Ulysses everywhere; ring on cpu), expert parallelism for MoE models (`moe_gaps`), full
+    or no recompute, parameter and optimizer offload, fp32 or bf16 compute. The Megatron backend is planned (its
+    memory and time models size very large runs) but not executed yet. `kv_heads` is checked when known;
+    `linear_heads` (key, value) marks a hybrid model, whose Gated-DeltaNet layers add `linear_attention_gaps`;
+    `moe` marks a mixture-of-experts model.
     """
     gaps: list[str] = []
     if layout.backend == "megatron":
@@ -323,8 +355,10 @@ def runtime_gaps(
         return gaps
     if layout.pp > 1:
         gaps.append(f"pipeline parallelism (PP {layout.pp}) is not implemented on the fsdp2 backend")
-    if layout.ep > 1:
-        gaps.append(f"expert parallelism (EP {layout.ep}) is not implemented on the fsdp2 backend")
+    if moe:
+        gaps += moe_gaps(layout, lora)
+    elif layout.ep > 1:
+        gaps.append(f"expert parallelism (EP {layout.ep}) needs a mixture-of-experts model")
     if layout.tp > 1 and lora:
         gaps.append(f"LoRA with tensor parallelism (TP {layout.tp}) is not implemented on the fsdp2 backend")
     if layout.tp > 1 and kv_heads is not None and kv_heads % layout.tp:

@@ -174,6 +174,14 @@ class LinearAttentionLayers(PlanModel):
     value_heads: int = Field(ge=1, description="Value heads of a linear-attention layer.")
 
 
+class ExpertLayers(PlanModel):
+    """A mixture-of-experts model's routed experts: what the trainer splits over EP ranks and the engines load."""
+
+    layers: int = Field(ge=1, description="Decoder layers whose FFN is a mixture of experts.")
+    num_experts: int = Field(ge=1, description="Routed experts per MoE layer.")
+    experts_per_token: int = Field(ge=1, description="Routed experts per token (top-k).")
+
+
 class ModelSettings(PlanModel):
     id: str
     path: str | None = Field(description="Local HF folder; None on cpu means build the tiny model.")
@@ -186,6 +194,9 @@ class ModelSettings(PlanModel):
     )
     linear_attention: LinearAttentionLayers | None = Field(
         None, description="Hybrid models only: their linear-attention layers (None: every layer is attention)."
+    )
+    experts: ExpertLayers | None = Field(
+        None, description="Mixture-of-experts models only: their routed experts (None: every FFN is dense)."
     )
 
 

@@ -41,6 +41,15 @@ def tiny_hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-MoE (the quickstart's sizes, 8 experts, top-2), randomly initialised, once per session: its
+    routers send the tokens of a short batch to every expert, which the expert-parallel tests need."""
+    from rlc.runtime.tasks.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-moe") / "model", seed=0, warmup_steps=0, architecture="moe")
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path):
     """The quickstart model loaded in float32, eval mode, with sdpa attention."""
     import torch

@@ -51,6 +51,7 @@ target: a2
 cluster: {nodes: 2}
 model: {name: qwen3-30b-a3b, path: /models/Qwen3-30B-A3B}
 data: {train: /data/math.jsonl}
+train: {backend: megatron}
 """
 
 runner = CliRunner()
@@ -162,6 +163,7 @@ def test_a_plan_edited_to_other_degrees_is_caught_by_the_built_layout_check() ->
         "coords": {"pp": 0, "dp": 0, "cp": 0, "tp": 0},
         "mesh": {"dp": 1, "cp": 1, "tp": 1},
         "tp": 1,
+        "ep": 1,
         "shard_group": 1,
         "cp_kind": None,
         "param_dtype": "float32",

@@ -10,7 +10,7 @@ import pytest
 
 from rlc.runtime.errors import RunError
 from rlc.runtime.model_family import check_model_family
-from rlc.schemas.plan import LinearAttentionLayers, ModelSettings
+from rlc.schemas.plan import ExpertLayers, LinearAttentionLayers, ModelSettings
 
 DENSE = ModelSettings(id="rlc-tiny", path="m", hf_architecture="Qwen3ForCausalLM", params_b=0.0003, vocab_size=32)
 HYBRID = DENSE.model_copy(
@@ -21,6 +21,13 @@ HYBRID = DENSE.model_copy(
     }
 )
 HYBRID_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
+MOE = DENSE.model_copy(
+    update={
+        "id": "rlc-tiny-moe",
+        "hf_architecture": "Qwen3MoeForCausalLM",
+        "experts": ExpertLayers(layers=2, num_experts=8, experts_per_token=2),
+    }
+)
 
 
 def _folder(tmp_path: Path, config: dict) -> Path:
@@ -36,10 +43,18 @@ def test_dense_and_hybrid_folders_that_match_their_plans_pass(tmp_path: Path, ti
     assert check_model_family(_folder(tmp_path, {"architectures": ["Qwen3ForCausalLM"]}), DENSE) == "qwen3"
 
 
+def test_the_tiny_moe_folder_matches_its_plan(tiny_moe_model_dir: Path) -> None:
+    assert check_model_family(tiny_moe_model_dir, MOE) == "qwen3_moe"
+
+
 @pytest.mark.parametrize(
     ("config", "plan", "needle"),
     [
-        ({"model_type": "qwen3_moe"}, DENSE, "mixture-of-experts model"),
+        ({"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2}, DENSE, "8 experts, top-2 but"),
+        ({"model_type": "qwen3"}, MOE, "no experts (dense) but the plan was compiled for rlc-tiny-moe with 8"),
+        ({"model_type": "qwen3_moe", "num_experts": 16, "num_experts_per_tok": 2}, MOE, "16 experts"),
+        ({"model_type": "qwen3_5_moe"}, MOE, "shared experts"),
+        ({"model_type": "deepseek_v3"}, MOE, "latent attention"),
         ({"model_type": "gpt2"}, DENSE, "model_type 'gpt2'"),
         ({}, DENSE, "no model_type"),
         ({"model_type": "qwen3_5_text", "layer_types": HYBRID_LAYERS}, DENSE, "3 linear-attention layer(s)"),
@@ -52,8 +67,8 @@ def test_other_families_and_mismatched_layers_are_refused(tmp_path: Path, config
     assert needle in str(caught.value)
 
 
-def test_the_dry_run_refuses_an_moe_plan_pinned_to_fsdp2(tmp_path: Path) -> None:
-    """What `rlc run`'s folder check would refuse, the plan-only dry run refuses too."""
+def test_the_dry_run_refuses_moe_layouts_the_fsdp2_trainer_does_not_build(tmp_path: Path) -> None:
+    """An MoE plan pinned to TP on fsdp2 is refused by the plan-only dry run, with the layout to use instead."""
     from typer.testing import CliRunner
 
     from rlc.cli import app
@@ -61,10 +76,10 @@ def test_the_dry_run_refuses_an_moe_plan_pinned_to_fsdp2(tmp_path: Path) -> None
     spec = tmp_path / "moe.yaml"
     spec.write_text(
         "name: moe\ntarget: a2\ncluster: {nodes: 2}\nmodel: {name: qwen3-30b-a3b, path: /models/Qwen3-30B-A3B}\n"
-        "data: {train: /data/math.jsonl}\ntrain: {backend: fsdp2}\n"
+        "data: {train: /data/math.jsonl}\ntrain: {backend: fsdp2}\nplacement: {train: {tp: 2}}\n"
     )
     runner = CliRunner()
     assert runner.invoke(app, ["compile", str(spec), "-o", str(tmp_path / "plan")]).exit_code == 0
     dry = runner.invoke(app, ["run", str(tmp_path / "plan"), "--dry-run"])
     assert dry.exit_code == 2
-    assert "qwen3-30b-a3b is a mixture-of-experts model: expert parallelism is not built" in dry.output
+    assert "over an MoE model's experts is not built on the fsdp2 backend: split the experts with EP" in dry.output

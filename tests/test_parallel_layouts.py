@@ -146,6 +146,33 @@ def test_hybrid_layout_matches_one_unpacked_rank(
     assert built["linear_attention_kernels"] == "torch (split at cu_seqlens)"
 
 
+#: Expert-parallel layouts of the tiny Qwen3-MoE (8 experts, top-2, random routers that spread tokens over every
+#: rank): plain FSDP2, EP 2 alone, EP 2 spanning both CP ranks, and EP 2 twice over four ranks (each expert held by
+#: two ranks, which FSDP2 shards it over).
+MOE_LAYOUTS = {
+    "dp2": {"world_size": 2},
+    "ep2": {"world_size": 2, "ep": 2},
+    "ep2-cp2": {"world_size": 2, "ep": 2, "cp": 2},
+    "ep2-dp4": {"world_size": 4, "ep": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tiny_moe_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _run(tiny_moe_model_dir, tmp_path_factory.mktemp("moe-ref"), {"world_size": 1})[0]
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_moe_layout_matches_one_rank(name: str, moe_reference: dict, tiny_moe_model_dir: Path, tmp_path: Path) -> None:
+    layout = MOE_LAYOUTS[name]
+    ranks = _run(tiny_moe_model_dir, tmp_path, layout)
+    _assert_matches(ranks, moe_reference, layout)
+    # Each rank holds only its EP share of the experts, and the weights it gathers for export are whole.
+    ep = layout.get("ep", 1)
+    assert all(r["built"]["built"]["ep"] == ep for r in ranks)
+    assert ranks[0]["weights"]["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8
+
+
 def _assert_matches(ranks: list[dict], reference: dict, layout: dict) -> None:
     dp = layout["world_size"] // (layout.get("tp", 1) * layout.get("cp", 1))
     # One answering rank per data-parallel share (cp 0, tp 0), in share order, as TrainerGroup gathers them.

@@ -76,11 +76,17 @@ def test_topology_tp_inside_node_and_a3_pairs() -> None:
     assert search.groups_in_nodes(8, 8, 4, 8)
 
 
-def test_moe_uses_megatron_and_ep_divides_experts() -> None:
+def test_moe_plans_an_fsdp2_layout_the_runtime_builds_and_ep_divides_experts() -> None:
+    from rlc.compiler.planner import plan_gaps
+    from rlc.schemas.layout import fsdp2_runs_ep
+
     p = problem("model: {name: qwen3-235b-a22b, path: /m}\ncluster: {nodes: 8}\n", "a3")
     best = search.search(p).best
-    assert best is not None and best.train.layout.backend == "megatron"
-    assert 128 % best.train.layout.ep == 0 and 128 % best.rollout.layout.ep == 0
+    assert best is not None and best.train.layout.backend == "fsdp2"
+    lay = best.train.layout
+    assert 128 % lay.ep == 0 and 128 % best.rollout.layout.ep == 0
+    assert lay.tp == 1 and fsdp2_runs_ep(lay.ep, lay.tp, lay.cp, lay.dp)
+    assert not [g for g in plan_gaps(p, best) if "trainer" in g or "EP" in g or "expert" in g]
 
 
 def test_dense_model_that_fits_uses_fsdp2() -> None:

@@ -13,25 +13,10 @@ from pathlib import Path
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from .tiny_model import _warmup, save_model_folder, tiny_config, write_atomically
+from .tiny_model import SHARED_SIZES, _warmup, save_model_folder, tiny_config, write_atomically
 from .tokenizer import build_char_tokenizer
 
 __all__ = ["build_tiny_hybrid_model", "tiny_hybrid_config"]
-
-#: What the hybrid shares with the quickstart model's config (`tiny_model.tiny_config`).
-SHARED_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-)
 
 
 def tiny_hybrid_config(max_positions: int = 512) -> Qwen3_5TextConfig:
@@ -39,7 +24,7 @@ def tiny_hybrid_config(max_positions: int = 512) -> Qwen3_5TextConfig:
     2 key / 4 value heads of dim 32 (grouped like Qwen3.6's 16/48) and a conv kernel of 4."""
     base = tiny_config(max_positions)
     return Qwen3_5TextConfig(
-        **{name: getattr(base, name) for name in SHARED_FIELDS},
+        **{name: getattr(base, name) for name in SHARED_SIZES},
         num_hidden_layers=4,
         linear_num_key_heads=2,
         linear_num_value_heads=4,

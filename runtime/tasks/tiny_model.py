@@ -27,6 +27,7 @@ from .tokenizer import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, save_char_t
 
 __all__ = [
     "MARKER",
+    "SHARED_SIZES",
     "build_tiny_model",
     "greedy_accuracy",
     "save_model_folder",
@@ -37,6 +38,23 @@ __all__ = [
 MARKER = "rlc_tiny_model.json"
 RECIPE_VERSION = 1
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", MARKER)
+
+
+#: What the quickstart model's siblings (`tiny_hybrid_model`, `tiny_moe_model`) take from its config: sizes,
+#: tokenizer ids and tying, so every tiny model reads the same character tokenizer at the same width.
+SHARED_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
 
 
 def tiny_config(max_positions: int = 512) -> Qwen3Config:
@@ -130,13 +148,20 @@ def greedy_accuracy(
     return sum(t == ex.answer for t, ex in zip(texts, examples, strict=True)) / len(examples)
 
 
-def _recipe(seed: int, warmup_steps: int, max_positions: int, task: str = "addition") -> dict[str, Any]:
+#: The tiny models' architectures: the quickstart's dense Qwen3, and its mixture-of-experts twin (`tiny_moe_model`).
+ARCHITECTURES = ("dense", "moe")
+
+
+def _recipe(
+    seed: int, warmup_steps: int, max_positions: int, task: str = "addition", architecture: str = "dense"
+) -> dict[str, Any]:
     return {
         "recipe_version": RECIPE_VERSION,
         "seed": seed,
         "warmup_steps": warmup_steps,
         "max_positions": max_positions,
         "task": task,
+        "architecture": architecture,
     }
 
 
@@ -145,7 +170,8 @@ def _is_complete(path: Path) -> bool:
 
 
 def _check_recipe(path: Path, recipe: dict[str, Any]) -> None:
-    found = {"max_positions": 512, **json.loads((path / MARKER).read_text())}  # older markers: the 512 default
+    # Older markers: the 512 default, the dense architecture.
+    found = {"max_positions": 512, "architecture": "dense", **json.loads((path / MARKER).read_text())}
     found["task"] = "addition" if found.get("task", "one-digit addition") == "one-digit addition" else found["task"]
     mismatched = {k: (found.get(k), v) for k, v in recipe.items() if found.get(k) != v}
     if mismatched:
@@ -196,22 +222,26 @@ def build_tiny_model(
     warmup_steps: int | None = None,
     max_positions: int = 512,
     task: str = "addition",
+    architecture: str = "dense",
 ) -> Path:
     """Create (or reuse) the quickstart checkpoint in ``out_dir`` and return its path.
 
     ``task`` picks the warm-up: ``addition`` (one-digit sums, 40 steps) or ``calculator`` (tool-use episodes,
     steps pinned per seed by `tiny_agent_model.WARMUP_STEPS`). Deterministic for a given seed on a given
-    machine. Refuses to overwrite a non-empty folder that is not a complete tiny model, and a complete one
-    built with another seed, step count or task.
+    machine. ``architecture``: ``dense`` (Qwen3) or ``moe`` (Qwen3-MoE, 8 experts top-2: `tiny_moe_model`; the
+    addition task only). Refuses to overwrite a non-empty folder that is not a complete tiny model, and a complete
+    one built with another seed, step count, task or architecture.
     """
     if task not in ("addition", "calculator"):
         raise ValueError(f"unknown tiny-model task {task!r}; use addition or calculator")
+    if architecture not in ARCHITECTURES or (architecture == "moe" and task != "addition"):
+        raise ValueError(f"no tiny {architecture!r} model for the {task} task; use dense, or moe with addition")
     if warmup_steps is None:
         from .tiny_agent_model import warmup_steps as pinned
 
         warmup_steps = 40 if task == "addition" else pinned(seed)
     out = Path(out_dir)
-    recipe = _recipe(seed, warmup_steps, max_positions, task)
+    recipe = _recipe(seed, warmup_steps, max_positions, task, architecture)
     if _is_complete(out):
         _check_recipe(out, recipe)
         return out
@@ -220,7 +250,14 @@ def build_tiny_model(
 
     def write(tmp: Path) -> None:
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(tiny_config(max_positions)).to(torch.float32)
+        if architecture == "moe":
+            from transformers import Qwen3MoeForCausalLM
+
+            from .tiny_moe_model import tiny_moe_config
+
+            model = Qwen3MoeForCausalLM(tiny_moe_config(max_positions)).to(torch.float32)
+        else:
+            model = Qwen3ForCausalLM(tiny_config(max_positions)).to(torch.float32)
         if task == "calculator":
             from .calculator import AGENT_CHARACTERS, CHAT_TEMPLATE
             from .tiny_agent_model import agent_tokenizer, sampled_success, warmup_calculator

@@ -10,8 +10,13 @@ Tensor parallelism on Qwen-style layers: q/k/v and gate/up are split column-wise
 o and down row-wise, so each layer does one all-reduce after attention and one after the FFN; embeddings,
 norms and the LM head stay whole (sharded by FSDP only). Qwen3's per-head q/k RMSNorm then sees only local
 heads, so the gradients of its (shared) weights are partial per TP rank and are summed over the TP group
-after backward (`sum_partial_grads`). Expert and pipeline parallelism are not built on this backend
-(`schemas/layout.runtime_gaps` refuses such plans before anything starts).
+after backward (`sum_partial_grads`).
+
+Expert parallelism (`expert_parallel`) splits the dp·cp ranks into EP groups of `ep` neighbours (torchtitan's
+layout: EP spans data-parallel ranks and every context-parallel rank of them) and the ``efsdp`` ranks that hold
+the same experts; each MoE layer's experts are their own FSDP unit over the efsdp ranks. Pipeline parallelism
+and EP with TP are not built on this backend (`schemas/layout.runtime_gaps` refuses such plans before anything
+starts).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.distributed as dist
 from rlc.schemas.layout import TrainLayout
 
 from ..platform import Platform
+from .expert_parallel import expert_modules, install_expert_parallel
 from .linear_attention import linear_attention_modules
 
 __all__ = [
@@ -49,9 +55,11 @@ class TrainerMesh:
     """The device mesh of one trainer rank and the process groups the trainer talks over."""
 
     layout: TrainLayout
-    world: Any  # DeviceMesh with dims (dp, cp, tp)
+    world: Any  # DeviceMesh with dims (dp, cp, tp), or (efsdp, edp, cp, tp) under expert parallelism
     shard: Any  # DeviceMesh FSDP2 shards over: dp·cp flattened
     coords: dict[str, int]
+    ep: Any = None  # expert-parallel mesh (edp·cp flattened), when ep > 1
+    expert_shard: Any = None  # the ranks holding the same experts, which FSDP2 shards them over
 
     @property
     def tp_group(self) -> Any:
@@ -76,9 +84,24 @@ def build_mesh(layout: TrainLayout, platform: Platform, rank: int) -> TrainerMes
 
     if dist.get_world_size() != layout.world_size:
         raise RuntimeError(f"the trainer group has {dist.get_world_size()} ranks, the layout {layout.world_size}")
-    world = init_device_mesh(platform.device_type, (layout.dp, layout.cp, layout.tp), mesh_dim_names=("dp", "cp", "tp"))
-    shard = world["dp", "cp"]._flatten("dp_cp")
-    return TrainerMesh(layout, world, shard, layout.coordinates(rank))
+    if layout.ep == 1:
+        world = init_device_mesh(
+            platform.device_type, (layout.dp, layout.cp, layout.tp), mesh_dim_names=("dp", "cp", "tp")
+        )
+        shard = world["dp", "cp"]._flatten("dp_cp")
+        return TrainerMesh(layout, world, shard, layout.coordinates(rank))
+    if layout.tp > 1 or layout.ep % layout.cp or layout.dp % (layout.ep // layout.cp):
+        raise ValueError(f"expert parallel {layout.ep} is built with TP 1 and CP dividing EP dividing dp·cp")
+    edp = layout.ep // layout.cp  # data-parallel ranks per EP group; the group spans their every CP rank
+    world = init_device_mesh(
+        platform.device_type,
+        (layout.dp // edp, edp, layout.cp, layout.tp),
+        mesh_dim_names=("efsdp", "edp", "cp", "tp"),
+    )
+    world["efsdp", "edp"]._flatten("dp")
+    shard = world["efsdp", "edp", "cp"]._flatten("dp_cp")
+    ep = world["edp", "cp"]._flatten("ep")
+    return TrainerMesh(layout, world, shard, layout.coordinates(rank), ep=ep, expert_shard=world["efsdp"])
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -129,6 +152,7 @@ def apply_layout(model: torch.nn.Module, mesh: TrainerMesh, platform: Platform) 
 
     layout = mesh.layout
     partial = _apply_tensor_parallel(model, mesh) if layout.tp > 1 else set()
+    experts = {id(m) for m in install_expert_parallel(model, mesh.ep)} if layout.ep > 1 else set()
     if layout.recompute == "full":
         # Whole decoder layers are recomputed in backward (non-reentrant checkpointing works under FSDP2).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -141,6 +165,15 @@ def apply_layout(model: torch.nn.Module, mesh: TrainerMesh, platform: Platform) 
     # pin_memory needs an accelerator; on cpu the host *is* the device.
     offload = CPUOffloadPolicy(pin_memory=platform.name != "cpu") if layout.offload_params else OffloadPolicy()
     for layer in decoder_layers(model):
+        for module in layer.modules():
+            if id(module) in experts:
+                # Reduced over the efsdp ranks only, its gradient already summed over the EP group's tokens: the
+                # dp·cp divisor makes it the same global mean as every other weight's (see expert_parallel). Over
+                # several ranks a divisor other than their count is a pre-multiplied sum, which gloo lacks: sum,
+                # then divide (one rank divides its own copy either way).
+                fully_shard(module, mesh=mesh.expert_shard, mp_policy=mp, offload_policy=offload)
+                module.set_gradient_divide_factor(float(layout.shard_group))
+                module.set_force_sum_reduction_for_comms(mesh.expert_shard.size() > 1)
         fully_shard(layer, mesh=mesh.shard, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh.shard, mp_policy=mp, offload_policy=offload)
     # FSDP2 replaced the parameters with sharded ones: look the partial ones up again by name.
@@ -176,7 +209,18 @@ class BuiltLayout:
     offload_params: bool
     offload_optimizer: bool
     attention: str
+    ep: int
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _expert_shards(model: torch.nn.Module) -> int:
+    """How many ranks the first MoE layer's experts are split over (1: a dense model, or experts not split)."""
+    experts = expert_modules(model)
+    if not experts:
+        return 1
+    weight = experts[0].gate_up_proj
+    names = list(getattr(getattr(weight, "device_mesh", None), "mesh_dim_names", None) or ())
+    return int(weight.device_mesh.size(names.index("ep"))) if "ep" in names else 1
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -213,10 +257,11 @@ def describe_built(
     return BuiltLayout(
         rank=rank,
         coords=dict(mesh.coords),
-        mesh={n: int(s) for n, s in zip(world.mesh_dim_names, world.mesh.shape, strict=True)},
+        mesh={n: int(world[n].size()) for n in ("dp", "cp", "tp")},
         tp=int(tp),
         shard_group=int(shard),
-        cp=int(world.size(world.mesh_dim_names.index("cp"))),
+        cp=int(world["cp"].size()),
+        ep=_expert_shards(model),
         cp_kind=cp_kind,
         param_dtype=_dtype_name(weight.dtype),
         compute_dtype=_dtype_name(compute_dtype_seen or mp.param_dtype or weight.dtype),

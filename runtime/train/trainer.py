@@ -37,7 +37,14 @@ from .memory_probe import PeakMemory, measured
 from .micro_batches import MicroBatch, MicroBatcher
 from .optimizer import UnitOptimizer, clip_grad_norm
 from .packed_forward import LOGPROB_METHOD, attn_implementation_for, install_logprob_forward, pack_rank_sequences
-from .parallelize import apply_layout, build_mesh, decoder_layers, describe_built, sum_partial_grads
+from .parallelize import (
+    apply_layout,
+    attention_layers,
+    build_mesh,
+    decoder_layers,
+    describe_built,
+    sum_partial_grads,
+)
 from .phases import PhaseMoves
 from .weights_out import WeightExport
 
@@ -195,7 +202,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
 
     def _watch_compute_dtype(self) -> None:
         """Record the dtype of a projection weight while a forward runs: FSDP2's all-gathered compute copy."""
-        proj = decoder_layers(self.model)[0].get_submodule("mlp.down_proj")
+        proj = attention_layers(self.model)[0].get_submodule("self_attn.o_proj")
 
         def seen(module: torch.nn.Module, args: Any) -> None:
             weight = module.weight

@@ -1,0 +1,148 @@
+"""Expert parallelism on the FSDP2 trainer: each rank of an EP group holds 1/ep of every MoE layer's experts.
+
+The pattern is torchtitan's (`torchtitan/distributed/expert_parallel.py`), on transformers' fused expert weights
+(`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`):
+
+* **Weights.** Both expert tensors become DTensors sharded on the expert dimension over the mesh's ``ep``
+  dimension; FSDP2 then shards each rank's experts over the ``efsdp`` ranks (those holding the same experts), so
+  they live on the 2-D (efsdp, ep) mesh and everything that reads DTensors (the state dict for weight sync and
+  export, the gradient-norm clip, checkpoints) sees whole experts.
+* **Dispatch.** A layer's (token, expert) pairs are sorted by expert; one all-to-all of the counts tells every
+  rank how many rows it will receive per local expert; an all-to-all of the rows (torch's differentiable
+  functional collective) sends each to the rank holding its expert; the local experts run on their contiguous
+  rows; the reverse all-to-all brings the outputs home, where they are weighted by the router and summed per token,
+  as transformers' own loop does on one rank.
+* **Gradients.** The trainer scales its loss by the dp·cp rank count and FSDP2 averages over its mesh; an expert
+  weight is reduced over its efsdp ranks only, having already received the gradients of every EP peer's tokens
+  through the backward all-to-all, so its divide factor is set to the whole dp·cp count, as for the other weights.
+
+Expert compute goes through one seam (`ExpertKernel`): torch's per-expert GEMMs everywhere; a platform's grouped
+matmul (torch_npu's on Ascend) plugs in there without touching the dispatch.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rlc.schemas.layout import TORCH_EXPERT_KERNEL_NAME
+
+__all__ = [
+    "TORCH_EXPERT_KERNEL",
+    "ExpertKernel",
+    "expert_modules",
+    "install_expert_parallel",
+    "moe_blocks",
+]
+
+
+@dataclass(frozen=True)
+class ExpertKernel:
+    """How a rank computes its local experts on rows already grouped by expert: the platform seam."""
+
+    name: str
+    run: Callable[[torch.Tensor, list[int], torch.Tensor, torch.Tensor, Callable[..., Any]], torch.Tensor]
+
+
+def _per_expert_gemms(
+    rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor, act: Callable[..., Any]
+) -> torch.Tensor:
+    """SwiGLU expert e on its ``counts[e]`` consecutive rows: ``down_e(act(gate_e x) * up_e x)``, as transformers."""
+    outs = []
+    for e, part in enumerate(torch.split(rows, counts)):
+        gate, up = F.linear(part, gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(act(gate) * up, down[e]))
+    return torch.cat(outs) if outs else rows.new_zeros((0, down.shape[1]))
+
+
+TORCH_EXPERT_KERNEL = ExpertKernel(TORCH_EXPERT_KERNEL_NAME, _per_expert_gemms)
+
+
+def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The fused expert containers of an MoE model: 3-D ``gate_up_proj`` and ``down_proj`` and ``num_experts``."""
+    found = []
+    for module in model.modules():
+        gate_up = getattr(module, "gate_up_proj", None)
+        down = getattr(module, "down_proj", None)
+        if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3:
+            found.append(module)
+    return found
+
+
+def moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The sparse MoE blocks (router ``gate`` + ``experts``), one per MoE layer."""
+    return [m for m in model.modules() if hasattr(m, "gate") and getattr(m, "experts", None) in expert_modules(m)]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _ep_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' expert forward (same arguments, same result) with the experts spread over the EP group."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    group, size = self._rlc_ep_group, self._rlc_ep_size
+    gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+    local_experts = gate_up.shape[0]
+    experts = local_experts * size
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    weights = top_k_weights.reshape(-1)
+    keep = flat < experts  # transformers' routers may mark a dropped (token, slot) with index num_experts
+    order = torch.argsort(torch.where(keep, flat, experts), stable=True)[: int(keep.sum())]
+    token_of = order // k
+    counts = torch.bincount(flat[order], minlength=experts)
+    # counts[r·El + e]: rows this rank sends to local expert e of rank r; after the exchange, got[s, e]: rows
+    # rank s sends to my local expert e.
+    got = torch.empty_like(counts)
+    dist.all_to_all_single(got, counts, group=group)
+    got = got.view(size, local_experts)
+    send_splits = counts.view(size, local_experts).sum(1).tolist()
+    recv_splits = got.sum(1).tolist()
+    rows = wait_tensor(all_to_all_single_autograd(hidden_states[token_of], recv_splits, send_splits, group))
+    # Received rows are grouped by source rank, then expert; the kernel wants them by expert, then source.
+    block = torch.repeat_interleave(torch.arange(size * local_experts, device=got.device), got.reshape(-1))
+    by_expert = torch.argsort((block % local_experts) * size + block // local_experts, stable=True)
+    out = self._rlc_expert_kernel.run(rows[by_expert], got.sum(0).tolist(), gate_up, down, self.act_fn)
+    back = torch.empty_like(by_expert)
+    back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
+    home = wait_tensor(all_to_all_single_autograd(out[back], send_splits, recv_splits, group))
+    weighted = home * weights[order, None].to(home.dtype)
+    return torch.zeros_like(hidden_states).index_add(0, token_of, weighted.to(hidden_states.dtype))
+
+
+def install_expert_parallel(
+    model: torch.nn.Module, ep_mesh: Any, kernel: ExpertKernel = TORCH_EXPERT_KERNEL
+) -> list[torch.nn.Module]:
+    """Shard every expert container's weights over `ep_mesh` (this rank keeps its 1/ep) and give it the EP forward.
+
+    Call on the loaded, unsharded model before FSDP2 wraps it; returns the expert containers (each to become its
+    own FSDP unit over the efsdp ranks).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    group = ep_mesh.get_group()
+    modules = expert_modules(model)
+    for module in modules:
+        experts = int(module.gate_up_proj.shape[0])
+        if experts % size:
+            raise ValueError(f"expert parallel {size} does not divide the {experts} experts of a MoE layer")
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(module, name)
+            shard = full.detach().chunk(size, dim=0)[rank].clone()
+            dtensor = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
+            setattr(module, name, torch.nn.Parameter(dtensor, requires_grad=full.requires_grad))
+        module._rlc_ep_group, module._rlc_ep_size = group, size
+        module._rlc_expert_kernel = kernel
+        module.forward = types.MethodType(_ep_forward, module)
+    return modules
