@@ -89,6 +89,20 @@ def speculative_config(problem: Problem) -> dict | None:
     return config
 
 
+#: Engine-trainer mean |log-prob difference| on the post-sync probe that stops a run, by engine dtype. Same
+#: weights in float32 agree to ~1e-6 (measured on the cpu target: dense 1e-6, MoE 5e-6 over a run); bfloat16
+#: engine and trainer kernels differ by a few 1e-2 on average (why RL frameworks correct for the mismatch). A
+#: sync that leaves an engine on other weights is off by nats: 1.9-5.8 measured for vLLM's unrepacked CPU experts.
+SYNC_CHECK_MAX_GAP = {"float32": 1e-3, "bfloat16": 0.25}
+
+
+def sync_check_max_gap(problem: Problem) -> float:
+    """The spec's `rollout.sync_check_max_gap`, else the default for the engines' dtype."""
+    if problem.spec.rollout.sync_check_max_gap is not None:
+        return problem.spec.rollout.sync_check_max_gap
+    return SYNC_CHECK_MAX_GAP["float32" if problem.target.kind == "cpu" else "bfloat16"]
+
+
 def model_path(problem: Problem, ref: ModelRef, arch: ModelArch) -> tuple[str, bool]:
     """Local folder for a model; on cpu the tiny model is built under the run directory when none is given."""
     if ref.path:
@@ -639,6 +653,7 @@ def _schedule(problem: Problem, ctx: search.Context, best: search.Candidate) -> 
         rollout_chunk_prompts=cost.rollout_chunk_prompts(spec.algorithm.batch_prompts, best.rollout.layout.replicas),
         rollout_chunks_per_engine=cost.ENGINE_CHUNKS,
         weight_sync=search.sync_method(ctx, best.mode),  # type: ignore[arg-type]
+        sync_check_max_gap=sync_check_max_gap(problem),
         offload=_offload_steps(problem, colocated, best, keeps_base=ctx.lora_adapter),
         checkpoint_every=spec.output.checkpoint_every,
         keep_checkpoints=spec.output.keep_checkpoints,

@@ -37,6 +37,7 @@ from rlc.runtime.seeds import request_seed
 from rlc.runtime.spec_decode import SpecDecodeDelta
 from rlc.runtime.staleness import StalenessGate
 from rlc.runtime.stall import StallError, StallWatch
+from rlc.runtime.sync_check import SyncCheck
 from rlc.runtime.tasks.rewards import RewardGuard
 from rlc.runtime.trace import StepTrace
 from rlc.runtime.weight_push import WeightPush
@@ -125,6 +126,7 @@ class Controller:
         self._timeline = dict.fromkeys(("time/gather_s", "time/reward_s"), 0.0)
         self.logger = MetricsLogger(run_dir, plan.loggers, plan.schedule.steps, self.step)
         self.weights = WeightPush(plan, trainer, rollout, run_dir, self.logger.message, self.version)
+        self.sync_check = SyncCheck(trainer, rollout, sched.sync_check_max_gap)
         self.rollout_log = RolloutLog(run_dir, self.step)
         self.trace = StepTrace(run_dir, self.step)
         self.scorer = RewardGuard(
@@ -350,12 +352,18 @@ class Controller:
         result = self.trainer.train_step(batch, loss_cfg, minibatches=minibatches)
         stats["train/optimizer_steps"] = result["optimizer_steps"]
         train_s = time.perf_counter() - t0
+        t_check = time.perf_counter()
+        self.sync_check.expect(batch["input_ids"])
+        check_s = time.perf_counter() - t_check
         t1 = time.perf_counter()
         self.phases.before_sync()
         self._sync_weights(self.version + 1)
         t2 = time.perf_counter()
         sync_s = t2 - t1
         self.phases.after_sync()
+        t_check = time.perf_counter()
+        stats["sync_check/gap"] = self.sync_check.verify(self.version + 1)
+        stats["time/sync_check_s"] = check_s + time.perf_counter() - t_check
         spans = {"build batch": (t_batch, t0), "train": (t0, t1), "weight sync": (t1, t2)}
         if self.colocated:
             stats.update(self.phases.take_times())

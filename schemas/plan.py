@@ -113,6 +113,11 @@ class Schedule(PlanModel):
     rollout_chunk_prompts: int = Field(description="Prompts per generate request sent to one engine.")
     rollout_chunks_per_engine: int = Field(2, description="Generate requests kept queued per engine.")
     weight_sync: Literal["broadcast", "disk", "inplace"]
+    sync_check_max_gap: float = Field(
+        1e-3,
+        description="Largest mean |log-prob difference| between each engine and the trainer on a probe scored "
+        "after every weight sync; above it the run stops (`planner.sync_check_max_gap`).",
+    )
     offload: list[OffloadStep] = Field(default_factory=list, description="Colocated phase transitions.")
     checkpoint_every: int
     keep_checkpoints: int

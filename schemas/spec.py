@@ -347,6 +347,14 @@ class Rollout(StrictModel):
         None,
         description="Agentic rollouts: a user agent drives the engines over many turns instead of one completion.",
     )
+    sync_check_max_gap: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="After every weight sync each engine scores a few tokens the trainer scored with the same "
+        "weights; a mean |log-prob difference| above this stops the run (an engine serving other weights). "
+        "Default: 1e-3 where engines run float32 (cpu), 0.25 in bfloat16.",
+    )
 
     @property
     def max_total_len(self) -> int:

@@ -1,6 +1,7 @@
 """The planner's per-device trainer estimate against the peak a trainer rank really reaches, on the cpu target.
 
-For four layouts of rlc-tiny-long (CP 1, Ulysses CP 2, TP 2, full recompute) the spec is compiled by the
+For four layouts of rlc-tiny-long (CP 1, Ulysses CP 2, TP 2, full recompute) and two of the tiny MoE model
+(EP 2, and plain FSDP2 over both ranks) the spec is compiled by the
 planner, the trainer ranks are started as Ray actors from the plan's layout, settings and environment (as
 `rlc run` starts them), and one decoupled-PPO step runs on micro-batches filled to the plan's token budget.
 The measured train-phase peak (``memory_probe``: resident set above the pre-load baseline) must be within 25%
@@ -41,24 +42,30 @@ LAYOUTS = {
 
 
 def _plan(pins: str):  # type: ignore[no-untyped-def]
+    return _plan_of(SPEC.format(budget=BUDGET, pins=pins))
+
+
+def _plan_of(spec: str):  # type: ignore[no-untyped-def]
     from rlc.compiler.planner import build_plan
     from rlc.compiler.validate import check_text
 
-    checked = check_text(textwrap.dedent(SPEC.format(budget=BUDGET, pins=pins)), "spec.yaml")
+    checked = check_text(textwrap.dedent(spec), "spec.yaml")
     assert checked.problem is not None, checked.report.diagnostics
     plan, diags = build_plan(checked.problem, checked.lines, "spec.yaml")
     assert plan is not None, [d.message for d in diags]
     return plan
 
 
-def _batch(dp: int) -> dict:
-    """Two sequences of half the budget per data-parallel share: every micro-batch is exactly full."""
+def _batch(dp: int, budget: int = BUDGET) -> dict:
+    """Per data-parallel share, sequences that fill every micro-batch exactly: two of half the budget, or 512-token
+    ones (the tiny MoE model's positions) for budgets below rlc-tiny-long's."""
     g = torch.Generator().manual_seed(0)
-    n = BUDGET // 2
+    per = max(2, budget // 512) if budget < BUDGET else 2
+    n = budget // per
     return {
-        "input_ids": [torch.randint(4, 19, (n,), generator=g).tolist() for _ in range(2 * dp)],
-        "loss_mask": [[0] * (n - 4) + [1] * 4 for _ in range(2 * dp)],
-        "advantages": [1.0, -1.0] * dp,
+        "input_ids": [torch.randint(4, 19, (n,), generator=g).tolist() for _ in range(per * dp)],
+        "loss_mask": [[0] * (n - 4) + [1] * 4 for _ in range(per * dp)],
+        "advantages": [1.0, -1.0] * (per * dp // 2),
     }
 
 
@@ -71,10 +78,39 @@ def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_trainer_peak_is_within_a_quarter_of_the_plan(name: str, long_model: Path, ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    plan = _plan(LAYOUTS[name])
+    _assert_peak_as_planned(name, plan, long_model, BUDGET)
+
+
+#: The tiny MoE model under expert parallelism: its 512 positions fill a 2,048-token budget with four sequences.
+MOE_BUDGET = 2048
+MOE_LAYOUTS = {
+    "moe-ep2": "{devices: 2, ep: 2, recompute: none}",
+    "moe-dp2": "{devices: 2, ep: 1, recompute: none}",
+}
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rlc.runtime.tasks.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("moe") / "model", seed=0, architecture="moe")
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_moe_trainer_peak_is_within_a_quarter_of_the_plan(name: str, moe_model: Path, ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    spec = (
+        SPEC.format(budget=MOE_BUDGET, pins=MOE_LAYOUTS[name])
+        .replace("rlc-tiny-long", "rlc-tiny-moe")
+        .replace("max_prompt_len: 6140", "max_prompt_len: 508")
+    )
+    _assert_peak_as_planned(name, _plan_of(spec), moe_model, MOE_BUDGET)
+
+
+def _assert_peak_as_planned(name: str, plan, model_dir: Path, budget: int) -> None:  # type: ignore[no-untyped-def]
     from rlc.runtime.launch import train_config
     from rlc.runtime.train.group import TrainerGroup
 
-    plan = _plan(LAYOUTS[name])
     role = plan.role("actor")
     layout = role.layout
     assert layout is not None
@@ -82,7 +118,7 @@ def test_trainer_peak_is_within_a_quarter_of_the_plan(name: str, long_model: Pat
     # no weight-sync group: its sender would load the group's library, the plan's `sync_group` item left out below).
     group = TrainerGroup(
         layout.world_size,
-        str(long_model),
+        str(model_dir),
         "cpu",
         {**train_config(plan, role), "weight_sync": None},
         layout=layout,
@@ -90,7 +126,7 @@ def test_trainer_peak_is_within_a_quarter_of_the_plan(name: str, long_model: Pat
         env={**plan.env, **role.env},
     )
     try:
-        batch = _batch(layout.dp)
+        batch = _batch(layout.dp, budget)
         lp = group.compute_logprobs(batch)
         group.train_step({**batch, "behaviour_logprobs": lp, "proximal_logprobs": lp}, {"clip": 0.2})
         built = group.built_layouts()

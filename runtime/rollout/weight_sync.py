@@ -235,6 +235,11 @@ class WeightSyncExtension:
         repack_cpu_experts(model)
 
 
+#: Fault injection for testing the post-sync check (`runtime/sync_check`): "1" leaves the CPU expert kernels on
+#: their start-up weights, as vLLM does by itself. Never set in a real run.
+SKIP_REPACK_ENV = "RLC_FAULT_SKIP_EXPERT_REPACK"
+
+
 def repack_cpu_experts(model: torch.nn.Module) -> int:
     """Re-prepare every fused-MoE layer's expert kernel from its freshly loaded weights; returns how many.
 
@@ -245,7 +250,7 @@ def repack_cpu_experts(model: torch.nn.Module) -> int:
     after reloading the same checkpoint, 1e-6 with this). Accelerator kernels read the parameters and are left as
     they are.
     """
-    if not _on_cpu(model):
+    if not _on_cpu(model) or os.environ.get(SKIP_REPACK_ENV) == "1":
         return 0
     repacked = 0
     for module in model.modules():

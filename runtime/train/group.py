@@ -133,13 +133,17 @@ class TrainerGroup:
     def _all_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
-    def compute_logprobs(self, batch: Mapping[str, Any], adapters: bool = True) -> list[list[float]]:
-        """Per-token log-probs of every sequence, in batch order (``adapters=False``: LoRA base model)."""
+    def compute_logprobs(
+        self, batch: Mapping[str, Any], adapters: bool = True, temperature: float | None = None
+    ) -> list[list[float]]:
+        """Per-token log-probs of every sequence, in batch order (``adapters=False``: LoRA base model;
+        ``temperature``: instead of the sampling one, e.g. 1.0 to compare with engines' prompt scores)."""
         import ray
 
         shares = split_batch(batch, self.layout.dp)
         refs = [
-            w.compute_logprobs.remote(shares[d], adapters) for w, d in zip(self.workers, self._share_of, strict=True)
+            w.compute_logprobs.remote(shares[d], adapters, temperature)
+            for w, d in zip(self.workers, self._share_of, strict=True)
         ]
         parts = ray.get(refs)
         return [row for r in self._speakers for row in parts[r]]

@@ -225,7 +225,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
     # ---------------------------------------------------------------- forward
 
     def _forward_logprobs(
-        self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool = False
+        self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool = False, temperature: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) aligned with ``mb.local``: the whole row, or this rank's CP slice.
 
@@ -235,7 +235,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         lp, ent = getattr(self.model, LOGPROB_METHOD)(
             mb.input_ids,
             mb.body_kwargs,
-            float(self.cfg["temperature"]),
+            float(self.cfg["temperature"] if temperature is None else temperature),
             int(self.cfg["logprob_chunk_tokens"]),
             mb.labels,
         )
@@ -272,25 +272,28 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
 
     @measured("logprobs")
     @torch.no_grad()
-    def compute_logprobs(self, batch: Mapping[str, Any], adapters: bool = True) -> list[list[float]]:
+    def compute_logprobs(
+        self, batch: Mapping[str, Any], adapters: bool = True, temperature: float | None = None
+    ) -> list[list[float]]:
         """Log-probs of each sequence's tokens under the current weights (proximal or reference).
 
         ``adapters=False`` scores with the LoRA adapters disabled, i.e. under the frozen base model: the
-        KL reference of a LoRA run costs no extra weights. Returns one list per sequence, aligned with
+        KL reference of a LoRA run costs no extra weights. ``temperature`` overrides the sampling temperature
+        (1.0: the raw model distribution, as engines score prompts). Returns one list per sequence, aligned with
         its ``input_ids`` (entry 0 is 0.0).
         """
         if not adapters and self.peft is not None:
             with self.peft.disable_adapter():
-                return self._compute_logprobs(batch)
-        return self._compute_logprobs(batch)
+                return self._compute_logprobs(batch, temperature)
+        return self._compute_logprobs(batch, temperature)
 
-    def _compute_logprobs(self, batch: Mapping[str, Any]) -> list[list[float]]:
+    def _compute_logprobs(self, batch: Mapping[str, Any], temperature: float | None = None) -> list[list[float]]:
         self.model.eval()
         seqs = batch["input_ids"]
         out: list[list[float]] = [[] for _ in seqs]
         for idx in self._micro_batches(seqs):
             mb = self.batcher.build([seqs[i] for i in idx] or [self._dummy])  # a dummy keeps collectives in step
-            lp, _ = self._forward_logprobs(mb, with_entropy=False)
+            lp, _ = self._forward_logprobs(mb, with_entropy=False, temperature=temperature)
             for i, row in zip(idx, mb.split(mb.gather_logprobs(lp)), strict=False):
                 out[i] = row.float().cpu().tolist()
         return out
