@@ -531,6 +531,11 @@ def _actor_role(problem: Problem, best: search.Candidate, placements: dict[str, 
             "packing": spec.train.packing,
             "packed_attention": "varlen",
             "etp": tl.etp,
+            **(
+                {"router_aux_loss_coef": spec.train.router_aux_loss_coef, "routing_replay": spec.train.routing_replay}
+                if problem.arch.is_moe
+                else {}
+            ),
         },
         estimates={
             "train_s": r3(best.train.seconds),

@@ -369,6 +369,8 @@ class Controller:
             stats.update(self.phases.take_times())
         if "kl_ref" in result:
             stats["kl_ref"] = result["kl_ref"]
+        # MoE routers: expert load, routing drift between the proximal and policy passes, load-balancing loss.
+        stats.update({k: v for k, v in result.items() if k.startswith("moe/")})
         if "behaviour_gap" in result:
             # Engine vs trainer log-probs of the sampled tokens under the weights that are about to step: on
             # policy (staleness 0) their numerical agreement, off policy also the lag.

@@ -220,6 +220,16 @@ def _strategy(groups: dict[str, Any], actor: ActorRequest) -> Any:
     )
 
 
+#: The train role's `engine` settings the trainer takes (the plan states them; the trainer derives none).
+TRAINER_ENGINE_KEYS = (
+    "logprob_chunk_tokens",
+    "packing",
+    "packed_attention",
+    "router_aux_loss_coef",
+    "routing_replay",
+)
+
+
 def train_config(plan: Plan, role: Role) -> dict[str, Any]:
     """The trainer's settings that are not its layout: optimizer, sampling temperature, batching, LoRA."""
     return {
@@ -229,7 +239,7 @@ def train_config(plan: Plan, role: Role) -> dict[str, Any]:
         "temperature": plan.sampling.temperature,
         "seed": plan.algorithm.seed,
         "deterministic": plan.reproducibility.torch_deterministic,
-        **{k: v for k, v in role.engine.items() if k in ("logprob_chunk_tokens", "packing", "packed_attention")},
+        **{k: v for k, v in role.engine.items() if k in TRAINER_ENGINE_KEYS},
         "lora": plan.lora.model_dump() if plan.lora else None,
         "weight_sync": sync_method(plan),
     }

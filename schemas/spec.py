@@ -386,6 +386,20 @@ class Train(StrictModel):
         description="Trainer compute dtype; parameters, optimizer state and gradient reduction stay float32. "
         "auto: bfloat16 on accelerators, float32 on cpu (where vLLM runs float32, so log-probs agree).",
     )
+    router_aux_loss_coef: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="MoE models: coefficient of the router's load-balancing loss (Switch Transformer, Fedus et al. "
+        "2021), over every rank's tokens of a micro-batch. 0 (off) is what RL recipes use (AReaL, MindSpeed-RL "
+        "moe_aux_loss_coeff 0.0): the policy gradient alone moves the router.",
+    )
+    routing_replay: bool = Field(
+        False,
+        description="MoE models: the policy forward reuses the experts the proximal pass chose for each token "
+        "(trainer-side routing replay), so the decoupled loss compares log-probs computed with the same experts. "
+        "Matters with several minibatches, where later ones train after earlier updates moved the router.",
+    )
 
 
 class Lora(StrictModel):

@@ -46,6 +46,7 @@ from .parallelize import (
     sum_partial_grads,
 )
 from .phases import PhaseMoves
+from .router import install_routing
 from .weights_out import WeightExport
 
 __all__ = ["DEFAULT_TRAIN_CFG", "TrainerWorker", "default_layout"]
@@ -67,6 +68,8 @@ DEFAULT_TRAIN_CFG: dict[str, Any] = {
     "local_rank": 0,  # device index inside this process's visible devices
     "lora": None,  # the plan's lora block (rank, alpha, dropout, target_modules, rollout): train adapters only
     "weight_sync": None,  # the run's weight path (`weight_push.sync_method`); broadcast: rank 0 sends
+    "router_aux_loss_coef": 0.0,  # MoE: the load-balancing loss's coefficient (`router.Routing`)
+    "routing_replay": False,  # MoE: the policy forward reuses the proximal pass's experts
 }
 
 _PER_TOKEN_KEYS = (
@@ -161,6 +164,13 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             self.peft = get_peft_model(model, lora_lib.lora_config(self.lora))
             self.lora_scaling = float(self.lora["alpha"]) / float(self.lora["rank"])
         model.to(self.device)
+        # MoE routers count expert load, compare passes, replay and add the load-balancing loss (`router`).
+        self.routing = install_routing(
+            model,
+            float(self.cfg["router_aux_loss_coef"]),
+            bool(self.cfg["routing_replay"]),
+            self.mesh.shard_group if self.layout.shard_group > 1 else None,
+        )
         self._partial_grads = apply_layout(model, self.mesh, self.platform)
         install_logprob_forward(model)  # body + chunked head inside the root FSDP unit
         self.model = model
@@ -287,13 +297,21 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
                 return self._compute_logprobs(batch, temperature)
         return self._compute_logprobs(batch, temperature)
 
-    def _compute_logprobs(self, batch: Mapping[str, Any], temperature: float | None = None) -> list[list[float]]:
+    def _compute_logprobs(
+        self, batch: Mapping[str, Any], temperature: float | None = None, proximal_of: int | None = None
+    ) -> list[list[float]]:
+        """`proximal_of`: this is the proximal pass of minibatch `proximal_of`, whose experts MoE routers record."""
         self.model.eval()
         seqs = batch["input_ids"]
         out: list[list[float]] = [[] for _ in seqs]
-        for idx in self._micro_batches(seqs):
+        for j, idx in enumerate(self._micro_batches(seqs)):
             mb = self.batcher.build([seqs[i] for i in idx] or [self._dummy])  # a dummy keeps collectives in step
+            if self.routing is not None:
+                key = (proximal_of, j) if proximal_of is not None else None
+                self.routing.begin(key, record=proximal_of is not None, counted=bool(idx))
             lp, _ = self._forward_logprobs(mb, with_entropy=False, temperature=temperature)
+            if self.routing is not None:
+                self.routing.end()
             for i, row in zip(idx, mb.split(mb.gather_logprobs(lp)), strict=False):
                 out[i] = row.float().cpu().tolist()
         return out
@@ -327,11 +345,15 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             raise ValueError("a train step needs at least one minibatch")
         t0 = time.perf_counter()
         recompute = len(minibatches) > 1 and cfg.get("kind", "ppo") == "ppo" and bool(cfg.get("decoupled", True))
+        if self.routing is not None:
+            self.routing.forget()
         if recompute:  # every minibatch's proximal log-probs under the weights before this step's first update
             with torch.no_grad():
                 minibatches = [
-                    mb if "proximal_logprobs" in mb else {**mb, "proximal_logprobs": self._compute_logprobs(mb)}
-                    for mb in minibatches
+                    mb
+                    if "proximal_logprobs" in mb
+                    else {**mb, "proximal_logprobs": self._compute_logprobs(mb, proximal_of=i)}
+                    for i, mb in enumerate(minibatches)
                 ]
         self.model.train()
         sums: dict[str, float] = {}
@@ -341,7 +363,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         for i, share in enumerate(minibatches):
             # The weights have moved after the first update; only proximal log-probs say what they were before.
             before_known = i == 0 or "proximal_logprobs" in share
-            tokens, norm = self._optimizer_step(share, cfg, sums, maxima, before_known)
+            tokens, norm = self._optimizer_step(share, cfg, sums, maxima, before_known, minibatch=i)
             step_tokens += tokens
             norms.append(norm)
         self.step += 1
@@ -361,6 +383,8 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             peaks = torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64)
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
             result.update({k: max(float(v), 0.0) for k, v in zip(max_keys, peaks.tolist(), strict=True)})
+        if self.routing is not None:
+            result.update(self.routing.take_stats())
         result.update(
             grad_norm=sum(norms) / len(norms),
             n_tokens=max(step_tokens, 1.0),
@@ -378,6 +402,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         sums: dict[str, float],
         maxima: dict[str, float],
         before_known: bool = True,
+        minibatch: int = 0,
     ) -> tuple[float, float]:
         """Forward and backward over one minibatch share, then one optimizer step. Adds this rank's statistics
         to ``sums`` (token-weighted) and ``maxima``; returns the minibatch's group-wide token count and the
@@ -403,9 +428,12 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         scale = float(self.layout.shard_group)
 
         self.optimizer.zero_grad()
-        for idx in self._micro_batches(seqs):
+        micro = self._micro_batches(seqs)
+        for j, idx in enumerate(micro):
             real = bool(idx)
             mb = self.batcher.build([seqs[i] for i in idx] if real else [self._dummy])
+            if self.routing is not None:  # compared with (or replaying) the proximal pass of the same micro-batch
+                self.routing.begin((minibatch, j), record=False, counted=real)
             # Entry 0 of each sequence has no prediction; a dummy micro-batch masks everything.
             mask = mb.local([[0.0, *masks[i][1:]] for i in idx] if real else [[0.0] * len(self._dummy)]) > 0
             lp, ent = self._forward_logprobs(mb, with_entropy=True, entropy_grad=bool(entropy_coef))
@@ -443,7 +471,12 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
                 stats["kl_ref"] = L.masked_mean(kl_tok.detach(), mask)
             if entropy_coef:
                 loss = loss - entropy_coef * L.masked_mean(ent, mask, global_tokens)
+            aux = self.routing.aux_loss() if self.routing is not None else None
+            if aux is not None:  # each rank's share of the micro-batch's global load-balancing loss, averaged over
+                loss = loss + aux / len(micro)  # the minibatch's micro-batches (as Megatron averages its aux loss)
             (loss * scale).backward()
+            if self.routing is not None:
+                self.routing.end()
             n = float(mask.sum())
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
             sums["entropy"] = sums.get("entropy", 0.0) + float((ent.detach() * mask).sum())

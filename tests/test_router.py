@@ -1,0 +1,126 @@
+"""MoE routers in RL (`runtime/train/router.py`): rlc's router forward is transformers' outside the trainer's passes,
+its load-balancing loss is Switch Transformer's as transformers computes it, and routing replay makes the policy
+forward use the experts the proximal pass chose."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _model(model_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(3, 32, (1, 40), generator=torch.Generator().manual_seed(0))
+
+
+def test_outside_the_trainers_passes_routing_is_transformers_own(tiny_moe_model_dir: Path) -> None:
+    from rlc.runtime.train.router import install_routing
+
+    ids = _ids()
+    with torch.no_grad():
+        before = _model(tiny_moe_model_dir)(input_ids=ids).logits
+        model = _model(tiny_moe_model_dir)
+        routing = install_routing(model, 0.0, replay=True, group=None)
+        assert routing is not None and routing.layers == 2
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
+
+
+def test_load_balancing_loss_is_switch_transformers_as_transformers_computes_it(tiny_moe_model_dir: Path) -> None:
+    """One micro-batch on one rank: rlc's per-layer term E·Σ f_i·P_i (f the share of routed slots) times top-k is
+    transformers' `load_balancing_loss_func` of that layer (which counts f per token, summing to k)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from rlc.runtime.train.router import install_routing
+
+    model = _model(tiny_moe_model_dir)
+    logits: list[torch.Tensor] = []
+    for router in [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]:
+        router.register_forward_hook(lambda _m, _a, out: logits.append(out[0].detach()))
+    routing = install_routing(model, 0.01, replay=False, group=None)
+    assert routing is not None
+    routing.begin(("step", 0), record=False)
+    model(input_ids=_ids())
+    aux = routing.aux_loss()
+    routing.end()
+    expected = sum(float(load_balancing_loss_func((g,), 8, 2)) for g in logits) / len(logits)
+    stats = routing.take_stats()
+    assert stats["moe/aux_loss"] * 2 == pytest.approx(expected, rel=1e-5)
+    assert aux is not None and float(aux.detach()) == pytest.approx(0.01 * 2 * stats["moe/aux_loss"], rel=1e-5)
+    aux.backward()  # the router weights get the loss's gradient
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routing_routers(model))
+    assert stats["moe/expert_load_max"] >= 1.0
+
+
+def routing_routers(model):  # type: ignore[no-untyped-def]
+    from rlc.runtime.train.router import router_modules
+
+    return router_modules(model)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_replay_gives_the_policy_forward_the_proximal_experts(tiny_moe_model_dir: Path, replay: bool) -> None:
+    """The proximal pass records each layer's experts; after the router moved, the policy forward of the same
+    micro-batch measures how many tokens changed experts and, with replay, uses the recorded ones."""
+    from rlc.runtime.train.router import install_routing
+
+    model = _model(tiny_moe_model_dir)
+    routing = install_routing(model, 0.0, replay=replay, group=None)
+    assert routing is not None
+    used: dict[tuple, torch.Tensor] = {}
+    route = routing.route
+
+    def spy(layer: int, indices: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        out = route(layer, indices, probs)
+        used[(routing._record, layer)] = out.clone()
+        return out
+
+    routing.route = spy  # type: ignore[method-assign]
+    ids = _ids()
+    with torch.no_grad():
+        routing.begin((0, 0), record=True)
+        model(input_ids=ids)
+        routing.end()
+        for router in routing_routers(model):  # an optimizer step that moves the router
+            router.weight.add_(torch.randn_like(router.weight) * 0.5)
+        routing.begin((0, 0), record=False)
+        model(input_ids=ids)
+        routing.end()
+    stats = routing.take_stats()
+    assert stats["moe/routing_changed"] > 0.1
+    for layer in range(2):
+        same = torch.equal(used[(False, layer)].sort(-1).values, used[(True, layer)].sort(-1).values)
+        assert same == replay
+
+
+def test_the_trainer_reports_routing_drift_and_load_with_two_minibatches(tiny_moe_model_dir: Path) -> None:
+    """A one-rank trainer step of two minibatches: the proximal pass records, the second minibatch's policy forward
+    (after the first update) is compared with it, and the step reports the drift, the load and the aux loss."""
+    from rlc.runtime.train.trainer import TrainerWorker
+
+    cfg = {"lr": 5e-2, "router_aux_loss_coef": 0.01, "routing_replay": True, "max_grad_norm": 1e9}
+    worker = TrainerWorker(0, 1, None, 0, str(tiny_moe_model_dir), "cpu", cfg)
+    try:
+        g = torch.Generator().manual_seed(1)
+        ids = [torch.randint(3, 32, (n,), generator=g).tolist() for n in (20, 30, 25, 15)]
+        batch = {
+            "input_ids": ids,
+            "loss_mask": [[0] * 4 + [1] * (len(s) - 4) for s in ids],
+            "advantages": [1.0, -1.0, 0.5, -0.5],
+        }
+        batch["behaviour_logprobs"] = worker.compute_logprobs(batch)
+        halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+        result = worker.train_step(halves, {"clip": 0.2})
+    finally:
+        worker.shutdown()
+    # lr 5e-2 moves the router: about 40% of the second minibatch's tokens would take other experts.
+    assert 0.05 < result["moe/routing_changed"] <= 1.0
+    assert result["moe/expert_load_max"] >= 1.0 and result["moe/aux_loss"] > 0
