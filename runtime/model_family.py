@@ -23,15 +23,17 @@ __all__ = ["DENSE_FAMILIES", "HYBRID_FAMILIES", "MOE_FAMILIES", "check_model_fam
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
 #: Gated-DeltaNet hybrids (Qwen3.5/3.6): the text model, and the multimodal checkpoint whose text model is trained.
 HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5")
-#: Mixture-of-experts families whose routed experts are transformers' fused weights and nothing else (no shared
-#: experts): what `runtime/train/expert_parallel` splits and the engines' expert reload repacks.
-MOE_FAMILIES = ("qwen3_moe",)
+#: Mixture-of-experts families whose routed experts are transformers' fused weights (what
+#: `runtime/train/expert_parallel` splits and the engines' expert reload repacks), with or without an always-on
+#: shared expert (a dense MLP FSDP2 shards like any weight): Qwen3-MoE, Qwen2-MoE and the Qwen3.5/3.6 MoE models
+#: (text and multimodal checkpoints; also hybrids, see HYBRID_FAMILIES).
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_5_moe")
 BUILT = DENSE_FAMILIES + HYBRID_FAMILIES + MOE_FAMILIES
 #: Families known and not built yet, with what is missing.
-SHARED = "a mixture-of-experts model with shared experts beside the routed ones, which are not built yet"
+UNTESTED = "a mixture-of-experts family whose layers have not been tested with rlc's expert parallelism"
 NOT_BUILT = {
-    **dict.fromkeys(("qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"), SHARED),
-    "mixtral": "a mixture-of-experts family whose expert weights have not been tested with rlc's expert parallelism",
+    "qwen3_next": UNTESTED,
+    "mixtral": UNTESTED,
     "deepseek_v3": "a mixture-of-experts model with latent attention and shared experts, which are not built yet",
 }
 #: ``architectures`` entries that name a family when config.json has no ``model_type``.
@@ -42,6 +44,9 @@ ARCHITECTURE_FAMILY = {
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 

@@ -50,6 +50,19 @@ def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_shared_moe_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny MoE models with a shared expert, randomly initialised: Qwen2-MoE, and the Qwen3.5/3.6 MoE text model
+    (Gated-DeltaNet hybrid), built on first use."""
+    from rlc.runtime.tasks.tiny_moe_model import build_tiny_shared_moe_model
+
+    root = tmp_path_factory.mktemp("tiny-shared-moe")
+    return {
+        "qwen2_moe": build_tiny_shared_moe_model(root / "qwen2_moe", hybrid=False),
+        "qwen3_5_moe_text": build_tiny_shared_moe_model(root / "qwen3_5_moe_text", hybrid=True),
+    }
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path):
     """The quickstart model loaded in float32, eval mode, with sdpa attention."""
     import torch

@@ -53,8 +53,17 @@ def test_the_tiny_moe_folder_matches_its_plan(tiny_moe_model_dir: Path) -> None:
         ({"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2}, DENSE, "8 experts, top-2 but"),
         ({"model_type": "qwen3"}, MOE, "no experts (dense) but the plan was compiled for rlc-tiny-moe with 8"),
         ({"model_type": "qwen3_moe", "num_experts": 16, "num_experts_per_tok": 2}, MOE, "16 experts"),
-        ({"model_type": "qwen3_5_moe"}, MOE, "shared experts"),
+        ({"model_type": "qwen3_next"}, MOE, "not been tested"),
         ({"model_type": "deepseek_v3"}, MOE, "latent attention"),
+        # A Qwen3.5 MoE checkpoint is a hybrid too: its linear-attention layers must be in the plan.
+        (
+            {
+                "model_type": "qwen3_5_moe",
+                "text_config": {"num_experts": 8, "num_experts_per_tok": 2, "layer_types": HYBRID_LAYERS},
+            },
+            MOE,
+            "3 linear-attention layer(s)",
+        ),
         ({"model_type": "gpt2"}, DENSE, "model_type 'gpt2'"),
         ({}, DENSE, "no model_type"),
         ({"model_type": "qwen3_5_text", "layer_types": HYBRID_LAYERS}, DENSE, "3 linear-attention layer(s)"),

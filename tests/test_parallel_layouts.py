@@ -173,6 +173,23 @@ def test_moe_layout_matches_one_rank(name: str, moe_reference: dict, tiny_moe_mo
     assert ranks[0]["weights"]["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8
 
 
+#: MoE families with an always-on shared expert, under EP 2 across both CP ranks, against one rank running the
+#: sequences unpacked (the Qwen3.5 MoE model is a Gated-DeltaNet hybrid, whose packing is under test too).
+SHARED_MOE_FAMILIES = ("qwen2_moe", "qwen3_5_moe_text")
+
+
+@pytest.mark.parametrize("family", SHARED_MOE_FAMILIES)
+def test_shared_expert_moe_under_ep2_cp2_matches_one_unpacked_rank(
+    family: str, tiny_shared_moe_model_dirs: dict, tmp_path: Path
+) -> None:
+    model_dir = tiny_shared_moe_model_dirs[family]
+    reference = _run(model_dir, tmp_path / "ref", {"world_size": 1}, packing=False)[0]
+    layout = {"world_size": 2, "ep": 2, "cp": 2}
+    ranks = _run(model_dir, tmp_path / "ep", layout)
+    _assert_matches(ranks, reference, layout)
+    assert all(r["built"]["built"]["ep"] == 2 for r in ranks)
+
+
 def _assert_matches(ranks: list[dict], reference: dict, layout: dict) -> None:
     dp = layout["world_size"] // (layout.get("tp", 1) * layout.get("cp", 1))
     # One answering rank per data-parallel share (cp 0, tp 0), in share order, as TrainerGroup gathers them.

@@ -8,11 +8,19 @@ classes without a download.
 
 from __future__ import annotations
 
-from transformers import Qwen3MoeConfig
+from pathlib import Path
 
-from .tiny_model import SHARED_SIZES, tiny_config
+from transformers import PretrainedConfig, Qwen3MoeConfig
 
-__all__ = ["TINY_MOE_EXPERTS", "TINY_MOE_TOP_K", "tiny_moe_config"]
+from .tiny_model import SHARED_SIZES, save_model_folder, tiny_config, write_atomically
+
+__all__ = [
+    "TINY_MOE_EXPERTS",
+    "TINY_MOE_TOP_K",
+    "build_tiny_shared_moe_model",
+    "tiny_moe_config",
+    "tiny_shared_moe_config",
+]
 
 TINY_MOE_EXPERTS = 8
 TINY_MOE_TOP_K = 2
@@ -37,3 +45,56 @@ def tiny_moe_config(max_positions: int = 512) -> Qwen3MoeConfig:
         output_router_logits=False,
         dtype="float32",
     )
+
+
+def tiny_shared_moe_config(hybrid: bool = False) -> PretrainedConfig:
+    """`tiny_moe_config`'s experts plus one always-on shared expert of width 96 behind a sigmoid gate: Qwen2-MoE, or
+    with `hybrid` the Qwen3.5/3.6 MoE text model (`tiny_hybrid_config`'s Gated-DeltaNet layers, 3 to 1)."""
+    from transformers import Qwen2MoeConfig, Qwen3_5MoeTextConfig
+
+    from .tiny_hybrid_model import tiny_hybrid_config
+
+    moe = tiny_moe_config()
+    common = {
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "norm_topk_prob": True,
+        "shared_expert_intermediate_size": 96,
+        "dtype": "float32",
+        **{name: getattr(moe, name) for name in SHARED_SIZES},
+    }
+    if not hybrid:
+        return Qwen2MoeConfig(
+            num_hidden_layers=moe.num_hidden_layers, decoder_sparse_step=1, mlp_only_layers=[], **common
+        )
+    linear = tiny_hybrid_config()
+    keys = (
+        "num_hidden_layers",
+        "layer_types",
+        "linear_conv_kernel_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+    )
+    return Qwen3_5MoeTextConfig(**{k: getattr(linear, k) for k in keys}, **common)
+
+
+def build_tiny_shared_moe_model(out_dir: str | Path, hybrid: bool = False, seed: int = 0) -> Path:
+    """A randomly initialised `tiny_shared_moe_config` model with the quickstart's tokenizer in `out_dir` (new or
+    empty): for the numerics tests of MoE families with shared experts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not empty; choose another directory")
+
+    def write(tmp: Path) -> None:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_shared_moe_config(hybrid)).to(torch.float32)
+        save_model_folder(model, tmp, 512)
+
+    write_atomically(out, write)
+    return out
