@@ -721,8 +721,9 @@ def train_time(
         ring = (group - 1) / group
         if fsdp and arch.moe is not None and layout.ep > 1:
             # Each rank gathers only its 1/ep of the experts, over the group/ep ranks that hold the same ones.
-            efsdp = group // layout.ep
-            replica = (sizes.total - sizes.expert) / layout.tp + sizes.expert / layout.ep * (efsdp - 1) / efsdp / ring
+            efsdp = max(1, group // layout.ep)
+            experts = sizes.expert / layout.ep * (efsdp - 1) / efsdp / ring  # priced at the dp·cp ring below
+            replica = ((sizes.total - sizes.expert) / layout.tp + experts) / layout.pp
         link = _link_gbps(target, layout.world_size, devices_per_node)
         if fsdp:
             volume = (2 * micro * b + steps * layout.precision.reduce_bytes) * replica * ring

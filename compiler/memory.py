@@ -224,9 +224,9 @@ def train_param_shard(sizes: ModelSizes, layout: TrainLayout) -> tuple[float, fl
     ceil(L/p) layers; dense parts split by t, routed experts by ep·etp; the first stage adds the embedding and
     the last the LM head (both when p == 1), vocab-parallel over t.
     """
-    if layout.backend == "fsdp2":
+    if layout.backend == "fsdp2":  # a pipeline stage holds its 1/pp of the layers and every root weight
         layers = sizes.total - sizes.embedding - sizes.head
-        return (layers / layout.tp + sizes.embedding + sizes.head) / layout.shard_group, 0.0
+        return (layers / layout.tp / layout.pp + sizes.embedding + sizes.head) / layout.shard_group, 0.0
     per_layer = 1 / sizes.layers
     stage_layers = ceil(sizes.layers / layout.pp)
     vocab = sizes.embedding + sizes.head if layout.pp == 1 else max(sizes.embedding, sizes.head or sizes.embedding)
@@ -413,7 +413,9 @@ def train_memory(
         layer = kept + (sizes.act_hf - kept) / layout.tp
         backward = 2 * arch.hidden_size
         stored = arch.hidden_size if layout.recompute == "full" else layer
-        act = stored * tokens * arch.num_layers + (layer if layout.recompute == "full" else 0.0) * tokens
+        # A pipeline stage keeps its layers' activations for up to pp micro-batches in flight (1F1B, first stage).
+        kept_layers = stage_layers * layout.pp if layout.pp > 1 else arch.num_layers
+        act = stored * tokens * kept_layers + (layer if layout.recompute == "full" else 0.0) * tokens
         act += backward * tokens
     else:
         act = sizes.act[layout.recompute] / layout.tp * tokens * stage_layers * layout.pp

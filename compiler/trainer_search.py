@@ -105,12 +105,7 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
     pin = spec.placement.train
     found = RoleSearch()
     backend_pin = pin.backend or (spec.train.backend if spec.train.backend != "auto" else None)
-    if backend_pin:
-        backends = [backend_pin]
-    elif pin.pp and pin.pp > 1:
-        backends = ["megatron"]  # pipeline parallelism is not built on fsdp2 (`layout.runtime_gaps`)
-    else:
-        backends = ["fsdp2", "megatron"]
+    backends = [backend_pin] if backend_pin else ["fsdp2", "megatron"]
     rc_pin = pin.recompute or (spec.train.recompute if spec.train.recompute != "auto" else None)
     off_pin = pin.offload or (
         spec.train.offload if (spec.train.offload.params or spec.train.offload.optimizer) else None
@@ -133,7 +128,13 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
             hybrid = linear_heads(arch) is not None
             tps = [t for t in tps if fsdp2_runs_tp(t, arch.num_kv_heads, ctx.lora_rank is not None, hybrid)]
             tps = [1] if arch.moe is not None else tps  # experts split by EP, not TP, on fsdp2
-        pps = [1] if backend == "fsdp2" else [pin.pp] if pin.pp else [p for p in pow2_upto(min(arch.num_layers, n))]
+        # FSDP2 runs pipeline stages when the plan pins them (`layout.pipeline_gaps` says with what); its free search
+        # shards instead, and Megatron searches both.
+        pps = [pin.pp] if pin.pp else [1] if backend == "fsdp2" else list(pow2_upto(min(arch.num_layers, n)))
+        staged = backend == "fsdp2" and max(pps) > 1  # the fsdp2 pipeline: no TP, CP or recompute
+        if staged:
+            recomputes = [rc_pin] if rc_pin else ["none"]
+            tps = [pin.tp] if pin.tp else [1]
         if arch.moe is None:
             eps = [1]
         else:
@@ -143,7 +144,7 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
                 else [e for e in pow2_upto(min(arch.moe.num_experts, n)) if arch.moe.num_experts % e == 0]
             )
         # Context parallelism splits packed micro-batches: without packing there is nothing to split.
-        cps_all = [pin.cp] if pin.cp else (pow2_upto(min(16, n)) if spec.train.packing else [1])
+        cps_all = [pin.cp] if pin.cp else (pow2_upto(min(16, n)) if spec.train.packing and not staged else [1])
         shapes = [
             Shape(backend, tp, pp, cp, kind, ep)
             for tp in tps

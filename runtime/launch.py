@@ -386,6 +386,7 @@ def check_built_layout(plan: Plan, built: list[dict[str, Any]]) -> list[str]:
         "mesh": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp},
         "tp": layout.tp,
         "ep": layout.ep,
+        "pp": layout.pp,
         "shard_group": layout.shard_group,
         "cp_kind": layout.cp_kind if layout.cp > 1 else None,
         "param_dtype": layout.precision.param_dtype,

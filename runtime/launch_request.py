@@ -225,6 +225,7 @@ def launch_request(plan: Plan) -> LaunchRequest:
                 lora=plan.lora is not None,
                 linear_heads=hybrid_heads,
                 moe=plan.model.experts is not None,
+                colocated=plan.schedule.mode == "colocated",
             )
             if g not in refusals
         ]

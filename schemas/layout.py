@@ -276,6 +276,32 @@ def fsdp2_runs_ep(ep: int, tp: int, cp: int, dp: int) -> bool:
     return ep == 1 or (tp == 1 and ep % cp == 0 and dp % (ep // cp) == 0)
 
 
+def pipeline_gaps(layout: TrainLayout, lora: bool, hybrid: bool, colocated: bool) -> list[str]:
+    """What the fsdp2 runtime's pipeline parallelism (`runtime/train/pipeline`, 1F1B) cannot build under `layout`:
+    it splits the layers of a model without linear attention into stages with data and expert parallelism, no
+    TP, CP, recompute or LoRA, and gathers the weights on rank 0 only (no per-node copies for colocated rollout)."""
+    if layout.pp == 1:
+        return []
+    found = [
+        what
+        for what, present in (
+            (f"TP {layout.tp}", layout.tp > 1),
+            (f"CP {layout.cp}", layout.cp > 1),
+            (f"recompute={layout.recompute}", layout.recompute != "none"),
+            ("LoRA", lora),
+            ("Gated-DeltaNet layers", hybrid),
+            ("colocated rollout", colocated),
+        )
+        if present
+    ]
+    if not found:
+        return []
+    return [
+        f"pipeline parallelism (PP {layout.pp}) on the fsdp2 backend is built with data and expert parallelism "
+        f"only; not with {', '.join(found)}"
+    ]
+
+
 def moe_gaps(layout: TrainLayout, lora: bool) -> list[str]:
     """What the fsdp2 runtime cannot build for a mixture-of-experts model under `layout`.
 
@@ -336,15 +362,17 @@ def runtime_gaps(
     kv_heads: int | None = None,
     linear_heads: tuple[int, int] | None = None,
     moe: bool = False,
+    colocated: bool = False,
 ) -> list[str]:
     """What `rlc run` cannot execute about this layout on `platform`, one sentence each (empty: it runs).
 
     The capability table: FSDP2 runs data, tensor (DTensor, KV heads split not replicated, no LoRA) and
-    context parallelism (Ulysses everywhere; ring on cpu), expert parallelism for MoE models (`moe_gaps`), full
+    context parallelism (Ulysses everywhere; ring on cpu), expert parallelism for MoE models (`moe_gaps`),
+    pipeline parallelism (`pipeline_gaps`), full
     or no recompute, parameter and optimizer offload, fp32 or bf16 compute. The Megatron backend is planned (its
     memory and time models size very large runs) but not executed yet. `kv_heads` is checked when known;
     `linear_heads` (key, value) marks a hybrid model, whose Gated-DeltaNet layers add `linear_attention_gaps`;
-    `moe` marks a mixture-of-experts model.
+    `moe` marks a mixture-of-experts model; `colocated` a plan whose engines share the trainer's devices.
     """
     gaps: list[str] = []
     if layout.backend == "megatron":
@@ -353,8 +381,7 @@ def runtime_gaps(
             f"(this layout: {layout.summary()})"
         )
         return gaps
-    if layout.pp > 1:
-        gaps.append(f"pipeline parallelism (PP {layout.pp}) is not implemented on the fsdp2 backend")
+    gaps += pipeline_gaps(layout, lora, linear_heads is not None, colocated)
     if moe:
         gaps += moe_gaps(layout, lora)
     elif layout.ep > 1:

@@ -164,6 +164,7 @@ def test_a_plan_edited_to_other_degrees_is_caught_by_the_built_layout_check() ->
         "mesh": {"dp": 1, "cp": 1, "tp": 1},
         "tp": 1,
         "ep": 1,
+        "pp": 1,
         "shard_group": 1,
         "cp_kind": None,
         "param_dtype": "float32",

@@ -244,6 +244,23 @@ class ServedEngine:
     def update_lora_adapter(self, path: str, version: int) -> float:
         raise NotSupported("the agent endpoint serves merged weights; LoRA adapters are not served to agents")
 
+    async def prompt_logprobs(self, token_ids_list: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Forward-only scoring, as `RolloutEngine.prompt_logprobs`: log p(x_t | x_<t) for t ≥ 1 (temperature 1),
+        for the post-sync check (`runtime/sync_check`). Runs beside the agents' calls."""
+        from vllm import SamplingParams
+
+        assert self.llm is not None, "engine not started"
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        result = []
+        for n, ids in enumerate(token_ids_list):
+            final = None
+            request_id = f"rlc-probe-{self.version}-{n}-{time.monotonic_ns()}"
+            async for out in self.llm.generate({"prompt_token_ids": list(ids)}, params, request_id):
+                final = out
+            steps = (final.prompt_logprobs if final is not None else None) or []
+            result.append([float(step[tok].logprob) for tok, step in zip(ids[1:], steps[1:], strict=True)])
+        return result
+
     # ---------------------------------------------------------------- status
 
     def get_version(self) -> int:

@@ -81,8 +81,10 @@ class TrainerGroup:
             raise ValueError(f"layout for {self.layout.world_size} ranks given to a group of {world_size}")
         coords = [self.layout.coordinates(r) for r in range(world_size)]
         self._share_of = [c["dp"] for c in coords]
-        # One rank per data-parallel share answers for it: the one at cp 0, tp 0.
-        self._speakers = [r for r, c in enumerate(coords) if c["cp"] == 0 and c["tp"] == 0]
+        # One rank per data-parallel share answers for it: cp 0, tp 0, and its last pipeline stage (which computes
+        # the log-probs).
+        last = self.layout.pp - 1
+        self._speakers = [r for r, c in enumerate(coords) if c["cp"] == 0 and c["tp"] == 0 and c["pp"] == last]
         self.platform = get_platform(platform)
         if bundle_indices is not None and len(bundle_indices) != world_size:
             raise ValueError(f"{len(bundle_indices)} bundle indices for {world_size} ranks")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FUSED_ADAMW_DEVICES", "UnitOptimizer", "clip_grad_norm"]
+__all__ = ["FUSED_ADAMW_DEVICES", "UnitOptimizer", "clip_grad_norm", "grad_square_norm", "scale_grads"]
 
 #: Device types with a fused AdamW kernel in torch (elsewhere the multi-tensor ``foreach`` path runs).
 FUSED_ADAMW_DEVICES = frozenset({"cpu", "cuda"})
@@ -104,8 +104,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip gradients to a global norm `max_norm` across every mesh they live on; returns the norm before."""
+def grad_square_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """Σ‖g‖² of the parameters' whole gradients, over every mesh they live on (collective over those meshes)."""
     by_mesh: dict[Any, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
@@ -117,10 +117,19 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> flo
         if mesh is not None and hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         squares += float(norm) ** 2
-    total = squares**0.5
+    return squares
+
+
+def scale_grads(params: Iterable[torch.nn.Parameter], coef: float) -> None:
+    for p in params:
+        if p.grad is not None:
+            _local(p.grad).mul_(coef)
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip gradients to a global norm `max_norm` across every mesh they live on; returns the norm before."""
+    params = list(params)
+    total = grad_square_norm(params) ** 0.5
     if max_norm > 0 and total > max_norm:
-        coef = max_norm / (total + 1e-6)
-        for grads in by_mesh.values():
-            for g in grads:
-                _local(g).mul_(coef)
+        scale_grads(params, max_norm / (total + 1e-6))
     return total

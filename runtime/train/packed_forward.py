@@ -244,15 +244,20 @@ def _token_logprobs(
     temperature: float,
     chunk_tokens: int,
     labels: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Body → final hidden states → chunked log-probs and entropy of the next token.
 
     Without `labels`: fp32 ``[B, T]`` tensors aligned with ``input_ids`` (entry t is about token t given the
     tokens before it; entry 0 is 0; callers also zero each packed sequence's first entry). With `labels` (a
     context-parallel slice, whose next tokens lie partly on the next rank): one entry per position, the
-    log-prob of ``labels`` there.
+    log-prob of ``labels`` there. `inputs_embeds`: the previous pipeline stage's hidden states, which the body
+    continues from (the token ids then only name the labels).
     """
-    hidden = model.model(input_ids=input_ids, **body_kwargs).last_hidden_state
+    if inputs_embeds is None:
+        hidden = model.model(input_ids=input_ids, **body_kwargs).last_hidden_state
+    else:
+        hidden = model.model(inputs_embeds=inputs_embeds, **body_kwargs).last_hidden_state
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise NotImplementedError("chunked log-probs assume a bias-free lm head")

@@ -60,6 +60,7 @@ class TrainerMesh:
     coords: dict[str, int]
     ep: Any = None  # expert-parallel mesh (edp·cp flattened), when ep > 1
     expert_shard: Any = None  # the ranks holding the same experts, which FSDP2 shards them over
+    pp: Any = None  # the pipeline stages of this rank's data-parallel share, when pp > 1
 
     @property
     def tp_group(self) -> Any:
@@ -84,24 +85,30 @@ def build_mesh(layout: TrainLayout, platform: Platform, rank: int) -> TrainerMes
 
     if dist.get_world_size() != layout.world_size:
         raise RuntimeError(f"the trainer group has {dist.get_world_size()} ranks, the layout {layout.world_size}")
+    # Pipeline stages are the outermost dimension (a stage's data-parallel ranks are neighbours); without PP the
+    # mesh keeps its three (or four) dimensions.
+    pp: tuple[int, ...] = (layout.pp,) if layout.pp > 1 else ()
+    pp_name: tuple[str, ...] = ("pp",) if layout.pp > 1 else ()
     if layout.ep == 1:
         world = init_device_mesh(
-            platform.device_type, (layout.dp, layout.cp, layout.tp), mesh_dim_names=("dp", "cp", "tp")
+            platform.device_type, (*pp, layout.dp, layout.cp, layout.tp), mesh_dim_names=(*pp_name, "dp", "cp", "tp")
         )
         shard = world["dp", "cp"]._flatten("dp_cp")
-        return TrainerMesh(layout, world, shard, layout.coordinates(rank))
+        stages = world["pp"] if pp else None
+        return TrainerMesh(layout, world, shard, layout.coordinates(rank), pp=stages)
     if layout.tp > 1 or layout.ep % layout.cp or layout.dp % (layout.ep // layout.cp):
         raise ValueError(f"expert parallel {layout.ep} is built with TP 1 and CP dividing EP dividing dp·cp")
     edp = layout.ep // layout.cp  # data-parallel ranks per EP group; the group spans their every CP rank
     world = init_device_mesh(
         platform.device_type,
-        (layout.dp // edp, edp, layout.cp, layout.tp),
-        mesh_dim_names=("efsdp", "edp", "cp", "tp"),
+        (*pp, layout.dp // edp, edp, layout.cp, layout.tp),
+        mesh_dim_names=(*pp_name, "efsdp", "edp", "cp", "tp"),
     )
     world["efsdp", "edp"]._flatten("dp")
     shard = world["efsdp", "edp", "cp"]._flatten("dp_cp")
     ep = world["edp", "cp"]._flatten("ep")
-    return TrainerMesh(layout, world, shard, layout.coordinates(rank), ep=ep, expert_shard=world["efsdp"])
+    stages = world["pp"] if pp else None
+    return TrainerMesh(layout, world, shard, layout.coordinates(rank), ep=ep, expert_shard=world["efsdp"], pp=stages)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -165,6 +172,8 @@ def apply_layout(model: torch.nn.Module, mesh: TrainerMesh, platform: Platform) 
     # pin_memory needs an accelerator; on cpu the host *is* the device.
     offload = CPUOffloadPolicy(pin_memory=platform.name != "cpu") if layout.offload_params else OffloadPolicy()
     for layer in decoder_layers(model):
+        if not any(True for _ in layer.parameters()):  # a layer another pipeline stage holds
+            continue
         for module in layer.modules():
             if id(module) in experts:
                 # Reduced over the efsdp ranks only, its gradient already summed over the EP group's tokens: the
@@ -210,6 +219,7 @@ class BuiltLayout:
     offload_optimizer: bool
     attention: str
     ep: int
+    pp: int
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -258,6 +268,7 @@ def describe_built(
         rank=rank,
         coords=dict(mesh.coords),
         mesh={n: int(world[n].size()) for n in ("dp", "cp", "tp")},
+        pp=int(mesh.pp.size()) if mesh.pp is not None else 1,
         tp=int(tp),
         shard_group=int(shard),
         cp=int(world["cp"].size()),

@@ -35,7 +35,7 @@ from .checkpoints import TrainerCheckpoints
 from .linear_attention import install_packed_linear_attention
 from .memory_probe import PeakMemory, measured
 from .micro_batches import MicroBatch, MicroBatcher
-from .optimizer import UnitOptimizer, clip_grad_norm
+from .optimizer import UnitOptimizer, clip_grad_norm, grad_square_norm, scale_grads
 from .packed_forward import LOGPROB_METHOD, attn_implementation_for, install_logprob_forward, pack_rank_sequences
 from .parallelize import (
     apply_layout,
@@ -46,6 +46,7 @@ from .parallelize import (
     sum_partial_grads,
 )
 from .phases import PhaseMoves
+from .pipeline import BODY_METHOD, Pipeline, find_root, split_model
 from .router import install_routing
 from .weights_out import WeightExport
 
@@ -163,6 +164,11 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
                 raise ValueError("LoRA with tensor parallelism is not implemented on the fsdp2 backend")
             self.peft = get_peft_model(model, lora_lib.lora_config(self.lora))
             self.lora_scaling = float(self.lora["alpha"]) / float(self.lora["rank"])
+        # Pipeline parallelism: this rank keeps its stage's layers (`pipeline`), before anything shards them.
+        self.pipeline: Pipeline | None = None
+        if self.layout.pp > 1:
+            _check_pipeline_layout(self.layout, self.lora, model)
+            self.pipeline = split_model(model, self.mesh.pp)
         model.to(self.device)
         # MoE routers count expert load, compare passes, replay and add the load-balancing loss (`router`).
         self.routing = install_routing(
@@ -173,6 +179,13 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         )
         self._partial_grads = apply_layout(model, self.mesh, self.platform)
         install_logprob_forward(model)  # body + chunked head inside the root FSDP unit
+        if self.pipeline is not None:
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            register_fsdp_forward_method(model, BODY_METHOD)  # a stage's layers inside the root FSDP unit
+            self.pipeline.root = find_root(model)
+            local = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in model.state_dict().items()}
+            self._stage_meta = self.pipeline.merge_across_stages(local)
         self.model = model
         self.pad_id = _pad_id(model.config)
         self._dummy = [self.pad_id, self.pad_id]  # the sequence of a dummy micro-batch
@@ -235,7 +248,12 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
     # ---------------------------------------------------------------- forward
 
     def _forward_logprobs(
-        self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool = False, temperature: float | None = None
+        self,
+        mb: MicroBatch,
+        with_entropy: bool,
+        entropy_grad: bool = False,
+        temperature: float | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) aligned with ``mb.local``: the whole row, or this rank's CP slice.
 
@@ -248,6 +266,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             float(self.cfg["temperature"] if temperature is None else temperature),
             int(self.cfg["logprob_chunk_tokens"]),
             mb.labels,
+            inputs_embeds,
         )
         if mb.packed is not None and mb.cp is None:  # a sequence's first token was "predicted" from the previous
             starts = mb.packed.cu_seqlens[:-1].to(device=lp.device, dtype=torch.long)
@@ -304,6 +323,8 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         self.model.eval()
         seqs = batch["input_ids"]
         out: list[list[float]] = [[] for _ in seqs]
+        if self.pipeline is not None:
+            return self._pipeline_logprobs(seqs, temperature, proximal_of)
         for j, idx in enumerate(self._micro_batches(seqs)):
             mb = self.batcher.build([seqs[i] for i in idx] or [self._dummy])  # a dummy keeps collectives in step
             if self.routing is not None:
@@ -372,7 +393,8 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(vec, group=self.mesh.shard_group)
         out = {k: float(v) for k, v in zip(keys, vec.tolist(), strict=True)}
-        result = {"loss": out.pop("loss") / len(minibatches)}
+        # (A pipeline stage before the last computed no loss: the last one's result is broadcast below.)
+        result = {"loss": out.pop("loss", 0.0) / len(minibatches)}
         gap_tokens = out.pop("gap_tokens", 0.0)
         if "behaviour_gap" in out:  # over the tokens whose pre-step log-probs are known
             result["behaviour_gap"] = out.pop("behaviour_gap") / max(gap_tokens, 1.0)
@@ -381,10 +403,12 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         max_keys = sorted(maxima)
         if max_keys:
             peaks = torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64)
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.mesh.shard_group)
             result.update({k: max(float(v), 0.0) for k, v in zip(max_keys, peaks.tolist(), strict=True)})
         if self.routing is not None:
             result.update(self.routing.take_stats())
+        if self.pipeline is not None:  # the last stage computed the losses and statistics
+            result = self.pipeline.broadcast_from_last(result)
         result.update(
             grad_norm=sum(norms) / len(norms),
             n_tokens=max(step_tokens, 1.0),
@@ -429,14 +453,14 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
 
         self.optimizer.zero_grad()
         micro = self._micro_batches(seqs)
-        for j, idx in enumerate(micro):
+        built = [self.batcher.build([seqs[i] for i in idx] if idx else [self._dummy]) for idx in micro]
+
+        def loss_of(j: int, lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
+            """Micro-batch j's loss (unscaled) from its log-probs and entropy; adds its statistics."""
+            idx, mb = micro[j], built[j]
             real = bool(idx)
-            mb = self.batcher.build([seqs[i] for i in idx] if real else [self._dummy])
-            if self.routing is not None:  # compared with (or replaying) the proximal pass of the same micro-batch
-                self.routing.begin((minibatch, j), record=False, counted=real)
             # Entry 0 of each sequence has no prediction; a dummy micro-batch masks everything.
             mask = mb.local([[0.0, *masks[i][1:]] for i in idx] if real else [[0.0] * len(self._dummy)]) > 0
-            lp, ent = self._forward_logprobs(mb, with_entropy=True, entropy_grad=bool(entropy_coef))
             tok = {k: mb.local(self._per_token(batch, k, idx, mb.seqs)) for k in _PER_TOKEN_KEYS if k in batch}
             # Until this step's first update the weights are the proximal policy, so a single minibatch's forward
             # gives the proximal log-probs itself (no second pass over the batch).
@@ -474,9 +498,6 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             aux = self.routing.aux_loss() if self.routing is not None else None
             if aux is not None:  # each rank's share of the micro-batch's global load-balancing loss, averaged over
                 loss = loss + aux / len(micro)  # the minibatch's micro-batches (as Megatron averages its aux loss)
-            (loss * scale).backward()
-            if self.routing is not None:
-                self.routing.end()
             n = float(mask.sum())
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
             sums["entropy"] = sums.get("entropy", 0.0) + float((ent.detach() * mask).sum())
@@ -487,11 +508,110 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
                     maxima[k] = max(maxima.get(k, float("-inf")), float(v) if n > 0 else float("-inf"))
                 else:
                     sums[k] = sums.get(k, 0.0) + float(v) * n  # token-weighted across micro-batches/ranks
+            return loss
+
+        entropy_grad = bool(entropy_coef)
+        if self.pipeline is not None:
+            self._pipeline_train(built, micro, loss_of, scale, entropy_grad, minibatch)
+        else:
+            for j, idx in enumerate(micro):
+                if self.routing is not None:  # compared with (or replaying) the proximal pass of the same micro-batch
+                    self.routing.begin((minibatch, j), record=False, counted=bool(idx))
+                lp, ent = self._forward_logprobs(built[j], with_entropy=True, entropy_grad=entropy_grad)
+                (loss_of(j, lp, ent) * scale).backward()
+                if self.routing is not None:
+                    self.routing.end()
 
         sum_partial_grads(self._partial_grads, self.mesh)
-        grad_norm = clip_grad_norm(self._trainable(), float(self.cfg["max_grad_norm"]))
+        if self.pipeline is not None:
+            self.pipeline.sum_root_grads()
+            grad_norm = self._pipeline_clip(float(self.cfg["max_grad_norm"]))
+        else:
+            grad_norm = clip_grad_norm(self._trainable(), float(self.cfg["max_grad_norm"]))
         self.optimizer.step()
         return float(total.item()), float(grad_norm)
+
+    # ---------------------------------------------------------------- pipeline parallelism
+
+    def _hidden_shape(self, mb: MicroBatch) -> tuple[int, ...]:
+        return (*mb.input_ids.shape, int(self.model.config.hidden_size))
+
+    def _pipeline_logprobs(
+        self, seqs: Sequence[Sequence[int]], temperature: float | None, proximal_of: int | None
+    ) -> list[list[float]]:
+        """`_compute_logprobs` through the stages: the last one returns the rows, the others empty lists."""
+        pipe = self.pipeline
+        assert pipe is not None
+        out: list[list[float]] = [[] for _ in seqs]
+        micro = self._micro_batches(seqs)
+        built = [self.batcher.build([seqs[i] for i in idx] or [self._dummy]) for idx in micro]
+
+        def run(j: int, hidden: torch.Tensor | None) -> torch.Tensor | None:
+            mb = built[j]
+            if self.routing is not None:
+                key = (proximal_of, j) if proximal_of is not None else None
+                self.routing.begin(key, record=proximal_of is not None, counted=bool(micro[j]))
+            result = None
+            if pipe.last:
+                lp, _ = self._forward_logprobs(mb, with_entropy=False, temperature=temperature, inputs_embeds=hidden)
+                for i, row in zip(micro[j], mb.split(mb.gather_logprobs(lp)), strict=False):
+                    out[i] = row.float().cpu().tolist()
+            else:
+                result = getattr(self.model, BODY_METHOD)(mb.input_ids, mb.body_kwargs, hidden)
+            if self.routing is not None:
+                self.routing.end()
+            return result
+
+        pipe.forward_only(len(built), lambda j: self._hidden_shape(built[j]), self._hidden_dtype(), self.device, run)
+        return out
+
+    def _pipeline_train(
+        self,
+        built: list[MicroBatch],
+        micro: list[list[int]],
+        loss_of: Any,
+        scale: float,
+        entropy_grad: bool,
+        minibatch: int,
+    ) -> None:
+        """Forward and backward of one minibatch's micro-batches through the stages (1F1B): the last stage's loss,
+        each stage's share of the router's load-balancing loss."""
+        pipe = self.pipeline
+        assert pipe is not None
+
+        def run(j: int, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            mb = built[j]
+            if self.routing is not None:
+                self.routing.begin((minibatch, j), record=False, counted=bool(micro[j]))
+            extra = None
+            if pipe.last:
+                lp, ent = self._forward_logprobs(mb, with_entropy=True, entropy_grad=entropy_grad, inputs_embeds=hidden)
+                out = loss_of(j, lp, ent) * scale
+            else:
+                out = getattr(self.model, BODY_METHOD)(mb.input_ids, mb.body_kwargs, hidden)
+                aux = self.routing.aux_loss() if self.routing is not None else None
+                extra = aux / len(micro) * scale if aux is not None else None
+            if self.routing is not None:
+                self.routing.end()
+            return out, extra
+
+        pipe.one_f_one_b(len(built), lambda j: self._hidden_shape(built[j]), self._hidden_dtype(), self.device, run)
+
+    def _hidden_dtype(self) -> torch.dtype:
+        return getattr(torch, self.layout.precision.compute_dtype)
+
+    def _pipeline_clip(self, max_norm: float) -> float:
+        """Clip to a global norm: each stage's own layers summed over the stages, the shared root weights once."""
+        pipe = self.pipeline
+        assert pipe is not None
+        root = {id(p) for p in pipe.root}
+        own = [p for p in self._trainable() if id(p) not in root]
+        own_sq = torch.tensor([grad_square_norm(own)], dtype=torch.float64)
+        dist.all_reduce(own_sq, group=pipe.group)
+        total = (float(own_sq.item()) + grad_square_norm(pipe.root)) ** 0.5
+        if max_norm > 0 and total > max_norm:
+            scale_grads(self._trainable(), max_norm / (total + 1e-6))
+        return total
 
     def _per_token(
         self, batch: Mapping[str, Any], key: str, idx: Sequence[int], seqs: Sequence[Sequence[int]]
@@ -543,6 +663,17 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         self.close_weight_sync()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_pipeline_layout(layout: TrainLayout, lora: Any, model: torch.nn.Module) -> None:
+    """What this trainer's pipeline parallelism is built for (`schemas/layout.pipeline_gaps` says it to the plan)."""
+    from .linear_attention import linear_attention_modules
+
+    if layout.tp > 1 or layout.cp > 1 or layout.recompute != "none" or lora or linear_attention_modules(model):
+        raise ValueError(
+            "pipeline parallelism on the fsdp2 backend is built with TP 1, CP 1, no recompute, no LoRA and no "
+            "linear-attention layers"
+        )
 
 
 def _fsdp_units(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:

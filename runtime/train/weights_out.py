@@ -49,8 +49,13 @@ class WeightExport:
         return names
 
     def _module_meta(self, dtype: str | None = None) -> list[TensorMeta]:
-        sd = self.model.state_dict()  # DTensor shapes are global
-        meta = [(k, tuple(v.shape), (dtype or str(v.dtype)).removeprefix("torch.")) for k, v in sd.items()]
+        # Pipeline stages hold part of the layers: the whole model's (name, shape, dtype), exchanged at start-up.
+        whole = getattr(self, "_stage_meta", None)
+        if whole is not None:
+            meta = [(k, shape, (dtype or dt)) for k, (shape, dt) in whole.items()]
+        else:
+            sd = self.model.state_dict()  # DTensor shapes are global
+            meta = [(k, tuple(v.shape), (dtype or str(v.dtype)).removeprefix("torch.")) for k, v in sd.items()]
         if self.lora:
             meta = lora_lib.merged_meta(meta)
         return [m for m in meta if not lora_lib.is_draft_key(m[0])]
@@ -71,11 +76,18 @@ class WeightExport:
         and the canonical path's per-call bookkeeping was half of a quickstart weight sync (~10 of 20 ms).
         """
         keep = self.rank == 0 if keep is None else keep
+        pipe = getattr(self, "pipeline", None)
+        if pipe is not None and keep and self.rank != 0:
+            raise NotImplementedError("pipeline stages gather the weights on rank 0 only (no per-node copies)")
+        # Under pipeline parallelism the first data-parallel rank of each stage collects its stage's tensors.
+        collect = keep or (pipe is not None and self.mesh.coords["dp"] == 0)
         out = {}
         for name, value in self.model.state_dict().items():
             full = _unsharded(value)
-            if keep:
+            if collect:
                 out[name] = full.detach().to("cpu")
+        if pipe is not None and collect:
+            out = pipe.gather_to_first(out) or {}
         return out if keep else None
 
     def sync_state_dict(self, keep: bool | None = None) -> dict[str, torch.Tensor] | None:

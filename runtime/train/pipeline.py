@@ -1,0 +1,232 @@
+"""Pipeline parallelism on the FSDP2 trainer: each stage holds a contiguous run of decoder layers, 1F1B schedule.
+
+The plan's ``pp`` stages split the decoder layers into contiguous runs (the first stages take one more when they
+do not divide, as Megatron's even split). A stage keeps the model object whole but replaces the layers other
+stages hold with `PassThrough` modules, so every weight keeps its Hugging Face name (checkpoints, the state dict
+the weight sync gathers and the optimizer's sharded state never collide between stages), and runs transformers'
+own model body on its layers: the first stage from the token ids, the others from the hidden states the previous
+stage sent (``inputs_embeds``); only the last applies the final norm and the chunked log-prob head.
+
+Every stage of a data-parallel share builds the same packed micro-batches from the same share (positions and
+sequence boundaries included), so only hidden states travel between stages, as point-to-point messages of a
+shape both sides know; nothing has to be padded to a fixed budget. The schedule is 1F1B (Narayanan et al. 2021):
+stage s runs min(P − 1 − s, M) forwards, then alternates one forward and one backward, then drains the
+backwards, so at most P − s micro-batches' activations are alive on it. Sends are non-blocking, so the pairs
+never wait on each other.
+
+The root weights (embeddings, final norm, tied or separate LM head) live on every stage and are used by the first
+(embedding) and the last (norm, head); after backward their gradients are summed over the stages, so every
+stage's copy takes the same step and stays identical (Megatron's embedding group, generalised). The gradient
+norm counts each stage's own layers once and the root weights once.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BODY_METHOD", "PassThrough", "Pipeline", "find_root", "split_layers", "split_model"]
+
+BODY_METHOD = "rlc_stage_body"
+_ACTIVATION, _GRADIENT = 1, 2  # message tags
+
+
+class PassThrough(torch.nn.Module):
+    """A decoder layer another pipeline stage holds: hidden states pass through unchanged."""
+
+    attention_type = "full_attention"
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden_states
+
+
+def split_layers(num_layers: int, stages: int) -> list[range]:
+    """Contiguous layer runs per stage, as even as possible (earlier stages take the remainder)."""
+    if stages > num_layers:
+        raise ValueError(f"{stages} pipeline stages for {num_layers} layers")
+    base, extra = divmod(num_layers, stages)
+    runs, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        runs.append(range(start, start + size))
+        start += size
+    return runs
+
+
+@dataclass
+class Pipeline:
+    """One rank's stage: which layers it holds, its neighbours (global ranks) and the stage group."""
+
+    stage: int
+    stages: int
+    layers: range
+    group: Any  # the ranks of this data-parallel share's stages, in stage order
+    ranks: list[int]  # their global ranks
+    root: list[torch.nn.Parameter] = field(default_factory=list)  # replicated on every stage
+    _sends: list[Any] = field(default_factory=list)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    # ------------------------------------------------------------- messages
+
+    def send(self, tensor: torch.Tensor, forward: bool) -> None:
+        dst = self.ranks[self.stage + (1 if forward else -1)]
+        buf = tensor.detach().contiguous()
+        self._sends.append((dist.isend(buf, dst, tag=_ACTIVATION if forward else _GRADIENT), buf))
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device, forward: bool) -> torch.Tensor:
+        src = self.ranks[self.stage + (-1 if forward else 1)]
+        buf = torch.empty(tuple(shape), dtype=dtype, device=device)
+        dist.recv(buf, src, tag=_ACTIVATION if forward else _GRADIENT)
+        return buf
+
+    def flush(self) -> None:
+        """Wait for every send of this pass (their buffers stay alive until then)."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+
+    # ------------------------------------------------------------- schedules
+
+    def forward_only(
+        self,
+        count: int,
+        shape_of: Callable[[int], Sequence[int]],
+        dtype: torch.dtype,
+        device: torch.device,
+        run: Callable[[int, torch.Tensor | None], torch.Tensor | None],
+    ) -> None:
+        """Micro-batches 0..count-1 through the stages without gradients: `run(j, hidden_in)` returns the hidden
+        states to pass on (ignored on the last stage, which keeps what it needs)."""
+        for j in range(count):
+            hidden = None if self.first else self.recv(shape_of(j), dtype, device, forward=True)
+            out = run(j, hidden)
+            if not self.last:
+                assert out is not None
+                self.send(out, forward=True)
+        self.flush()
+
+    def one_f_one_b(
+        self,
+        count: int,
+        shape_of: Callable[[int], Sequence[int]],
+        dtype: torch.dtype,
+        device: torch.device,
+        run: Callable[[int, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]],
+    ) -> None:
+        """Forward and backward of micro-batches 0..count-1 in 1F1B order. `run(j, hidden_in)` returns (the hidden
+        states to pass on, or the last stage's scaled loss; an extra scaled loss of this stage, e.g. the router's,
+        or None)."""
+        pending: dict[int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = {}
+
+        def forward(j: int) -> None:
+            hidden = None if self.first else self.recv(shape_of(j), dtype, device, forward=True).requires_grad_()
+            out, extra = run(j, hidden)
+            if not self.last:
+                self.send(out, forward=True)
+            pending[j] = (hidden, out, extra)
+
+        def backward(j: int) -> None:
+            hidden, out, extra = pending.pop(j)
+            # The last stage's output is its scaled loss; the others get their output's gradient from the next.
+            grad = torch.ones_like(out) if self.last else self.recv(out.shape, out.dtype, device, forward=False)
+            tensors, grads = [out], [grad]
+            if extra is not None:
+                tensors.append(extra)
+                grads.append(torch.ones_like(extra))
+            torch.autograd.backward(tensors, grads)
+            if not self.first:
+                assert hidden is not None and hidden.grad is not None
+                self.send(hidden.grad, forward=False)
+
+        warmup = min(self.stages - 1 - self.stage, count)
+        for j in range(warmup):
+            forward(j)
+        for i in range(count - warmup):
+            forward(warmup + i)
+            backward(i)
+        for i in range(count - warmup, count):
+            backward(i)
+        self.flush()
+
+    # ------------------------------------------------------------- the shared root weights
+
+    def sum_root_grads(self) -> None:
+        """Sum the root weights' gradient shards over the stages (a stage that did not use one adds zeros)."""
+        for p in self.root:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            local = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+            dist.all_reduce(local, group=self.group)
+
+    def merge_across_stages(self, local: dict[str, Any]) -> dict[str, Any]:
+        """Every stage's {name: value} as one dict in model order, on every stage (collective over the stages):
+        the root entries before the layers, each stage's layers in stage order, the root entries after."""
+        parts: list[Any] = [None] * self.stages
+        dist.all_gather_object(parts, local, group=self.group)
+        return _in_model_order(parts)
+
+    def gather_to_first(self, local: dict[str, Any]) -> dict[str, Any] | None:
+        """`merge_across_stages` on the first stage only (None on the others); for the weights themselves."""
+        parts: list[Any] | None = [None] * self.stages if self.first else None
+        dist.gather_object(local, parts, dst=self.ranks[0], group=self.group)
+        return _in_model_order(parts) if parts is not None else None
+
+    def broadcast_from_last(self, obj: Any) -> Any:
+        """The last stage's `obj` on every stage (results only the last stage computes)."""
+        box = [obj if self.last else None]
+        dist.broadcast_object_list(box, src=self.ranks[-1], group=self.group)
+        return box[0]
+
+
+def _in_model_order(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    first = list(parts[0].items())
+    split = next((i for i, (k, _) in enumerate(first) if ".layers." in k), len(first))
+    rest = [(k, v) for k, v in first[split:] if ".layers." not in k]
+    layers = [(k, v) for part in parts for k, v in part.items() if ".layers." in k]
+    return dict(first[:split] + layers + rest)
+
+
+def split_model(model: torch.nn.Module, pp_mesh: Any) -> Pipeline:
+    """Keep this rank's stage of `model` in place (see the module docstring); call before FSDP2 wraps it."""
+    from .parallelize import decoder_layers
+
+    stages, stage = pp_mesh.size(), pp_mesh.get_local_rank()
+    inner = getattr(model, "model", model)
+    layers = decoder_layers(model)
+    mine = split_layers(len(layers), stages)[stage]
+    for i in range(len(layers)):
+        if i not in mine:
+            inner.layers[i] = PassThrough()
+    if stage != stages - 1:  # the final norm belongs to the last stage; its weight stays (a root weight)
+        inner.norm.forward = types.MethodType(lambda _self, x: x, inner.norm)
+    ranks = [int(r) for r in pp_mesh.mesh.tolist()]
+    pipe = Pipeline(stage, stages, mine, pp_mesh.get_group(), ranks)
+    setattr(model, BODY_METHOD, types.MethodType(_stage_body, model))
+    return pipe
+
+
+def find_root(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The weights outside the decoder layers (embeddings, final norm, head): every stage holds them. Call after
+    FSDP2 has replaced the parameters with sharded ones."""
+    return [p for name, p in model.named_parameters() if ".layers." not in name and p.requires_grad]
+
+
+def _stage_body(
+    model: torch.nn.Module, input_ids: torch.Tensor, body_kwargs: dict[str, Any], inputs_embeds: torch.Tensor | None
+) -> torch.Tensor:
+    """This stage's layers: from the token ids (first stage) or the previous stage's hidden states."""
+    if inputs_embeds is None:
+        return model.model(input_ids=input_ids, **body_kwargs).last_hidden_state
+    return model.model(inputs_embeds=inputs_embeds, **body_kwargs).last_hidden_state
