@@ -211,3 +211,71 @@ def test_unknown_keys_are_rejected() -> None:
     data = {**_raw("qwen3-8b"), "num_hidden_layers": 36}
     with pytest.raises(ValidationError, match="num_hidden_layers"):
         ModelArch.model_validate(data)
+
+
+# --------------------------------------------------------------------------------------------- Qwen3.5/3.6 MoE
+
+#: Hybrid (3 Gated-DeltaNet : 1 gated full attention) MoE models with one shared expert: id -> (layers, routed
+#: experts, top-k, expert width, total B, active B, KV bytes/token), from the fields as the catalog files cite them.
+QWEN35_MOE = {
+    "qwen3.5-35b-a3b": (40, 256, 8, 512, 34.66, 3.455, 10 * 2 * 2 * 256 * 2),
+    "qwen3.6-35b-a3b": (40, 256, 8, 512, 34.66, 3.455, 10 * 2 * 2 * 256 * 2),
+    "qwen3.5-122b-a10b": (48, 256, 8, 1024, 122.11, 9.771, 12 * 2 * 2 * 256 * 2),
+    "qwen3.5-397b-a17b": (60, 512, 10, 1024, 396.35, 17.35, 15 * 2 * 2 * 256 * 2),
+}
+
+
+def test_qwen35_moe_models_ship() -> None:
+    assert set(model_ids()) >= set(QWEN35_MOE)
+
+
+@pytest.mark.parametrize("name", sorted(QWEN35_MOE))
+def test_qwen35_moe_loads_with_sources(name: str) -> None:
+    arch = load_arch(name)
+    assert arch.id == name
+    for field in numeric_field_names(ModelArch, nested=False):
+        assert arch.sources.get(field, "").strip(), f"{name}: no source for {field}"
+    assert arch.sources.get("attention", "").strip() and arch.sources.get("moe", "").strip()
+    assert arch.total_params() / 1e9 == pytest.approx(arch.params_b, rel=0.05)
+    assert arch.active_params() / 1e9 == pytest.approx(arch.active_params_b, rel=0.05)
+
+
+@pytest.mark.parametrize("name", sorted(QWEN35_MOE))
+def test_qwen35_moe_shapes(name: str) -> None:
+    layers, experts, top_k, width, total_b, active_b, kv_bytes = QWEN35_MOE[name]
+    arch = load_arch(name)
+    assert arch.family == "qwen3.5" and arch.hf_architecture == "Qwen3_5MoeForConditionalGeneration"
+    assert arch.attention.kind == "linear-hybrid" and arch.attention.output_gate and arch.attention.qk_norm
+    assert arch.num_layers == layers and arch.num_full_attention_layers() == layers // 4
+    assert [arch.layer_kind(i) for i in range(4)] == ["linear", "linear", "linear", "full"]
+    assert arch.moe is not None
+    assert (arch.moe.num_experts, arch.moe.experts_per_token, arch.moe.expert_intermediate_size) == (
+        experts,
+        top_k,
+        width,
+    )
+    assert arch.moe.num_shared_experts == 1 and arch.moe.shared_expert_intermediate_size == width
+    assert all(arch.layer_is_moe(i) for i in range(layers))
+    assert arch.vocab_size == 248_320 and not arch.tie_word_embeddings and arch.mtp_layers == 1
+    assert arch.total_params() / 1e9 == pytest.approx(total_b, rel=0.01)
+    assert arch.active_params() / 1e9 == pytest.approx(active_b, rel=0.01)
+    assert arch.kv_bytes_per_token() == kv_bytes
+
+
+def test_qwen35_35b_linear_state() -> None:
+    arch = load_arch("qwen3.5-35b-a3b")
+    per_layer = 32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 3 * 2
+    assert arch.linear_state_bytes_per_sequence() == 30 * per_layer
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("Qwen/Qwen3.5-35B-A3B", "qwen3.5-35b-a3b"),
+        ("Qwen3.6-35B-A3B", "qwen3.6-35b-a3b"),
+        ("qwen3.5-122b", "qwen3.5-122b-a10b"),
+        ("Qwen/Qwen3.5-397B-A17B", "qwen3.5-397b-a17b"),
+    ],
+)
+def test_qwen35_moe_name_resolution(name: str, expected: str) -> None:
+    assert resolve_model_id(name) == expected
