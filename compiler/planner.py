@@ -127,6 +127,7 @@ def model_settings(problem: Problem, ref: ModelRef, arch: ModelArch) -> ModelSet
         tiny_max_positions=arch.max_position_embeddings if build else None,
         linear_attention=linear_attention_layers(arch),
         experts=expert_layers(arch),
+        layers=arch.num_layers,
     )
 
 

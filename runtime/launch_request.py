@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rlc.schemas.layout import LINEAR_KERNELS, TORCH_EXPERT_KERNEL_NAME, TrainLayout, runtime_gaps
+from rlc.schemas.layout import LINEAR_KERNELS, TORCH_EXPERT_KERNEL_NAME, TrainLayout, runtime_gaps, split_layers
 from rlc.schemas.plan import ExpertLayers, Plan, Role
 
 __all__ = ["ActorRequest", "LaunchRequest", "PlacementGroupRequest", "launch_request", "render_request"]
@@ -67,6 +67,7 @@ class LaunchRequest:
     optimizer_steps: int = 1
     #: How the trainer builds a hybrid model's linear-attention layers (None: every layer is attention).
     token_mixers: str | None = None
+    pipeline: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -241,7 +242,21 @@ def launch_request(plan: Plan) -> LaunchRequest:
         refusals=refusals,
         optimizer_steps=plan.algorithm.minibatches,
         token_mixers=_token_mixers(plan),
+        pipeline=_pipeline_line(plan),
     )
+
+
+def _pipeline_line(plan: Plan) -> str | None:
+    """The dry run's statement of the trainer's pipeline stages (`runtime/train/pipeline`), when it has any."""
+    train = plan.roles_of("train")[0].layout
+    assert train is not None
+    if train.pp == 1:
+        return None
+    layers = plan.model.layers
+    if layers is None:
+        return f"{train.pp} stages, 1F1B"
+    runs = ", ".join(f"{r.start}-{r.stop - 1}" for r in split_layers(layers, train.pp))
+    return f"{train.pp} stages holding decoder layers {runs}, 1F1B; hidden states pass between stages"
 
 
 def _token_mixers(plan: Plan) -> str | None:
@@ -272,11 +287,14 @@ def _experts_line(experts: ExpertLayers, train: TrainLayout) -> str:
         f"mixture of experts: {experts.layers} MoE layers of {experts.num_experts} experts, top-"
         f"{experts.experts_per_token}; "
     )
+    staged = f"each of the {train.pp} pipeline stages computes its layers' experts; " if train.pp > 1 else ""
     if train.ep == 1:
-        return text + "every rank computes every expert (experts sharded by FSDP2 like any weight)"
+        return text + staged + "every rank of a stage computes every expert (sharded by FSDP2 like any weight)"
     held = experts.num_experts // train.ep
     return (
-        text + f"EP {train.ep}: each rank holds {held} experts (FSDP2 shards them over {train.shard_group // train.ep}"
+        text
+        + staged
+        + f"EP {train.ep}: each rank holds {held} experts (FSDP2 shards them over {train.shard_group // train.ep}"
         f" rank(s)), tokens reach them by all-to-all; expert kernel: {TORCH_EXPERT_KERNEL_NAME}"
     )
 
@@ -313,6 +331,8 @@ def render_request(req: LaunchRequest) -> str:
         lines.append(f"trainer layout: {trainers[0].detail['layout']}{steps}")
     if req.token_mixers:
         lines.append(f"trainer model: {req.token_mixers}")
+    if req.pipeline:
+        lines.append(f"trainer pipeline: {req.pipeline}")
     for role, args in req.engines.items():
         shown = {k: v for k, v in sorted(args.items()) if k != "model"}
         lines.append(f"engine {role}: model {args.get('model')}; " + ", ".join(f"{k}={v}" for k, v in shown.items()))

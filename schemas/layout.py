@@ -182,6 +182,20 @@ def cp_problem(arch: ModelArch, tp: int, cp: int, kind: CpKind) -> str | None:
     return None
 
 
+def split_layers(num_layers: int, stages: int) -> list[range]:
+    """The decoder layers each pipeline stage holds: contiguous runs, as even as possible (earlier stages take the
+    remainder, as Megatron's even split). The trainer (`runtime/train/pipeline`) and the dry run read it here."""
+    if stages > num_layers:
+        raise ValueError(f"{stages} pipeline stages for {num_layers} layers")
+    base, extra = divmod(num_layers, stages)
+    runs, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        runs.append(range(start, start + size))
+        start += size
+    return runs
+
+
 def pp_problem(arch: ModelArch, pp: int) -> str | None:
     if pp > arch.num_layers:
         return f"PP({pp}) exceeds {arch.id}'s {arch.num_layers} layers"

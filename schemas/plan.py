@@ -203,6 +203,7 @@ class ModelSettings(PlanModel):
     experts: ExpertLayers | None = Field(
         None, description="Mixture-of-experts models only: their routed experts (None: every FFN is dense)."
     )
+    layers: int | None = Field(None, description="Decoder layers (what pipeline stages split).")
 
 
 class LoraSettings(PlanModel):

@@ -18,6 +18,7 @@ from rlc.runtime.sync_check import mean_gap, probe_of
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "cpu-moe.yaml"
+PIPELINE_EXAMPLE = ROOT / "examples" / "cpu-moe-pp.yaml"
 RLC = [sys.executable, "-m", "rlc"]
 
 
@@ -28,9 +29,9 @@ def test_the_probe_takes_the_first_scoreable_sequences_cut_short() -> None:
     assert mean_gap([[0.0, -1.0, -2.0]], [[-1.5, -2.0]]) == pytest.approx(0.25)
 
 
-def _compile(tmp_path: Path, steps: int) -> Path:
+def _compile(tmp_path: Path, steps: int, example: Path = EXAMPLE) -> Path:
     plan = tmp_path / "plan"
-    args = [*RLC, "compile", str(EXAMPLE), "-o", str(plan), "--set", f"output.dir={tmp_path / 'run'}"]
+    args = [*RLC, "compile", str(example), "-o", str(plan), "--set", f"output.dir={tmp_path / 'run'}"]
     args += ["--set", f"algorithm.steps={steps}", "--set", "output.checkpoint_every=100"]
     subprocess.run(args, check=True, capture_output=True, text=True)
     return plan
@@ -53,6 +54,21 @@ def test_cpu_moe_trains_with_expert_parallelism_as_planned(tmp_path: Path) -> No
     # The engine serves the trainer's weights after every sync: probe and sampled tokens alike.
     assert all(r["sync_check/gap"] < 1e-4 for r in rows), [r["sync_check/gap"] for r in rows]
     assert all(r["logprob_gap/max"] < 1e-4 for r in rows), [r["logprob_gap/max"] for r in rows]
+
+
+@pytest.mark.slow
+def test_cpu_moe_trains_with_two_pipeline_stages_as_planned(tmp_path: Path) -> None:
+    from layout_record import assert_layout_as_planned
+
+    from rlc.compiler.manifest import load_plan
+
+    plan_dir = _compile(tmp_path, steps=4, example=PIPELINE_EXAMPLE)
+    result = subprocess.run([*RLC, "run", str(plan_dir)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = assert_layout_as_planned(tmp_path / "run", load_plan(plan_dir))
+    assert [r["built"]["pp"] for r in record["ranks"]] == [2, 2]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["sync_check/gap"] < 1e-4 and r["logprob_gap/max"] < 1e-4 for r in rows)
 
 
 @pytest.mark.slow

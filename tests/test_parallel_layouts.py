@@ -239,3 +239,38 @@ def _assert_matches(ranks: list[dict], reference: dict, layout: dict) -> None:
     assert built["offload_optimizer"] == layout.get("offload_optimizer", False)
     assert built["compute_dtype"] == "float32"
     assert set(ranks[0]["built"]["memory"]["peak_gib"]) >= {"load", "logprobs", "train"}
+
+
+def _resume_rank_main(rank: int, world: int, port: int, model_dir: str, out: str, reload: bool) -> None:
+    torch.set_num_threads(1)
+    from rlc.runtime.train.trainer import TrainerWorker
+    from rlc.schemas.layout import TrainLayout
+
+    lay = TrainLayout(world_size=world, pp=2, micro_batch_tokens=BUDGET)
+    w = TrainerWorker(rank, world, "127.0.0.1", port, model_dir, "cpu", {"lr": LR, "logprob_chunk_tokens": 7}, lay)
+    batch = _batch()
+    stats = []
+    for step in range(2):
+        lp = [row or [0.0] * len(s) for row, s in zip(w.compute_logprobs(batch), batch["input_ids"], strict=True)]
+        stats.append(w.train_step({**batch, "behaviour_logprobs": lp}, {"clip": 0.2}))
+        if step == 0 and reload:
+            w.save_checkpoint(f"{out}/ckpt")
+            w.load_checkpoint(f"{out}/ckpt")
+    torch.save({"stats": stats, "weights": w.full_state_dict()}, f"{out}/rank{rank}.pt")
+    w.shutdown()
+
+
+def test_pipeline_stages_resume_from_a_checkpoint_exactly(tiny_moe_model_dir: Path, tmp_path: Path) -> None:
+    """Each stage saves its own optimizer state: saving and loading between two steps changes nothing."""
+    import torch.multiprocessing as mp
+
+    runs = {}
+    for reload in (False, True):
+        out = tmp_path / str(reload)
+        out.mkdir()
+        mp.spawn(_resume_rank_main, args=(2, _free_port(), str(tiny_moe_model_dir), str(out), reload), nprocs=2)
+        runs[reload] = torch.load(out / "rank0.pt", weights_only=False)
+    assert runs[True]["stats"][1]["loss"] == pytest.approx(runs[False]["stats"][1]["loss"], rel=1e-6)
+    assert runs[True]["stats"][1]["grad_norm"] == pytest.approx(runs[False]["stats"][1]["grad_norm"], rel=1e-6)
+    for name, value in runs[False]["weights"].items():
+        assert torch.allclose(runs[True]["weights"][name], value, atol=1e-7), name

@@ -39,11 +39,22 @@ class TrainerCheckpoints:
         else:
             self.save_weights(str(root / "hf"), export=True)  # type: ignore[attr-defined]
         optim = get_optimizer_state_dict(self.model, self.optimizer.optimizers)
-        dcp.save({"optim": optim}, checkpoint_id=str(root / "optim"))
+        dcp.save({"optim": optim}, checkpoint_id=str(self._optim_dir(root)), process_group=self._optim_group())
         if self.rank == 0:
             (root / "trainer_state.json").write_text(json.dumps({"step": self.step}, sort_keys=True))
         dist.barrier()
         return str(root)
+
+    def _optim_dir(self, root: Path) -> Path:
+        """Where the sharded optimizer state goes. Pipeline stages each save their own (their parameter groups name
+        different layers, and one shared folder would keep only the first stage's)."""
+        pipe = getattr(self, "pipeline", None)
+        return root / "optim" if pipe is None else root / "optim" / f"stage-{pipe.stage}"
+
+    def _optim_group(self) -> Any:
+        """The ranks that save one optimizer folder together: every rank, or one pipeline stage's."""
+        pipe = getattr(self, "pipeline", None)
+        return None if pipe is None else self.mesh.shard_group  # type: ignore[attr-defined]
 
     def load_checkpoint(self, ckpt_dir: str) -> int:
         """Restore weights, optimizer state and step from ``save_checkpoint``'s folder. Collective."""
@@ -65,7 +76,7 @@ class TrainerCheckpoints:
         set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=False))
         optimizers = self.optimizer.optimizers
         state = {"optim": get_optimizer_state_dict(self.model, optimizers)}
-        dcp.load(state, checkpoint_id=str(root / "optim"))
+        dcp.load(state, checkpoint_id=str(self._optim_dir(root)), process_group=self._optim_group())
         set_optimizer_state_dict(self.model, optimizers, state["optim"])
         if self.optimizer.offload:
             self.optimizer.move_state(torch.device("cpu"))

@@ -30,7 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BODY_METHOD", "PassThrough", "Pipeline", "find_root", "split_layers", "split_model"]
+from rlc.schemas.layout import split_layers
+
+__all__ = ["BODY_METHOD", "PassThrough", "Pipeline", "find_root", "split_model"]
 
 BODY_METHOD = "rlc_stage_body"
 _ACTIVATION, _GRADIENT = 1, 2  # message tags
@@ -43,19 +45,6 @@ class PassThrough(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return hidden_states
-
-
-def split_layers(num_layers: int, stages: int) -> list[range]:
-    """Contiguous layer runs per stage, as even as possible (earlier stages take the remainder)."""
-    if stages > num_layers:
-        raise ValueError(f"{stages} pipeline stages for {num_layers} layers")
-    base, extra = divmod(num_layers, stages)
-    runs, start = [], 0
-    for s in range(stages):
-        size = base + (1 if s < extra else 0)
-        runs.append(range(start, start + size))
-        start += size
-    return runs
 
 
 @dataclass
