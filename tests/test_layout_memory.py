@@ -56,16 +56,17 @@ def _plan_of(spec: str):  # type: ignore[no-untyped-def]
     return plan
 
 
-def _batch(dp: int, budget: int = BUDGET) -> dict:
-    """Per data-parallel share, sequences that fill every micro-batch exactly: two of half the budget, or 512-token
-    ones (the tiny MoE model's positions) for budgets below rlc-tiny-long's."""
+def _batch(dp: int, budget: int = BUDGET, micro_batches: int = 1) -> dict:
+    """Per data-parallel share, `micro_batches` micro-batches of sequences that fill each exactly: two of half the
+    budget, or 512-token ones (the tiny MoE model's positions) for budgets below rlc-tiny-long's."""
     g = torch.Generator().manual_seed(0)
     per = max(2, budget // 512) if budget < BUDGET else 2
     n = budget // per
+    count = per * dp * micro_batches
     return {
-        "input_ids": [torch.randint(4, 19, (n,), generator=g).tolist() for _ in range(per * dp)],
-        "loss_mask": [[0] * (n - 4) + [1] * 4 for _ in range(per * dp)],
-        "advantages": [1.0, -1.0] * (per * dp // 2),
+        "input_ids": [torch.randint(4, 19, (n,), generator=g).tolist() for _ in range(count)],
+        "loss_mask": [[0] * (n - 4) + [1] * 4 for _ in range(count)],
+        "advantages": [1.0, -1.0] * (count // 2),
     }
 
 
@@ -87,6 +88,7 @@ MOE_BUDGET = 2048
 MOE_LAYOUTS = {
     "moe-ep2": "{devices: 2, ep: 2, recompute: none}",
     "moe-dp2": "{devices: 2, ep: 1, recompute: none}",
+    "moe-pp2": "{devices: 2, pp: 2, recompute: none}",
 }
 
 
@@ -126,7 +128,8 @@ def _assert_peak_as_planned(name: str, plan, model_dir: Path, budget: int) -> No
         env={**plan.env, **role.env},
     )
     try:
-        batch = _batch(layout.dp, budget)
+        # Pipeline stages: as many micro-batches as stages, so the first holds pp in flight (1F1B), as planned.
+        batch = _batch(layout.dp, budget, micro_batches=layout.pp)
         lp = group.compute_logprobs(batch)
         group.train_step({**batch, "behaviour_logprobs": lp, "proximal_logprobs": lp}, {"clip": 0.2})
         built = group.built_layouts()
