@@ -558,13 +558,6 @@ def check_backend_choices(ctx: RuleContext) -> Iterator[Diagnostic]:
             f"recompute: {recompute} on the fsdp2 backend: FSDP2 recomputes whole decoder layers (full) or nothing",
             "use recompute: full (or none), or backend: megatron",
         )
-    if pin.pp and pin.pp > 1 and recompute and recompute != "none":
-        yield ctx.diag(
-            "RLC215",
-            "placement.train.pp",
-            f"PP({pin.pp}) with recompute: {recompute} on the fsdp2 backend: its pipeline stages recompute nothing",
-            "drop the recompute pin (the planner then fits the stages without it), or the pp pin",
-        )
 
 
 @rule("RLC216", "group_size 1 leaves GRPO nothing to learn from unless a teacher distils")

@@ -131,10 +131,6 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
         # FSDP2 runs pipeline stages when the plan pins them (`layout.pipeline_gaps` says with what); its free search
         # shards instead, and Megatron searches both.
         pps = [pin.pp] if pin.pp else [1] if backend == "fsdp2" else list(pow2_upto(min(arch.num_layers, n)))
-        staged = backend == "fsdp2" and max(pps) > 1  # the fsdp2 pipeline: no TP, CP or recompute
-        if staged:
-            recomputes = [rc_pin] if rc_pin else ["none"]
-            tps = [pin.tp] if pin.tp else [1]
         if arch.moe is None:
             eps = [1]
         else:
@@ -144,7 +140,7 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
                 else [e for e in pow2_upto(min(arch.moe.num_experts, n)) if arch.moe.num_experts % e == 0]
             )
         # Context parallelism splits packed micro-batches: without packing there is nothing to split.
-        cps_all = [pin.cp] if pin.cp else (pow2_upto(min(16, n)) if spec.train.packing and not staged else [1])
+        cps_all = [pin.cp] if pin.cp else (pow2_upto(min(16, n)) if spec.train.packing else [1])
         shapes = [
             Shape(backend, tp, pp, cp, kind, ep)
             for tp in tps

@@ -292,28 +292,21 @@ def fsdp2_runs_ep(ep: int, tp: int, cp: int, dp: int) -> bool:
 
 def pipeline_gaps(layout: TrainLayout, lora: bool, hybrid: bool, colocated: bool) -> list[str]:
     """What the fsdp2 runtime's pipeline parallelism (`runtime/train/pipeline`, 1F1B) cannot build under `layout`:
-    it splits the layers of a model without linear attention into stages with data and expert parallelism, no
-    TP, CP, recompute or LoRA, and gathers the weights on rank 0 only (no per-node copies for colocated rollout)."""
+    it splits the layers of a model without linear attention into stages, composed with data, tensor, context and
+    expert parallelism and recompute, without LoRA."""
     if layout.pp == 1:
         return []
     found = [
         what
         for what, present in (
-            (f"TP {layout.tp}", layout.tp > 1),
-            (f"CP {layout.cp}", layout.cp > 1),
-            (f"recompute={layout.recompute}", layout.recompute != "none"),
             ("LoRA", lora),
             ("Gated-DeltaNet layers", hybrid),
-            ("colocated rollout", colocated),
         )
         if present
     ]
     if not found:
         return []
-    return [
-        f"pipeline parallelism (PP {layout.pp}) on the fsdp2 backend is built with data and expert parallelism "
-        f"only; not with {', '.join(found)}"
-    ]
+    return [f"pipeline parallelism (PP {layout.pp}) on the fsdp2 backend is not built with {', '.join(found)}"]
 
 
 def moe_gaps(layout: TrainLayout, lora: bool) -> list[str]:

@@ -227,3 +227,24 @@ def test_long_context_run_chooses_cp2_and_completes(tmp_path: Path) -> None:
     assert all(r["logprob_gap/max"] < 1e-3 for r in rows), [r["logprob_gap/max"] for r in rows]
     measured = max(rank["memory"]["peak_gib"]["train"] for rank in record["ranks"])
     assert 0.75 <= measured / record["predicted_memory_gib"]["total"] <= 1.25, record
+
+
+def test_the_capability_table_for_mixture_of_experts_and_pipeline_layouts() -> None:
+    """What the fsdp2 trainer builds for MoE models and pipeline stages, and the sentence for what it does not."""
+    from rlc.schemas.layout import TrainLayout, runtime_gaps
+
+    def gaps(**kw):  # type: ignore[no-untyped-def]
+        flags = {k: kw.pop(k) for k in ("lora", "moe", "colocated", "linear_heads") if k in kw}
+        return runtime_gaps(TrainLayout(**kw), "cpu", **flags)
+
+    assert gaps(world_size=4, ep=2, moe=True) == []
+    assert gaps(world_size=4, ep=4, cp=2, moe=True) == []  # EP spans both CP ranks of two data-parallel ranks
+    assert gaps(world_size=8, pp=2, tp=2, cp=2, recompute="full") == []
+    assert gaps(world_size=4, pp=2, ep=2, moe=True) == []
+    assert "EP 2 with CP 4" in gaps(world_size=4, ep=2, cp=4, moe=True)[0]
+    assert "over an MoE model's experts" in gaps(world_size=4, tp=2, ep=2, moe=True)[0]
+    assert any("LoRA on a mixture-of-experts" in g for g in gaps(world_size=2, ep=2, moe=True, lora=True))
+    assert "needs a mixture-of-experts model" in gaps(world_size=2, ep=2)[0]
+    refused = gaps(world_size=2, pp=2, lora=True, colocated=True, linear_heads=(2, 4))
+    assert "not built with LoRA, Gated-DeltaNet layers" in refused[0]
+    assert gaps(world_size=2, pp=2, colocated=True) == []

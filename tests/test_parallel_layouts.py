@@ -32,8 +32,10 @@ LAYOUTS = {
     "tp2": {"world_size": 2, "tp": 2},
     "tp2-cp2-ring": {"world_size": 4, "tp": 2, "cp": 2, "cp_kind": "ring"},
     # 1F1B over two stages of one layer each: the tied embedding lives on both (its gradients summed).
-    "pp2": {"world_size": 2, "pp": 2},
     "pp2-dp2": {"world_size": 4, "pp": 2},
+    "pp2-recompute": {"world_size": 2, "pp": 2, "recompute": "full"},
+    "pp2-tp2": {"world_size": 4, "pp": 2, "tp": 2},
+    "pp2-cp2-ring": {"world_size": 4, "pp": 2, "cp": 2, "cp_kind": "ring"},
     "cp2-recompute-offload": {
         "world_size": 2,
         "cp": 2,
@@ -159,7 +161,7 @@ MOE_LAYOUTS = {
     "ep2": {"world_size": 2, "ep": 2},
     "ep2-cp2": {"world_size": 2, "ep": 2, "cp": 2},
     "ep2-dp4": {"world_size": 4, "ep": 2},
-    "pp2": {"world_size": 2, "pp": 2},
+    "pp2-recompute": {"world_size": 2, "pp": 2, "recompute": "full"},
     "ep2-pp2": {"world_size": 4, "ep": 2, "pp": 2},
 }
 
@@ -274,3 +276,26 @@ def test_pipeline_stages_resume_from_a_checkpoint_exactly(tiny_moe_model_dir: Pa
     assert runs[True]["stats"][1]["grad_norm"] == pytest.approx(runs[False]["stats"][1]["grad_norm"], rel=1e-6)
     for name, value in runs[False]["weights"].items():
         assert torch.allclose(runs[True]["weights"][name], value, atol=1e-7), name
+
+
+def _share_rank_main(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from rlc.runtime.train.weights_out import _share_from_rank0
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    weights = {"w": torch.arange(6.0)} if rank == 0 else None
+    got = _share_from_rank0(weights, keep=rank != 1, rank=rank)
+    torch.save(got, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_pipeline_weights_reach_every_rank_that_keeps_a_copy(tmp_path: Path) -> None:
+    """Colocated runs write the weights on each node's leader: under PP rank 0 merges the stages and sends the whole
+    to every other keeper (here rank 2), and a rank that keeps none gets nothing."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_share_rank_main, args=(3, _free_port(), str(tmp_path)), nprocs=3)
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(3)]
+    assert got[1] is None
+    assert all(torch.equal(g["w"], torch.arange(6.0)) for g in (got[0], got[2]))

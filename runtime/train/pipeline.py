@@ -113,10 +113,12 @@ class Pipeline:
         dtype: torch.dtype,
         device: torch.device,
         run: Callable[[int, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]],
+        around_backward: Callable[[int, bool], None] | None = None,
     ) -> None:
         """Forward and backward of micro-batches 0..count-1 in 1F1B order. `run(j, hidden_in)` returns (the hidden
         states to pass on, or the last stage's scaled loss; an extra scaled loss of this stage, e.g. the router's,
-        or None)."""
+        or None). `around_backward(j, starting)` is called before and after micro-batch j's backward (whatever the
+        recomputed forward needs from its first run)."""
         pending: dict[int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = {}
 
         def forward(j: int) -> None:
@@ -128,6 +130,8 @@ class Pipeline:
 
         def backward(j: int) -> None:
             hidden, out, extra = pending.pop(j)
+            if around_backward is not None:
+                around_backward(j, True)
             # The last stage's output is its scaled loss; the others get their output's gradient from the next.
             grad = torch.ones_like(out) if self.last else self.recv(out.shape, out.dtype, device, forward=False)
             tensors, grads = [out], [grad]
@@ -135,6 +139,8 @@ class Pipeline:
                 tensors.append(extra)
                 grads.append(torch.ones_like(extra))
             torch.autograd.backward(tensors, grads)
+            if around_backward is not None:
+                around_backward(j, False)
             if not self.first:
                 assert hidden is not None and hidden.grad is not None
                 self.send(hidden.grad, forward=False)

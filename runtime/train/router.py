@@ -81,10 +81,20 @@ class Routing:
         self._seen = {}
         self._aux = []
 
-    def end(self) -> None:
-        """The micro-batch is done (forward and backward): routers pass their own choice through until `begin`."""
+    def end(self, keep: bool = False) -> dict[int, torch.Tensor] | None:
+        """The micro-batch is done: routers pass their own choice through until `begin`. `keep`: its backward comes
+        later (a pipeline stage runs other forwards in between); returns its routing for `recompute`."""
+        seen = self._seen
         self._active = False
         self._seen = {}
+        self._aux = []
+        return seen if keep else None
+
+    def recompute(self, seen: dict[int, torch.Tensor]) -> None:
+        """The backward of a micro-batch `end(keep=True)` closed: a layer recomputed in it (activation recompute)
+        routes as its forward did, and adds nothing. Close with `end()`."""
+        self._active, self._key, self._record, self._counted = True, None, False, False
+        self._seen = seen
         self._aux = []
 
     def forget(self) -> None:

@@ -578,6 +578,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         each stage's share of the router's load-balancing loss."""
         pipe = self.pipeline
         assert pipe is not None
+        routed: dict[int, Any] = {}  # each micro-batch's routing, for the layers its backward recomputes
 
         def run(j: int, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
             mb = built[j]
@@ -592,10 +593,19 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
                 aux = self.routing.aux_loss() if self.routing is not None else None
                 extra = aux / len(micro) * scale if aux is not None else None
             if self.routing is not None:
-                self.routing.end()
+                routed[j] = self.routing.end(keep=True)
             return out, extra
 
-        pipe.one_f_one_b(len(built), lambda j: self._hidden_shape(built[j]), self._hidden_dtype(), self.device, run)
+        def around_backward(j: int, starting: bool) -> None:
+            if self.routing is None:
+                return
+            if starting:
+                self.routing.recompute(routed.pop(j) or {})
+            else:
+                self.routing.end()
+
+        shape = lambda j: self._hidden_shape(built[j])  # noqa: E731
+        pipe.one_f_one_b(len(built), shape, self._hidden_dtype(), self.device, run, around_backward)
 
     def _hidden_dtype(self) -> torch.dtype:
         return getattr(torch, self.layout.precision.compute_dtype)
@@ -669,11 +679,8 @@ def _check_pipeline_layout(layout: TrainLayout, lora: Any, model: torch.nn.Modul
     """What this trainer's pipeline parallelism is built for (`schemas/layout.pipeline_gaps` says it to the plan)."""
     from .linear_attention import linear_attention_modules
 
-    if layout.tp > 1 or layout.cp > 1 or layout.recompute != "none" or lora or linear_attention_modules(model):
-        raise ValueError(
-            "pipeline parallelism on the fsdp2 backend is built with TP 1, CP 1, no recompute, no LoRA and no "
-            "linear-attention layers"
-        )
+    if lora or linear_attention_modules(model):
+        raise ValueError("pipeline parallelism on the fsdp2 backend is built without LoRA and linear-attention layers")
 
 
 def _fsdp_units(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:

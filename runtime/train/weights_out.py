@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..rollout.weight_sync import SyncSender, TensorMeta, tensor_meta, write_safetensors
 from . import lora as lora_lib
@@ -77,18 +78,19 @@ class WeightExport:
         """
         keep = self.rank == 0 if keep is None else keep
         pipe = getattr(self, "pipeline", None)
-        if pipe is not None and keep and self.rank != 0:
-            raise NotImplementedError("pipeline stages gather the weights on rank 0 only (no per-node copies)")
-        # Under pipeline parallelism the first data-parallel rank of each stage collects its stage's tensors.
-        collect = keep or (pipe is not None and self.mesh.coords["dp"] == 0)
-        out = {}
+        # Under pipeline parallelism the first data-parallel rank of each stage collects its stage's tensors, rank 0
+        # merges them and sends the whole to any other rank that keeps a copy (a colocated node's writer).
+        coords = self.mesh.coords
+        leader = pipe is not None and coords["dp"] == coords["cp"] == coords["tp"] == 0
+        out: dict[str, torch.Tensor] = {}
         for name, value in self.model.state_dict().items():
             full = _unsharded(value)
-            if collect:
+            if (keep and pipe is None) or leader:
                 out[name] = full.detach().to("cpu")
-        if pipe is not None and collect:
-            out = pipe.gather_to_first(out) or {}
-        return out if keep else None
+        if pipe is None:
+            return out if keep else None
+        merged = pipe.gather_to_first(out) if leader else None
+        return _share_from_rank0(merged, keep, self.rank)
 
     def sync_state_dict(self, keep: bool | None = None) -> dict[str, torch.Tensor] | None:
         """What engines load, in the base checkpoint's names, where `keep` (default rank 0). Collective.
@@ -184,6 +186,23 @@ class WeightExport:
         if self._sender is not None:
             self._sender.close()
         self._sender, self._sender_key = None, None
+
+
+def _share_from_rank0(weights: dict[str, torch.Tensor] | None, keep: bool, rank: int) -> dict[str, torch.Tensor] | None:
+    """Rank 0's `weights` on every rank that keeps a copy (collective over the trainer group: who keeps is
+    exchanged first, then rank 0 sends to each keeper); None where `keep` is False."""
+    keepers: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(keepers, bool(keep))
+    if rank == 0:
+        for dst, wants in enumerate(keepers):
+            if wants and dst != 0:
+                dist.send_object_list([weights], dst=dst)
+        return weights if keep else None
+    if not keep:
+        return None
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=0)
+    return box[0]
 
 
 def _unsharded(value: torch.Tensor) -> torch.Tensor:
