@@ -727,7 +727,7 @@ def train_time(
         link = _link_gbps(target, layout.world_size, devices_per_node)
         if fsdp:
             volume = (2 * micro * b + steps * layout.precision.reduce_bytes) * replica * ring
-            count = 3 * micro * arch.num_layers
+            count = 3 * micro * stage_layers  # a pipeline stage gathers its own layers
         else:
             volume = steps * 2 * b * replica * ring
             count = 2 * steps

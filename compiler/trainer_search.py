@@ -150,7 +150,8 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
             for pp in pps
             if not n % (tp * pp * cp)
             and not (ep > 1 and (tp * cp * (n // (tp * pp * cp))) % ep)
-            and (backend != "fsdp2" or pin.ep or fsdp2_runs_ep(ep, tp, cp, n // (tp * pp * cp)))
+            # fsdp2's EP groups (`layout.fsdp2_runs_ep`), unless the pins themselves leave no other choice
+            and (backend != "fsdp2" or fsdp2_runs_ep(ep, tp, cp, n // (tp * pp * cp)) or bool(pin.ep and pin.cp))
         ]
         # Best first by the degrees' time lower bound, so the bar rises fast and the rest stop at once.
         bounds = {s: _train_lower_bound_s(ctx, n, s, recomputes[0], mbts) for s in shapes}

@@ -57,7 +57,8 @@ class SyncCheck:
         )
 
     def verify(self, version: int) -> float:
-        """Every engine scores the probe; returns the largest engine's mean gap, or stops the run above the bound.
+        """Every engine scores the probe; returns the largest engine's mean gap (NaN when no engine could be checked:
+        all restarted or gone since the sync), or stops the run above the bound.
 
         An engine that died or was restarted since the sync is skipped: it is loaded with the current weights before
         it serves again.
@@ -67,7 +68,7 @@ class SyncCheck:
 
         if not self._probe:
             return 0.0
-        worst = 0.0
+        worst = float("nan")
         for index, engine in enumerate(self.rollout.engines):
             try:
                 held, rows = ray.get(
@@ -90,5 +91,5 @@ class SyncCheck:
                     "serves other weights than the trainer's, so its samples would train on another policy. The "
                     "run stopped; `rlc run PLAN --resume` restarts the engines from the last checkpoint"
                 )
-            worst = max(worst, gap)
+            worst = gap if worst != worst else max(worst, gap)  # NaN until the first engine answers
         return worst

@@ -21,15 +21,21 @@ def _ids() -> torch.Tensor:
     return torch.randint(3, 32, (1, 40), generator=torch.Generator().manual_seed(0))
 
 
-def test_outside_the_trainers_passes_routing_is_transformers_own(tiny_moe_model_dir: Path) -> None:
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "qwen3_5_moe_text"])
+def test_outside_the_trainers_passes_routing_is_transformers_own(
+    family: str, tiny_moe_model_dir: Path, tiny_shared_moe_model_dirs: dict
+) -> None:
+    """Same logits with rlc's routers as with transformers' own, for every MoE family the runtime accepts (their
+    router classes renormalise the top-k weights by a config flag, or always)."""
     from rlc.runtime.train.router import install_routing
 
+    model_dir = tiny_moe_model_dir if family == "qwen3_moe" else tiny_shared_moe_model_dirs[family]
     ids = _ids()
     with torch.no_grad():
-        before = _model(tiny_moe_model_dir)(input_ids=ids).logits
-        model = _model(tiny_moe_model_dir)
+        before = _model(model_dir)(input_ids=ids).logits
+        model = _model(model_dir)
         routing = install_routing(model, 0.0, replay=True, group=None)
-        assert routing is not None and routing.layers == 2
+        assert routing is not None and routing.layers in (2, 4)
         after = model(input_ids=ids).logits
     assert torch.equal(before, after)
 
@@ -124,3 +130,27 @@ def test_the_trainer_reports_routing_drift_and_load_with_two_minibatches(tiny_mo
     # lr 5e-2 moves the router: about 40% of the second minibatch's tokens would take other experts.
     assert 0.05 < result["moe/routing_changed"] <= 1.0
     assert result["moe/expert_load_max"] >= 1.0 and result["moe/aux_loss"] > 0
+
+
+def test_recomputed_layers_repeat_the_load_balancing_loss(tiny_moe_model_dir: Path) -> None:
+    """Full recompute with the load-balancing loss on: the recomputed router repeats the first run's routing and its
+    loss's autograd ops, so the step equals the one without recompute."""
+    from rlc.runtime.train.trainer import TrainerWorker
+    from rlc.schemas.layout import TrainLayout
+
+    g = torch.Generator().manual_seed(2)
+    ids = [torch.randint(3, 32, (n,), generator=g).tolist() for n in (20, 30, 25)]
+    batch = {"input_ids": ids, "loss_mask": [[0] * 4 + [1] * (len(s) - 4) for s in ids], "advantages": [1.0, -1.0, 0.5]}
+    results = []
+    for recompute in ("none", "full"):
+        cfg = {"lr": 1e-2, "router_aux_loss_coef": 0.5, "max_grad_norm": 1e9}
+        layout = TrainLayout(world_size=1, recompute=recompute)
+        worker = TrainerWorker(0, 1, None, 0, str(tiny_moe_model_dir), "cpu", cfg, layout)
+        try:
+            lp = worker.compute_logprobs(batch)
+            results.append(worker.train_step({**batch, "behaviour_logprobs": lp}, {"clip": 0.2}))
+        finally:
+            worker.shutdown()
+    assert results[1]["loss"] == pytest.approx(results[0]["loss"], rel=1e-6)
+    assert results[1]["grad_norm"] == pytest.approx(results[0]["grad_norm"], rel=1e-5)
+    assert results[1]["moe/aux_loss"] == pytest.approx(results[0]["moe/aux_loss"], rel=1e-6)

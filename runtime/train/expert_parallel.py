@@ -38,7 +38,6 @@ __all__ = [
     "ExpertKernel",
     "expert_modules",
     "install_expert_parallel",
-    "moe_blocks",
 ]
 
 
@@ -73,11 +72,6 @@ def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3:
             found.append(module)
     return found
-
-
-def moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The sparse MoE blocks (router ``gate`` + ``experts``), one per MoE layer."""
-    return [m for m in model.modules() if hasattr(m, "gate") and getattr(m, "experts", None) in expert_modules(m)]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

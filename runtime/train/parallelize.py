@@ -14,9 +14,9 @@ after backward (`sum_partial_grads`).
 
 Expert parallelism (`expert_parallel`) splits the dp·cp ranks into EP groups of `ep` neighbours (torchtitan's
 layout: EP spans data-parallel ranks and every context-parallel rank of them) and the ``efsdp`` ranks that hold
-the same experts; each MoE layer's experts are their own FSDP unit over the efsdp ranks. Pipeline parallelism
-and EP with TP are not built on this backend (`schemas/layout.runtime_gaps` refuses such plans before anything
-starts).
+the same experts; each MoE layer's experts are their own FSDP unit over the efsdp ranks. Under pipeline
+parallelism (`pipeline`) the stages are the outermost mesh dimension and each stage shards only its own layers.
+EP with TP is not built on this backend (`schemas/layout.runtime_gaps` refuses such plans before anything starts).
 """
 
 from __future__ import annotations

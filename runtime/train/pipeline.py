@@ -9,10 +9,11 @@ stage sent (``inputs_embeds``); only the last applies the final norm and the chu
 
 Every stage of a data-parallel share builds the same packed micro-batches from the same share (positions and
 sequence boundaries included), so only hidden states travel between stages, as point-to-point messages of a
-shape both sides know; nothing has to be padded to a fixed budget. The schedule is 1F1B (Narayanan et al. 2021):
-stage s runs min(P − 1 − s, M) forwards, then alternates one forward and one backward, then drains the
-backwards, so at most P − s micro-batches' activations are alive on it. Sends are non-blocking, so the pairs
-never wait on each other.
+shape both sides know; nothing has to be padded to a fixed budget. The schedule is 1F1B (Narayanan et al. 2021)
+in torch.distributed.pipelining's Schedule1F1B order: stage s runs min(P − s, M) forwards, then alternates one
+backward and one forward, then drains the backwards, so at most P − s micro-batches' activations are alive on
+it. Each send is posted in one batch with the receive from the same neighbour that follows it, so two stages
+never wait on each other's sends (on NCCL/HCCL a large send waits for its receive).
 
 The root weights (embeddings, final norm, tied or separate LM head) live on every stage and are used by the first
 (embedding) and the last (norm, head); after backward their gradients are summed over the stages, so every
@@ -83,7 +84,8 @@ class Pipeline:
     def flush(self) -> None:
         """Wait for every send of this pass (their buffers stay alive until then)."""
         for work, _ in self._sends:
-            work.wait()
+            if work is not None:
+                work.wait()
         self._sends = []
 
     # ------------------------------------------------------------- schedules
@@ -121,39 +123,94 @@ class Pipeline:
         recomputed forward needs from its first run)."""
         pending: dict[int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = {}
 
-        def forward(j: int) -> None:
-            hidden = None if self.first else self.recv(shape_of(j), dtype, device, forward=True).requires_grad_()
+        def forward(j: int, hidden: torch.Tensor | None) -> list[tuple[torch.Tensor, bool]]:
+            """Micro-batch j's forward; returns its send to the next stage (not posted yet)."""
+            if hidden is not None:
+                hidden.requires_grad_()
             out, extra = run(j, hidden)
-            if not self.last:
-                self.send(out, forward=True)
             pending[j] = (hidden, out, extra)
+            return [] if self.last else [(out, True)]
 
-        def backward(j: int) -> None:
+        def grad_shape(j: int) -> tuple[Sequence[int], torch.dtype, bool] | None:
+            """What micro-batch j's backward receives from the next stage (the last stage: nothing)."""
+            out = pending[j][1]
+            return None if self.last else (out.shape, out.dtype, False)
+
+        def backward(j: int, grad: torch.Tensor | None) -> list[tuple[torch.Tensor, bool]]:
+            """Micro-batch j's backward; returns its send to the previous stage (not posted yet)."""
             hidden, out, extra = pending.pop(j)
             if around_backward is not None:
                 around_backward(j, True)
             # The last stage's output is its scaled loss; the others get their output's gradient from the next.
-            grad = torch.ones_like(out) if self.last else self.recv(out.shape, out.dtype, device, forward=False)
-            tensors, grads = [out], [grad]
+            tensors, grads = [out], [torch.ones_like(out) if grad is None else grad]
             if extra is not None:
                 tensors.append(extra)
                 grads.append(torch.ones_like(extra))
             torch.autograd.backward(tensors, grads)
             if around_backward is not None:
                 around_backward(j, False)
-            if not self.first:
-                assert hidden is not None and hidden.grad is not None
-                self.send(hidden.grad, forward=False)
+            if self.first:
+                return []
+            assert hidden is not None and hidden.grad is not None
+            return [(hidden.grad, False)]
 
-        warmup = min(self.stages - 1 - self.stage, count)
-        for j in range(warmup):
-            forward(j)
-        for i in range(count - warmup):
-            forward(warmup + i)
-            backward(i)
-        for i in range(count - warmup, count):
-            backward(i)
+        def activation(j: int) -> tuple[Sequence[int], torch.dtype, bool] | None:
+            return None if self.first else (shape_of(j), dtype, True)
+
+        # torch.distributed.pipelining's Schedule1F1B order: P − s warm-up forwards, then backward and forward in
+        # turn, then the remaining backwards. Each send to a neighbour is posted in one batch with the receive
+        # from that same neighbour that follows it, so on NCCL/HCCL (where a large send waits for its receive)
+        # two stages never wait on each other's sends.
+        warmup = min(self.stages - self.stage, count)
+        sends: list[tuple[torch.Tensor, bool]] = []
+        done_f = done_b = 0
+        for _ in range(warmup):
+            hidden = self.exchange([], activation(done_f), device)
+            out_sends = forward(done_f, hidden)
+            done_f += 1
+            if done_f < warmup:
+                self.exchange(out_sends, None, device)
+            else:
+                sends = out_sends  # posted with the first backward's receive
+        while done_b < count:
+            grad = self.exchange(sends, grad_shape(done_b), device)
+            sends = backward(done_b, grad)
+            done_b += 1
+            if done_f < count:
+                hidden = self.exchange(sends, activation(done_f), device)
+                sends = forward(done_f, hidden)
+                done_f += 1
+        self.exchange(sends, None, device)
         self.flush()
+
+    def exchange(
+        self,
+        sends: list[tuple[torch.Tensor, bool]],
+        receive: tuple[Sequence[int], torch.dtype, bool] | None,
+        device: torch.device,
+    ) -> torch.Tensor | None:
+        """Post `sends` ((tensor, forward?)) and the receive ((shape, dtype, forward?)) as one batch; waits for the
+        receive and returns its tensor (the sends complete by `flush`)."""
+        ops, buf = [], None
+        for tensor, forward in sends:
+            data = tensor.detach().contiguous()
+            dst = self.ranks[self.stage + (1 if forward else -1)]
+            ops.append(dist.P2POp(dist.isend, data, dst, tag=_ACTIVATION if forward else _GRADIENT))
+            self._sends.append((None, data))  # kept alive until flush
+        if receive is not None:
+            shape, dt, forward = receive
+            buf = torch.empty(tuple(shape), dtype=dt, device=device)
+            src = self.ranks[self.stage + (-1 if forward else 1)]
+            ops.append(dist.P2POp(dist.irecv, buf, src, tag=_ACTIVATION if forward else _GRADIENT))
+        if not ops:
+            return None
+        works = dist.batch_isend_irecv(ops)
+        if receive is None:
+            self._sends.extend((work, None) for work in works)
+            return None
+        for work in works:
+            work.wait()
+        return buf
 
     # ------------------------------------------------------------- the shared root weights
 
@@ -177,6 +234,17 @@ class Pipeline:
         parts: list[Any] | None = [None] * self.stages if self.first else None
         dist.gather_object(local, parts, dst=self.ranks[0], group=self.group)
         return _in_model_order(parts) if parts is not None else None
+
+    def combine_routing(self, stats: dict[str, float]) -> dict[str, float]:
+        """Every stage's MoE routing statistics (`router.Routing.take_stats`, each over its own layers) as one:
+        the busiest expert of any stage, drift and load-balancing loss averaged over the stages that have them."""
+        parts: list[Any] = [None] * self.stages
+        dist.all_gather_object(parts, stats, group=self.group)
+        out: dict[str, float] = {}
+        for key in sorted({k for part in parts for k in part}):
+            values = [part[key] for part in parts if key in part]
+            out[key] = max(values) if key == "moe/expert_load_max" else sum(values) / len(values)
+        return out
 
     def broadcast_from_last(self, obj: Any) -> Any:
         """The last stage's `obj` on every stage (results only the last stage computes)."""

@@ -6,9 +6,9 @@ picks pass through a `Routing` object shared by the layers, which
 
 * counts tokens per expert (`moe/expert_load_max` is the busiest expert's share over an even share, worst layer);
 * records the experts each micro-batch of the proximal pass chose and, in the policy forward of the same
-  micro-batch, measures the share of tokens whose expert set changed (`moe/routing_changed`). One optimizer step
-  moved 44% of a tiny model's tokens to other experts, so the policy's log-probs can come from other experts than
-  the proximal ones the decoupled loss compares them with;
+  micro-batch, measures the share of tokens whose expert set changed (`moe/routing_changed`). One large
+  optimizer step moved about 40% of a tiny model's tokens to other experts, so the policy's log-probs can come
+  from other experts than the proximal ones the decoupled loss compares them with;
 * with replay on, makes the policy forward use the proximal pass's experts (trainer-side routing replay: the
   router weights still get gradients through the replayed experts' probabilities);
 * with a load-balancing coefficient, adds Switch Transformer's loss (Fedus et al. 2021): E · Σ_i f_i · P_i, f_i the
@@ -58,17 +58,27 @@ class _Totals:
 class Routing:
     """Shared by every router of one model: the current micro-batch, the proximal pass's experts, the statistics."""
 
-    def __init__(self, num_experts: int, layers: int, aux_loss_coef: float, replay: bool, group: Any = None) -> None:
-        """`layers`: MoE layers of the model; `group`: the data- and context-parallel ranks (None: one rank)."""
+    def __init__(
+        self,
+        num_experts: int,
+        layers: int,
+        aux_loss_coef: float,
+        replay: bool,
+        group: Any = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """`layers`: MoE layers of the model; `group`: the data- and context-parallel ranks (None: one rank);
+        `device`: where the statistics' reductions run (the trainer's device: nccl/hccl reduce device tensors)."""
         self.num_experts, self.layers, self.aux_loss_coef, self.replay = num_experts, layers, aux_loss_coef, replay
         self.group = group
+        self.device = device or torch.device("cpu")
         self.ranks = dist.get_world_size(group) if group is not None else 1
         self._active = False
         self._key: Any = None
         self._record = False
         self._counted = True
         self._proximal: dict[Any, dict[int, torch.Tensor]] = {}
-        self._seen: dict[int, torch.Tensor] = {}
+        self._seen: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, bool]] = {}
         self._aux: list[torch.Tensor] = []
         self._totals = _Totals()
 
@@ -81,7 +91,7 @@ class Routing:
         self._seen = {}
         self._aux = []
 
-    def end(self, keep: bool = False) -> dict[int, torch.Tensor] | None:
+    def end(self, keep: bool = False) -> dict[int, Any] | None:
         """The micro-batch is done: routers pass their own choice through until `begin`. `keep`: its backward comes
         later (a pipeline stage runs other forwards in between); returns its routing for `recompute`."""
         seen = self._seen
@@ -90,7 +100,7 @@ class Routing:
         self._aux = []
         return seen if keep else None
 
-    def recompute(self, seen: dict[int, torch.Tensor]) -> None:
+    def recompute(self, seen: dict[int, Any]) -> None:
         """The backward of a micro-batch `end(keep=True)` closed: a layer recomputed in it (activation recompute)
         routes as its forward did, and adds nothing. Close with `end()`."""
         self._active, self._key, self._record, self._counted = True, None, False, False
@@ -116,10 +126,12 @@ class Routing:
         micro-batch (present when on).
         """
         totals, self._totals = self._totals, _Totals()
-        zero = torch.zeros(self.num_experts, dtype=torch.float64)
-        loads = torch.stack([totals.load.get(k, zero).cpu() for k in range(self.layers)])
+        zero = torch.zeros(self.num_experts, dtype=torch.float64, device=self.device)
+        loads = torch.stack([totals.load.get(k, zero).to(self.device) for k in range(self.layers)])
         extra = torch.tensor(
-            [totals.changed, totals.compared, totals.aux, float(totals.aux_terms)], dtype=torch.float64
+            [totals.changed, totals.compared, totals.aux, float(totals.aux_terms)],
+            dtype=torch.float64,
+            device=self.device,
         )
         both = torch.cat([loads.reshape(-1), extra])
         if self.group is not None:
@@ -140,8 +152,11 @@ class Routing:
         """The experts layer `layer` uses for this micro-batch's tokens (`indices` are its own choice)."""
         if not self._active:  # a forward outside the trainer's passes (generation, a test): nothing to do
             return indices
-        if layer in self._seen:  # recomputed in backward: the same experts as the first time
-            return self._seen[layer]
+        if layer in self._seen:  # recomputed in backward: the first run's experts and autograd ops
+            indices, balance, counted = self._seen[layer]
+            if balance is not None and torch.is_grad_enabled():
+                self._balance_term(*balance, probs if counted else probs[:0])
+            return indices
         real = indices if self._counted else indices[:0]
         counts = torch.bincount(real.reshape(-1), minlength=self.num_experts).to(torch.float64)
         load = self._totals.load.get(layer)
@@ -157,24 +172,28 @@ class Routing:
                 self._totals.compared += float(differs.numel())
             if self.replay:
                 indices = before
+        balance = None
         if self.aux_loss_coef and torch.is_grad_enabled():
-            self._aux.append(self._load_balancing(counts, probs if self._counted else probs[:0]))
-        self._seen[layer] = indices
+            balance = self._global_shares(counts, probs.shape[0] if self._counted else 0)
+            term = self._balance_term(*balance, probs if self._counted else probs[:0])
+            self._aux.append(term)
+            self._totals.aux += float(term.detach())
+            self._totals.aux_terms += 1
+        self._seen[layer] = (indices, balance, self._counted)
         return indices
 
-    def _load_balancing(self, counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """E · Σ f_i P_i over every rank's tokens of this micro-batch (see the module docstring)."""
-        tokens = torch.tensor([float(probs.shape[0])], dtype=torch.float64, device=counts.device)
-        both = torch.cat([counts, tokens])
+    def _global_shares(self, counts: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(f_i, the token count) over every rank's tokens of this micro-batch: one all-reduce, no gradient."""
+        both = torch.cat([counts, torch.tensor([float(tokens)], dtype=torch.float64, device=counts.device)])
         if self.group is not None:
             dist.all_reduce(both, group=self.group)
         slots = both[:-1]
-        total = both[-1].clamp(min=1)
-        share = (slots / slots.sum().clamp(min=1)).to(probs.dtype)
-        term = self.num_experts * (share * probs.sum(0) / total.to(probs.dtype)).sum()
-        self._totals.aux += float(term.detach())
-        self._totals.aux_terms += 1
-        return term
+        return slots / slots.sum().clamp(min=1), both[-1].clamp(min=1)
+
+    def _balance_term(self, share: torch.Tensor, total: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """E · Σ f_i P_i with this rank's P_i share (see the module docstring); the only ops with a gradient, so a
+        recomputed layer repeats exactly these."""
+        return self.num_experts * (share.to(probs.dtype) * probs.sum(0) / total.to(probs.dtype)).sum()
 
 
 def _router_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -185,18 +204,32 @@ def _router_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple
     _, chosen = torch.topk(probs, self.top_k, dim=-1)
     indices = self._rlc_routing.route(self._rlc_layer, chosen, probs)
     weights = probs.gather(-1, indices)
-    if getattr(self, "norm_topk_prob", False):
+    if self._rlc_renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return logits, weights.to(logits.dtype), indices
 
 
-def install_routing(model: torch.nn.Module, aux_loss_coef: float, replay: bool, group: Any) -> Routing | None:
-    """Give every router of `model` rlc's forward through one `Routing`; None for a model without routers."""
+@torch.no_grad()
+def _renormalises(router: torch.nn.Module) -> bool:
+    """Whether transformers' own forward of `router` renormalises its top-k weights: some router classes read the
+    config's `norm_topk_prob`, others (Qwen3.5-MoE's) always do, so the class's own forward is asked once."""
+    weight = router.weight
+    probe = torch.randn(4, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight)
+    _, weights, _ = router.forward(probe)
+    return bool(torch.allclose(weights.float().sum(-1), torch.ones(4), atol=1e-3))
+
+
+def install_routing(
+    model: torch.nn.Module, aux_loss_coef: float, replay: bool, group: Any, device: torch.device | None = None
+) -> Routing | None:
+    """Give every router of `model` rlc's forward through one `Routing`; None for a model without routers. Call
+    before the model is sharded (each router's own forward is run once)."""
     routers = router_modules(model)
     if not routers:
         return None
-    routing = Routing(int(routers[0].num_experts), len(routers), aux_loss_coef, replay, group)
+    routing = Routing(int(routers[0].num_experts), len(routers), aux_loss_coef, replay, group, device)
     for layer, router in enumerate(routers):
+        router._rlc_renormalise = _renormalises(router)
         router._rlc_routing, router._rlc_layer = routing, layer
         router.forward = types.MethodType(_router_forward, router)
     return routing

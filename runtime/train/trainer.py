@@ -176,6 +176,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             float(self.cfg["router_aux_loss_coef"]),
             bool(self.cfg["routing_replay"]),
             self.mesh.shard_group if self.layout.shard_group > 1 else None,
+            self.device,
         )
         self._partial_grads = apply_layout(model, self.mesh, self.platform)
         install_logprob_forward(model)  # body + chunked head inside the root FSDP unit
@@ -328,8 +329,9 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         for j, idx in enumerate(self._micro_batches(seqs)):
             mb = self.batcher.build([seqs[i] for i in idx] or [self._dummy])  # a dummy keeps collectives in step
             if self.routing is not None:
+                # Only the proximal and policy passes count (not behaviour, reference or probe scoring).
                 key = (proximal_of, j) if proximal_of is not None else None
-                self.routing.begin(key, record=proximal_of is not None, counted=bool(idx))
+                self.routing.begin(key, record=key is not None, counted=bool(idx) and key is not None)
             lp, _ = self._forward_logprobs(mb, with_entropy=False, temperature=temperature)
             if self.routing is not None:
                 self.routing.end()
@@ -406,7 +408,9 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.mesh.shard_group)
             result.update({k: max(float(v), 0.0) for k, v in zip(max_keys, peaks.tolist(), strict=True)})
         if self.routing is not None:
-            result.update(self.routing.take_stats())
+            routing = self.routing.take_stats()
+            self.routing.forget()  # the proximal experts are this step's only
+            result.update(self.pipeline.combine_routing(routing) if self.pipeline is not None else routing)
         if self.pipeline is not None:  # the last stage computed the losses and statistics
             result = self.pipeline.broadcast_from_last(result)
         result.update(
@@ -550,7 +554,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             mb = built[j]
             if self.routing is not None:
                 key = (proximal_of, j) if proximal_of is not None else None
-                self.routing.begin(key, record=proximal_of is not None, counted=bool(micro[j]))
+                self.routing.begin(key, record=key is not None, counted=bool(micro[j]) and key is not None)
             result = None
             if pipe.last:
                 lp, _ = self._forward_logprobs(mb, with_entropy=False, temperature=temperature, inputs_embeds=hidden)
