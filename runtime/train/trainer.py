@@ -620,7 +620,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         assert pipe is not None
         root = {id(p) for p in pipe.root}
         own = [p for p in self._trainable() if id(p) not in root]
-        own_sq = torch.tensor([grad_square_norm(own)], dtype=torch.float64)
+        own_sq = torch.tensor([grad_square_norm(own)], dtype=torch.float64, device=self.device)
         dist.all_reduce(own_sq, group=pipe.group)
         total = (float(own_sq.item()) + grad_square_norm(pipe.root)) ** 0.5
         if max_norm > 0 and total > max_norm:
