@@ -681,7 +681,12 @@ def train_time(
     b = layout.precision.compute_bytes if fsdp else dtype_bytes(target)
     compute = train_compute_s(sizes, layout, target, work)
     expert_share = (sizes.active_expert / sizes.active) if sizes.active else 0.0
-    expert_s = compute * expert_share * (1 / expert_gemm_efficiency(sizes, layout, target) - 1)
+    efficiency = expert_gemm_efficiency(sizes, layout, target)
+    expert_s = compute * expert_share * (1 / efficiency - 1)
+    if fsdp and layout.tp > 1:
+        # The fsdp2 trainer does not split experts over TP: each TP rank computes them for the tokens its column
+        # shares, so the expert FLOPs that `compute` divides over the TP ranks are done tp times.
+        expert_s += compute * expert_share * (layout.tp - 1) / efficiency
     tokens_rank = work.rank_tokens(layout.dp)
     steps = work.minibatches
     per_step = work.micro_batches_per_step(layout.dp, layout.micro_batch_tokens)

@@ -127,7 +127,6 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
         if backend == "fsdp2" and not pin.tp:  # only what the fsdp2 runtime executes (`layout.runtime_gaps`)
             hybrid = linear_heads(arch) is not None
             tps = [t for t in tps if fsdp2_runs_tp(t, arch.num_kv_heads, ctx.lora_rank is not None, hybrid)]
-            tps = [1] if arch.moe is not None else tps  # experts split by EP, not TP, on fsdp2
         # FSDP2 runs pipeline stages when the plan pins them (`layout.pipeline_gaps` says with what); its free search
         # shards instead, and Megatron searches both.
         pps = [pin.pp] if pin.pp else [1] if backend == "fsdp2" else list(pow2_upto(min(arch.num_layers, n)))

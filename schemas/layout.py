@@ -119,9 +119,10 @@ class TrainLayout(BaseModel):
 
         Megatron's default (ETP = TP) and MindSpeed's moe_tp_extend_ep both split each expert group over
         tp·ep ranks, which needs ep | cp·dp; otherwise verl/Megatron recipes set ETP = 1 and EP carves the
-        tp·cp·dp ranks of a stage (e.g. Qwen3-235B TP2·CP8·EP16).
+        tp·cp·dp ranks of a stage (e.g. Qwen3-235B TP2·CP8·EP16). The fsdp2 trainer never splits an expert over
+        TP (ETP 1: `fsdp2_runs_ep`).
         """
-        if self.ep > 1 and (self.cp * self.dp) % self.ep:
+        if self.backend == "fsdp2" or (self.ep > 1 and (self.cp * self.dp) % self.ep):
             return 1
         return self.tp
 
@@ -285,9 +286,11 @@ TORCH_EXPERT_KERNEL_NAME = "torch (one GEMM pair per local expert)"
 
 
 def fsdp2_runs_ep(ep: int, tp: int, cp: int, dp: int) -> bool:
-    """FSDP2's expert parallelism (`runtime/train/expert_parallel`) groups `ep` neighbouring dp·cp ranks: every CP
-    rank of ep/cp data-parallel ranks. So it needs TP 1 (no expert-TP plan), cp | ep and (ep/cp) | dp."""
-    return ep == 1 or (tp == 1 and ep % cp == 0 and dp % (ep // cp) == 0)
+    """FSDP2's expert parallelism (`runtime/train/expert_parallel`) groups `ep` neighbouring dp·cp ranks of one
+    tensor-parallel column: every CP rank of ep/cp data-parallel ranks. So it needs cp | ep and (ep/cp) | dp. Under
+    TP the experts are not split (expert TP 1, as Megatron recipes run EP): each TP rank of a column computes them
+    for the tokens it holds, which TP peers share."""
+    return ep == 1 or (ep % cp == 0 and dp % (ep // cp) == 0)
 
 
 def pipeline_gaps(layout: TrainLayout, lora: bool, hybrid: bool, colocated: bool) -> list[str]:
@@ -316,12 +319,7 @@ def moe_gaps(layout: TrainLayout, lora: bool) -> list[str]:
     weights, and LoRA adapters on fused expert weights are not built (PEFT's all-linear would leave them out).
     """
     gaps = []
-    if layout.tp > 1:
-        gaps.append(
-            f"tensor parallelism (TP {layout.tp}) over an MoE model's experts is not built on the fsdp2 backend: "
-            "split the experts with EP instead (train.placement ep)"
-        )
-    elif not fsdp2_runs_ep(layout.ep, layout.tp, layout.cp, layout.dp):
+    if not fsdp2_runs_ep(layout.ep, layout.tp, layout.cp, layout.dp):
         gaps.append(
             f"EP {layout.ep} with CP {layout.cp} and DP {layout.dp}: the fsdp2 backend's EP groups span every CP "
             f"rank of EP/CP data-parallel ranks, so CP must divide EP and EP/CP must divide DP"

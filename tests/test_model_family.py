@@ -77,7 +77,7 @@ def test_other_families_and_mismatched_layers_are_refused(tmp_path: Path, config
 
 
 def test_the_dry_run_refuses_moe_layouts_the_fsdp2_trainer_does_not_build(tmp_path: Path) -> None:
-    """An MoE plan pinned to TP on fsdp2 is refused by the plan-only dry run, with the layout to use instead."""
+    """An MoE plan with LoRA on fsdp2 is refused by the plan-only dry run; with TP 2 beside the experts it runs."""
     from typer.testing import CliRunner
 
     from rlc.cli import app
@@ -85,10 +85,11 @@ def test_the_dry_run_refuses_moe_layouts_the_fsdp2_trainer_does_not_build(tmp_pa
     spec = tmp_path / "moe.yaml"
     spec.write_text(
         "name: moe\ntarget: a2\ncluster: {nodes: 2}\nmodel: {name: qwen3-30b-a3b, path: /models/Qwen3-30B-A3B}\n"
-        "data: {train: /data/math.jsonl}\ntrain: {backend: fsdp2}\nplacement: {train: {tp: 2}}\n"
+        "data: {train: /data/math.jsonl}\ntrain: {backend: fsdp2}\nplacement: {train: {tp: 2}}\nlora: {rank: 8}\n"
     )
     runner = CliRunner()
     assert runner.invoke(app, ["compile", str(spec), "-o", str(tmp_path / "plan")]).exit_code == 0
     dry = runner.invoke(app, ["run", str(tmp_path / "plan"), "--dry-run"])
     assert dry.exit_code == 2
-    assert "over an MoE model's experts is not built on the fsdp2 backend: split the experts with EP" in dry.output
+    assert "LoRA on a mixture-of-experts model is not built on the fsdp2 backend" in dry.output
+    assert "experts is not built" not in dry.output  # TP beside the (whole) experts is built

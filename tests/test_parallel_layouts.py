@@ -161,6 +161,8 @@ MOE_LAYOUTS = {
     "ep2": {"world_size": 2, "ep": 2},
     "ep2-cp2": {"world_size": 2, "ep": 2, "cp": 2},
     "ep2-dp4": {"world_size": 4, "ep": 2},
+    # TP splits the attention; the experts stay whole (ETP 1), split over EP within each TP column.
+    "ep2-tp2": {"world_size": 4, "ep": 2, "tp": 2},
     "pp2-recompute": {"world_size": 2, "pp": 2, "recompute": "full"},
     "ep2-pp2": {"world_size": 4, "ep": 2, "pp": 2},
 }

@@ -96,8 +96,8 @@ def build_mesh(layout: TrainLayout, platform: Platform, rank: int) -> TrainerMes
         shard = world["dp", "cp"]._flatten("dp_cp")
         stages = world["pp"] if pp else None
         return TrainerMesh(layout, world, shard, layout.coordinates(rank), pp=stages)
-    if layout.tp > 1 or layout.ep % layout.cp or layout.dp % (layout.ep // layout.cp):
-        raise ValueError(f"expert parallel {layout.ep} is built with TP 1 and CP dividing EP dividing dp·cp")
+    if layout.ep % layout.cp or layout.dp % (layout.ep // layout.cp):
+        raise ValueError(f"expert parallel {layout.ep} is built with CP dividing EP dividing dp·cp")
     edp = layout.ep // layout.cp  # data-parallel ranks per EP group; the group spans their every CP rank
     world = init_device_mesh(
         platform.device_type,
@@ -125,6 +125,15 @@ def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer for layer in decoder_layers(model) if hasattr(layer, "self_attn")]
 
 
+def _has(layer: torch.nn.Module, name: str) -> bool:
+    """Whether `layer` has submodule `name` (an MoE layer's MLP is its experts and router, not gate/up/down)."""
+    try:
+        layer.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def _apply_tensor_parallel(model: torch.nn.Module, mesh: TrainerMesh) -> set[str]:
     """Split every decoder layer's projections over the TP mesh; returns the per-head norm weights' names."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -141,8 +150,8 @@ def _apply_tensor_parallel(model: torch.nn.Module, mesh: TrainerMesh) -> set[str
     for layer in decoder_layers(model):
         if not any(True for _ in layer.parameters()):  # a layer another pipeline stage holds
             continue
-        plan: dict[str, Any] = {name: ColwiseParallel() for name in COLWISE}
-        plan.update({name: RowwiseParallel() for name in ROWWISE})
+        plan: dict[str, Any] = {name: ColwiseParallel() for name in COLWISE if _has(layer, name)}
+        plan.update({name: RowwiseParallel() for name in ROWWISE if _has(layer, name)})
         parallelize_module(layer, mesh.tp_mesh, plan)
     return {
         name
