@@ -70,17 +70,6 @@ class Pipeline:
 
     # ------------------------------------------------------------- messages
 
-    def send(self, tensor: torch.Tensor, forward: bool) -> None:
-        dst = self.ranks[self.stage + (1 if forward else -1)]
-        buf = tensor.detach().contiguous()
-        self._sends.append((dist.isend(buf, dst, tag=_ACTIVATION if forward else _GRADIENT), buf))
-
-    def recv(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device, forward: bool) -> torch.Tensor:
-        src = self.ranks[self.stage + (-1 if forward else 1)]
-        buf = torch.empty(tuple(shape), dtype=dtype, device=device)
-        dist.recv(buf, src, tag=_ACTIVATION if forward else _GRADIENT)
-        return buf
-
     def flush(self) -> None:
         """Wait for every send of this pass (their buffers stay alive until then)."""
         for work, _ in self._sends:
@@ -101,11 +90,11 @@ class Pipeline:
         """Micro-batches 0..count-1 through the stages without gradients: `run(j, hidden_in)` returns the hidden
         states to pass on (ignored on the last stage, which keeps what it needs)."""
         for j in range(count):
-            hidden = None if self.first else self.recv(shape_of(j), dtype, device, forward=True)
+            hidden = self.exchange([], None if self.first else (shape_of(j), dtype, True), device)
             out = run(j, hidden)
             if not self.last:
                 assert out is not None
-                self.send(out, forward=True)
+                self.exchange([(out, True)], None, device)
         self.flush()
 
     def one_f_one_b(

@@ -324,19 +324,34 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         self.model.eval()
         seqs = batch["input_ids"]
         out: list[list[float]] = [[] for _ in seqs]
-        if self.pipeline is not None:
-            return self._pipeline_logprobs(seqs, temperature, proximal_of)
-        for j, idx in enumerate(self._micro_batches(seqs)):
-            mb = self.batcher.build([seqs[i] for i in idx] or [self._dummy])  # a dummy keeps collectives in step
+        micro = self._micro_batches(seqs)
+        built = [self.batcher.build([seqs[i] for i in idx] or [self._dummy]) for idx in micro]  # dummies keep step
+        pipe = self.pipeline
+
+        def run(j: int, hidden: torch.Tensor | None) -> torch.Tensor | None:
+            """Micro-batch j: its rows (the last or only stage), or the hidden states to pass on (other stages)."""
+            mb, result = built[j], None
             if self.routing is not None:
                 # Only the proximal and policy passes count (not behaviour, reference or probe scoring).
                 key = (proximal_of, j) if proximal_of is not None else None
-                self.routing.begin(key, record=key is not None, counted=bool(idx) and key is not None)
-            lp, _ = self._forward_logprobs(mb, with_entropy=False, temperature=temperature)
+                self.routing.begin(key, record=key is not None, counted=bool(micro[j]) and key is not None)
+            if pipe is None or pipe.last:
+                lp, _ = self._forward_logprobs(mb, with_entropy=False, temperature=temperature, inputs_embeds=hidden)
+                for i, row in zip(micro[j], mb.split(mb.gather_logprobs(lp)), strict=False):
+                    out[i] = row.float().cpu().tolist()
+            else:
+                result = getattr(self.model, BODY_METHOD)(mb.input_ids, mb.body_kwargs, hidden)
             if self.routing is not None:
                 self.routing.end()
-            for i, row in zip(idx, mb.split(mb.gather_logprobs(lp)), strict=False):
-                out[i] = row.float().cpu().tolist()
+            return result
+
+        if pipe is None:
+            for j in range(len(built)):
+                run(j, None)
+        else:  # the stages in turn; a stage before the last returns empty rows
+            pipe.forward_only(
+                len(built), lambda j: self._hidden_shape(built[j]), self._hidden_dtype(), self.device, run
+            )
         return out
 
     # ---------------------------------------------------------------- training
@@ -539,35 +554,6 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
 
     def _hidden_shape(self, mb: MicroBatch) -> tuple[int, ...]:
         return (*mb.input_ids.shape, int(self.model.config.hidden_size))
-
-    def _pipeline_logprobs(
-        self, seqs: Sequence[Sequence[int]], temperature: float | None, proximal_of: int | None
-    ) -> list[list[float]]:
-        """`_compute_logprobs` through the stages: the last one returns the rows, the others empty lists."""
-        pipe = self.pipeline
-        assert pipe is not None
-        out: list[list[float]] = [[] for _ in seqs]
-        micro = self._micro_batches(seqs)
-        built = [self.batcher.build([seqs[i] for i in idx] or [self._dummy]) for idx in micro]
-
-        def run(j: int, hidden: torch.Tensor | None) -> torch.Tensor | None:
-            mb = built[j]
-            if self.routing is not None:
-                key = (proximal_of, j) if proximal_of is not None else None
-                self.routing.begin(key, record=key is not None, counted=bool(micro[j]) and key is not None)
-            result = None
-            if pipe.last:
-                lp, _ = self._forward_logprobs(mb, with_entropy=False, temperature=temperature, inputs_embeds=hidden)
-                for i, row in zip(micro[j], mb.split(mb.gather_logprobs(lp)), strict=False):
-                    out[i] = row.float().cpu().tolist()
-            else:
-                result = getattr(self.model, BODY_METHOD)(mb.input_ids, mb.body_kwargs, hidden)
-            if self.routing is not None:
-                self.routing.end()
-            return result
-
-        pipe.forward_only(len(built), lambda j: self._hidden_shape(built[j]), self._hidden_dtype(), self.device, run)
-        return out
 
     def _pipeline_train(
         self,
