@@ -6,7 +6,7 @@ recording, and the ``openai`` client), on the cpu target. The planner prices an 
 round at about n x this figure on top of its decode steps (``AGENT_CALL_OVERHEAD_S["cpu"]``).
 
 How: the calculator model of ``examples/cpu-agent.yaml`` (built locally with ``build_tiny_model``) served by
-``served_engine_actor`` with the engine args, env, agent and sampling settings of that example's compiled plan (its
+``rollout_engine_actor`` with the engine args, env, agent and sampling settings of that example's compiled plan (its
 ``rollout`` role), started once in a local Ray shaped like the tests' ``ray_cluster``. For n in (1, 8, 32, 96)
 (96 = the example's trajectories in flight on its one engine), n sessions are opened and n concurrent
 ``chat.completions.create`` calls go out, one ``Endpoint.async_openai()`` client per session in one asyncio loop,
@@ -144,14 +144,14 @@ async def run(plan: dict[str, Any], model_dir: Path, reps: int) -> dict[str, Any
     """Start the served engine as `rlc run` would for the example, measure, and always shut it down."""
     import ray
 
-    from rlc.runtime.rollout.served import served_engine_actor
+    from rlc.runtime.rollout.engine import rollout_engine_actor
 
     (role,) = [r for r in plan["roles"] if r["name"] == "rollout"]
     engine_args = {**role["engine"], "model": str(model_dir)}
     env = {**plan["env"], **role["env"]}
     agent, sampling = plan["agent"], plan["sampling"]
-    actor = served_engine_actor(num_cpus=0, runtime_env={"env_vars": env}).remote(
-        engine_args, plan["platform"], env, 0, agent, sampling
+    actor = rollout_engine_actor(num_cpus=0, runtime_env={"env_vars": env}).remote(
+        engine_args, plan["platform"], env, 0, plan["schedule"]["weight_update"], agent, sampling
     )
     try:
         startup = await asyncio.wait_for(actor.ready.remote(), START_TIMEOUT_S)

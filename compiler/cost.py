@@ -102,13 +102,14 @@ DISK_GBPS = 2.0
 #: vocab-parallel logits and every TP rank runs the sampler on the whole batch (V1 model runner), so this work
 #: is per engine, not split by TP.
 SAMPLER_PASSES = 4
-#: How the controller feeds engines (plan.schedule.rollout_chunk_prompts / rollout_chunks_per_engine, which
-#: the planner sets from `rollout_chunk_prompts` and `ENGINE_CHUNKS` below and the controller obeys): one generate
-#: request per engine at a time, holding the engine's whole share of a step, at any staleness. An engine actor
-#: serves one call at a time (vLLM's `LLM` is not thread-safe), so a second queued request would not add
-#: concurrency, only per-request overhead (two half-share requests took 1.34x as long as one on the quickstart's
-#: engine) and a longer wait for a weight update queued behind it.
-ENGINE_CHUNKS = 1
+#: How the controller feeds engines (plan.schedule.rollout_chunk_prompts / rollout_chunks_per_engine, which the
+#: planner sets from `STREAM_REQUEST_PROMPTS` and `engine_inflight_requests` and the controller obeys): one prompt's
+#: group per generate request, streamed: the engine (vLLM's async engine) runs every request it holds at once, and
+#: the controller admits the next group as soon as one finishes, within the staleness bound. Each engine holds up
+#: to `STREAM_OVERFILL` × max_num_seqs sequences, so the scheduler's waiting queue refills the slot of every sample
+#: that ends before its group does, without a round trip to the controller.
+STREAM_REQUEST_PROMPTS = 1
+STREAM_OVERFILL = 2
 #: Concurrency left in the long tail of a synchronous rollout, as a fraction of the full batch: the last
 #: sequences to finish decode almost alone (bandwidth-bound steps at tiny batch).
 TAIL_CONCURRENCY_FRACTION = 0.125
@@ -171,6 +172,9 @@ class Workload:
     minibatches: int = 1
     #: Agentic rollouts (`rollout.agent`): each trajectory is several calls with tool time between them.
     agent: AgentWork | None = None
+    #: Weight updates interrupt running samples (re-prefilled under the new weights) rather than wait for them
+    #: (`plan.schedule.weight_update`).
+    interrupt: bool = True
 
     @property
     def proximal_forwards(self) -> int:
@@ -228,6 +232,7 @@ def workload(
     mtp_draft_layers: int = 0,
     minibatches: int = 1,
     agent: AgentWork | None = None,
+    interrupt: bool = True,
 ) -> Workload:
     """Build a Workload with the documented mean-length assumptions."""
     return Workload(
@@ -246,6 +251,7 @@ def workload(
         mtp_draft_layers=mtp_draft_layers,
         minibatches=minibatches,
         agent=agent,
+        interrupt=interrupt,
     )
 
 
@@ -308,8 +314,8 @@ def _link_gbps(target: TargetProfile, group: int, devices_per_node: int) -> floa
 
 @dataclass(frozen=True)
 class RolloutTime:
-    """Rollout seconds per step: synchronous (the batch waits for its longest sequence) and asynchronous (each
-    engine's share waits for its own longest)."""
+    """Rollout seconds per step: synchronous (the batch waits for its longest sequence) and asynchronous (streamed
+    under the staleness bound, no tail); the decode step and concurrency of the one the plan runs."""
 
     sync_s: float
     async_s: float
@@ -439,19 +445,23 @@ def eager_launch_s(sizes: ModelSizes, target: TargetProfile) -> float:
     return (arch.num_layers - moe_layers) * rates["dense"] + moe_layers * rates["moe"]
 
 
-def rollout_chunk_prompts(batch_prompts: int, replicas: int) -> int:
-    """Prompts per generate request: the engine's whole share of a step (see ENGINE_CHUNKS)."""
-    return max(1, -(-batch_prompts // max(1, replicas)))
+def engine_inflight_requests(max_num_seqs: int, group_size: int, attention_dp: int = 1) -> int:
+    """Generate requests (one prompt's group each) the controller keeps in flight on one engine: enough for
+    STREAM_OVERFILL × max_num_seqs sequences on each of its attention-DP ranks (each runs its own scheduler with
+    max_num_seqs slots); the staleness bound may admit fewer."""
+    seqs = STREAM_OVERFILL * max(1, max_num_seqs) * max(1, attention_dp)
+    return max(1, -(-seqs // max(1, group_size)))
 
 
-def engine_inflight_samples(batch_prompts: int, group_size: int, replicas: int) -> int:
-    """Sequences the controller keeps in flight on one engine: ENGINE_CHUNKS requests of
-    `rollout_chunk_prompts` prompts, group_size samples each.
-
-    The share is per engine, whatever its width: one TP 8 engine holds the whole batch in flight, eight TP 1
-    engines an eighth each (vLLM's max_num_seqs caps either, in `rollout_time`).
-    """
-    return ENGINE_CHUNKS * rollout_chunk_prompts(batch_prompts, replicas) * group_size
+def interrupt_s(sizes: ModelSizes, layout: RolloutLayout, target: TargetProfile, c: int, context: float) -> float:
+    """Seconds one interrupting weight update costs a rollout rank: its c running sequences are prefilled again
+    under the new weights, 2 · active params · c · context FLOPs on the rank's devices at prefill MFU (Kaplan et
+    al. 2020 forward FLOPs), one engine step per sequence besides."""
+    devices = layout.engine_devices / layout.attention_dp
+    flops = 2 * sizes.active * c * context
+    return flops / (
+        devices * target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu
+    ) + c * decode_sequence_overhead_s(target)
 
 
 def rollout_time(
@@ -464,42 +474,40 @@ def rollout_time(
 ) -> RolloutTime:
     """Seconds to generate one step's samples on this rollout pool.
 
-    Samples spread evenly over the pool's attention ranks (replicas × attention-DP); each runs
-    c = min(max_num_seqs, its samples, what the controller feeds it) sequences at once (the controller's
-    in-flight requests per engine, `engine_inflight_samples`, split over the engine's attention-DP ranks: a
-    per-engine, not per-device, bound), each holding on average `inflight_context` tokens
-    of KV. Decode steps per sequence = mean response / accepted tokens per step. Synchronous: continuous
-    batching refills a slot as soon as a sequence finishes, so a rank's samples take samples / c mean-length
-    passes (fractional: 64 samples on 54 slots cost 1.19 passes, not 2 whole waves), then the long tail
-    (the batch's expected longest response, `expected_longest_response`, less the mean) decodes at 1/8
-    concurrency. Asynchronous (staleness > 0): rollout overlaps training, but an engine still serves one request
-    at a time holding its whole share of a step (ENGINE_CHUNKS; `LLM.generate` returns when its last sequence
-    does), so each share pays its own long tail: the expected longest of the engine's samples (all its
-    attention-DP ranks'), not of the batch.
+    Samples spread evenly over the pool's attention ranks (replicas × attention-DP). The controller streams one
+    group per request and keeps each engine holding up to `engine_inflight_requests` of them, so a rank runs c
+    sequences at once, each holding on average `inflight_context` tokens of KV:
+      synchronous (staleness 0; colocated): the batch is admitted at once, c = min(max_num_seqs, the rank's
+        samples). Continuous batching refills a slot as soon as a sequence finishes, so the rank's samples take
+        samples / c mean-length passes (fractional: 64 samples on 54 slots cost 1.19 passes, not 2 whole waves),
+        then the batch's long tail (its expected longest response, `expected_longest_response`, less the mean)
+        decodes at 1/8 concurrency.
+      asynchronous (staleness s > 0): the bound admits up to s + 1 batches ahead, c = min(max_num_seqs,
+        (s + 1) × the rank's samples), and there is no tail: a step's slowest samples finish while the next
+        batches decode beside them (AReaL, Fu et al. 2025, §4). Each weight update lands with c sequences
+        running: interrupting prefills them again under the new weights (`interrupt_s`); waiting drains them
+        first, the tail of the longest of c running samples (their remaining lengths are exponential with the
+        same mean: memoryless).
     Prefill: 2 · active params · a rank's prompt tokens / (its devices · peak · prefill MFU) (Kaplan et al. 2020
-    forward FLOPs).
+    forward FLOPs), plus one engine step per sequence.
     """
     ranks = layout.replicas * layout.attention_dp
     per_rank = ceil(work.samples / ranks)
-    fed = engine_inflight_samples(work.samples // max(1, work.group_size), work.group_size, layout.replicas)
-    c = max(1, min(max_seqs, per_rank, ceil(fed / layout.attention_dp)))
+    requests = engine_inflight_requests(max_seqs, work.group_size, layout.attention_dp)
+    fed = ceil(requests * work.group_size / layout.attention_dp)
+    c_sync = max(1, min(max_seqs, per_rank, fed))
+    c_async = max(1, min(max_seqs, (work.staleness + 1) * per_rank, fed))
     ctx = work.inflight_context
     k = work.mtp_tokens
     tau = accepted_tokens_per_step(k, work.mtp_acceptance)
-    step = decode_step_s(sizes, layout, target, c, ctx, devices_per_node, k, work.mtp_draft_layers)
-    waves = per_rank / c
+
+    def step_at(c: int, context: float) -> float:
+        return decode_step_s(sizes, layout, target, c, context, devices_per_node, k, work.mtp_draft_layers)
+
+    step = step_at(c_sync, ctx)
     mean_steps = work.response_tokens / tau
-    tail_c = max(1, int(c * TAIL_CONCURRENCY_FRACTION))
-    tail_step = decode_step_s(
-        sizes,
-        layout,
-        target,
-        tail_c,
-        work.prompt_tokens + work.response_tokens,
-        devices_per_node,
-        k,
-        work.mtp_draft_layers,
-    )
+    tail_c = max(1, int(c_sync * TAIL_CONCURRENCY_FRACTION))
+    tail_step = step_at(tail_c, work.prompt_tokens + work.response_tokens)
     longest = expected_longest_response(work.response_tokens, work.max_response, work.samples)
     tail = max(0.0, longest - work.response_tokens) / tau * tail_step
     # Each attention rank prefills its own samples on its share of the engine's devices.
@@ -509,22 +517,28 @@ def rollout_time(
     prefill += per_rank * decode_sequence_overhead_s(target)  # each sequence's prefill is one engine step
     if work.agent is not None:
         engine_share = ceil(work.samples / layout.replicas)
-        busy, chain = agent_rollout_s(work.agent, per_rank, engine_share, work.samples, c, step, tail_step, tau, target)
+        busy, chain = agent_rollout_s(
+            work.agent, per_rank, engine_share, work.samples, c_sync, step, tail_step, tau, target
+        )
         sync_s = chain + prefill
         # Asynchronous: the controller keeps staleness + 1 batches of trajectories in flight (agent_plan sizes the
         # engines' in-flight work to it), so one batch's tool waits and tail overlap the next batches' calls; a
         # batch still needs its engine's own work.
         async_s = max(busy + prefill, sync_s / (work.staleness + 1))
         generated = work.samples * work.agent.turns * work.agent.turn_tokens
-        return RolloutTime(sync_s, async_s, prefill, step, c, generated / async_s)
-    sync = waves * mean_steps * step + tail + prefill
-    # An engine's generate call returns with the last sequence of all its attention-DP ranks: its share is the
-    # engine's, not a rank's.
-    engine_share = ceil(work.samples / layout.replicas)
-    share_longest = expected_longest_response(work.response_tokens, work.max_response, engine_share)
-    share_tail = max(0.0, share_longest - work.response_tokens) / tau * tail_step
-    stream = waves * mean_steps * step + share_tail + prefill
-    return RolloutTime(sync, stream, prefill, step, c, work.samples * work.response_tokens / stream)
+        return RolloutTime(sync_s, async_s, prefill, step, c_sync, generated / async_s)
+    sync = per_rank / c_sync * mean_steps * step + tail + prefill
+    if work.staleness == 0:
+        return RolloutTime(sync, sync, prefill, step, c_sync, work.samples * work.response_tokens / sync)
+    async_step = step_at(c_async, ctx)
+    if work.interrupt:
+        update = interrupt_s(sizes, layout, target, c_async, ctx)
+    else:
+        drain_c = max(1, int(c_async * TAIL_CONCURRENCY_FRACTION))
+        drain = expected_longest_response(work.response_tokens, work.max_response, c_async) - work.response_tokens
+        update = max(0.0, drain) / tau * step_at(drain_c, work.prompt_tokens + work.response_tokens)
+    stream = per_rank / c_async * mean_steps * async_step + update + prefill
+    return RolloutTime(sync, stream, prefill, async_step, c_async, work.samples * work.response_tokens / stream)
 
 
 def agent_rollout_s(
@@ -876,7 +890,7 @@ def step_time(
     """Combine the phases.
 
     Disaggregated with staleness > 0 (AReaL-style asynchrony): rollout runs while the trainer works, so
-    step ≈ max(rollout, teachers, train) + sync, the rollout paying each engine share's own tail (`rollout_time`).
+    step ≈ max(rollout, teachers, train) + sync, the rollout streamed without a tail (`rollout_time`).
     Staleness 0 serialises them: rollout (waiting for the batch's long tail) + teachers + train + sync.
     Colocated: rollout + teachers + train + sync + switch. Every step also pays
     the target's fixed `step_overhead_s` (controller bookkeeping, rewards, Python).

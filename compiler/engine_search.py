@@ -125,6 +125,32 @@ def _rollout_option(
     return RolloutOption(layout, mem, seqs, t), None
 
 
+def width_notes(ctx: Context, chosen: RolloutOption, start: int, sync: bool) -> list[str]:
+    """Why a disaggregated pool runs engines this wide: each narrower engine width on the same devices, with its
+    rollout seconds per step and the term that decided (its decode step at its concurrency), or why it does not
+    fit. Engines narrower than the chosen ones are what a practitioner tries first for a dense model."""
+    lay = chosen.layout
+    arch = ctx.sizes.arch
+    notes = []
+    mine = chosen.time.sync_s if sync else chosen.time.async_s
+    for tp in [t for t in pow2_upto(lay.tp) if t < lay.tp and arch.num_attention_heads % t == 0]:
+        if lay.devices % tp or not _tp_fits(start, lay.devices, tp, ctx.devices_per_node):
+            continue
+        option, miss = _rollout_option(ctx, lay.devices, tp, 1, auto_fraction(ctx, tp, 0.0), 0.0, sync)
+        if option is None:
+            mem, _ = miss
+            notes.append(f"TP {tp}: does not fit ({mem.total_gib:.1f} of {mem.capacity_gib:.1f} GiB per device)")
+            continue
+        seconds = option.time.sync_s if sync else option.time.async_s
+        full = " (all its KV cache holds)" if option.time.concurrency >= option.layout.max_num_seqs else ""
+        notes.append(
+            f"TP {tp} x {option.layout.replicas}: rollout {seconds:.3g} s per step ({seconds / mine:.2f}x), "
+            f"decode step {option.time.step_s * 1e3:.3g} ms at {option.time.concurrency} sequences per engine"
+            f"{full}, against {chosen.time.step_s * 1e3:.3g} ms at {chosen.time.concurrency}"
+        )
+    return notes
+
+
 def auto_fraction(
     ctx: Context, tp: int, outside_gib: float, extra_gib: float = 0.0, sizes: memory.ModelSizes | None = None
 ) -> float:

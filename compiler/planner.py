@@ -562,7 +562,11 @@ def _engine_backend(problem: Problem) -> str:
 
 
 def _rollout_role(
-    problem: Problem, best: search.Candidate, placements: dict[str, RayPlacement], model_path: str
+    problem: Problem,
+    ctx: search.Context,
+    best: search.Candidate,
+    placements: dict[str, RayPlacement],
+    model_path: str,
 ) -> Role:
     """The rollout engines: TP/EP, vLLM arguments verbatim, KV budget and throughput."""
     rl = best.rollout.layout
@@ -592,8 +596,17 @@ def _rollout_role(
             + (f", EP {rl.ep}" if rl.ep > 1 else ""),
             f"KV cache {best.rollout.memory.items.get('kv_cache', 0):.1f} GiB holds about {best.rollout.seqs} "
             f"sequences of mean length per scheduler; max_num_seqs {rl.max_num_seqs}",
+            *_width_notes(problem, ctx, best),
         ],
     )
+
+
+def _width_notes(problem: Problem, ctx: search.Context, best: search.Candidate) -> list[str]:
+    """Narrower engines on the rollout devices and why they lost (disaggregated, placement free)."""
+    if best.mode != "disaggregated" or problem.spec.placement.rollout.tp is not None:
+        return []
+    sync = problem.spec.algorithm.max_staleness == 0
+    return [f"narrower engines: {note}" for note in search.width_notes(ctx, best.rollout, best.rollout_start, sync)]
 
 
 def _teacher_roles(
@@ -664,9 +677,12 @@ def _schedule(problem: Problem, ctx: search.Context, best: search.Candidate) -> 
         logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
         packing=spec.train.packing,
         max_staleness=staleness,
-        rollout_chunk_prompts=cost.rollout_chunk_prompts(spec.algorithm.batch_prompts, best.rollout.layout.replicas),
-        rollout_chunks_per_engine=cost.ENGINE_CHUNKS,
+        rollout_chunk_prompts=cost.STREAM_REQUEST_PROMPTS,
+        rollout_chunks_per_engine=cost.engine_inflight_requests(
+            best.rollout.layout.max_num_seqs, spec.algorithm.group_size, best.rollout.layout.attention_dp
+        ),
         weight_sync=search.sync_method(ctx, best.mode),  # type: ignore[arg-type]
+        weight_update=search.weight_update(problem),  # type: ignore[arg-type]
         sync_check_max_gap=sync_check_max_gap(problem, best.train.layout.precision.compute_dtype),
         offload=_offload_steps(problem, colocated, best, keeps_base=ctx.lora_adapter),
         checkpoint_every=spec.output.checkpoint_every,
@@ -721,12 +737,12 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
     lora_mode = search.lora_rollout_mode(problem)
     placements = ray_placements(problem, best)
     teachers, teacher_settings = _teacher_roles(problem, best, placements)
-    roles = [_actor_role(problem, best, placements), _rollout_role(problem, best, placements, model.path or "")]
+    roles = [_actor_role(problem, best, placements), _rollout_role(problem, ctx, best, placements, model.path or "")]
     roles += teachers
     environments = agent_plan.environments_role(problem, best)
     roles += [environments] if environments else []
     schedule = _schedule(problem, ctx, best)
-    repro = reproducibility(spec, target, schedule.mode, schedule.max_staleness)
+    repro = reproducibility(spec, target, schedule.mode, schedule.max_staleness, schedule.weight_update)
     algo = spec.algorithm
     step = best.step
     runners = runners_up(result)

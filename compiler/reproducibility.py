@@ -25,16 +25,25 @@ def kernels_on(spec: Spec, target: TargetProfile) -> bool:
     return target.determinism.auto_on if asked == "auto" else bool(asked)
 
 
-def reproducibility(spec: Spec, target: TargetProfile, mode: str, max_staleness: int) -> Reproducibility:
-    """The plan's reproducibility verdict and switches for the chosen mode and staleness bound."""
+def reproducibility(
+    spec: Spec, target: TargetProfile, mode: str, max_staleness: int, weight_update: str = "wait"
+) -> Reproducibility:
+    """The plan's reproducibility verdict and switches for the chosen mode, staleness bound and weight-update
+    mode."""
     det = target.determinism
     on = kernels_on(spec, target)
     reasons: list[str] = []
     if mode == "disaggregated" and max_staleness > 0:
+        replay = (
+            "`rlc run PLAN --replay RUN` feeds them back"
+            if weight_update == "wait"
+            else "`rlc run PLAN --replay RUN` feeds them back where no weight update interrupted a sample (where one "
+            "lands mid-sample is timing too: rollout.weight_update: wait makes every sample replayable)"
+        )
         reasons.append(
             f"max_staleness {max_staleness}: rollout runs ahead of training, so which policy version generates each "
-            "sample, and which samples make each batch, depend on timing; the run records both in "
-            "RUN/rollouts.jsonl and `rlc run PLAN --replay RUN` feeds them back"
+            f"sample, and which samples make each batch, depend on timing; the run records both in "
+            f"RUN/rollouts.jsonl and {replay}"
         )
     if spec.rollout.agent is not None:
         reasons.append(

@@ -16,6 +16,7 @@ from rlc.compiler import codes
 from rlc.compiler.diagnostics import Diagnostic, Severity
 from rlc.compiler.load import LineMap
 from rlc.compiler.resolve import Problem
+from rlc.compiler.search_context import lora_rollout_mode
 from rlc.schemas import layout
 from rlc.schemas.spec import BUILTIN_REWARDS, BUILTIN_TASKS
 
@@ -496,6 +497,18 @@ def check_mode_settings(ctx: RuleContext) -> Iterator[Diagnostic]:
             f"{spec.algorithm.max_staleness} has no effect",
             "use mode: disaggregated for asynchronous training",
             "warning",
+        )
+    if (
+        spec.rollout.weight_update == "interrupt"
+        and spec.lora is not None
+        and lora_rollout_mode(ctx.problem) == "adapter"
+    ):
+        yield ctx.diag(
+            "RLC213",
+            "rollout.weight_update",
+            "interrupt cannot continue a LoRA sample under a new adapter: a running vLLM request keeps the adapter "
+            "it started with, so its later tokens would be labelled with a version that did not sample them",
+            "use weight_update: wait (or auto), or lora.rollout: merged",
         )
     budget = spec.train.micro_batch_tokens or spec.placement.train.micro_batch_tokens
     if budget is not None and budget < spec.rollout.max_total_len:

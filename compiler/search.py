@@ -11,10 +11,16 @@ from __future__ import annotations
 
 from rlc.compiler.allocation import allocate, pool_sizes
 from rlc.compiler.candidates import Candidate, SearchResult, runner_up_verdict, sync_method
-from rlc.compiler.engine_search import MAX_AUTO_FRACTION, groups_in_nodes, rollout_search, teacher_search
+from rlc.compiler.engine_search import (
+    MAX_AUTO_FRACTION,
+    groups_in_nodes,
+    rollout_search,
+    teacher_search,
+    width_notes,
+)
 from rlc.compiler.options import RoleSearch, RolloutOption, TeacherOption, TrainOption
 from rlc.compiler.resolve import Problem
-from rlc.compiler.search_context import Context, lora_rollout_mode, make_context, train_precision
+from rlc.compiler.search_context import Context, lora_rollout_mode, make_context, train_precision, weight_update
 from rlc.compiler.trainer_search import train_search
 
 
@@ -57,4 +63,6 @@ __all__ = [
     "teacher_search",
     "train_precision",
     "train_search",
+    "weight_update",
+    "width_notes",
 ]

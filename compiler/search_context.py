@@ -51,6 +51,16 @@ class Context:
         return memory.lora_params(self.sizes.arch, self.lora_rank or 0, self.lora_targets)
 
 
+def weight_update(problem: Problem) -> str:
+    """The spec's `rollout.weight_update`; auto interrupts generation, except for LoRA adapters, whose running
+    requests keep the adapter they started with and so finish under it (`RolloutEngine.update_lora_adapter`)."""
+    choice = problem.spec.rollout.weight_update
+    if choice != "auto":
+        return choice
+    adapter = problem.spec.lora is not None and lora_rollout_mode(problem) == "adapter"
+    return "wait" if adapter else "interrupt"
+
+
 def lora_rollout_mode(problem: Problem) -> str:
     """adapter when the engine serves LoRA well, else merged.
 
@@ -114,6 +124,7 @@ def make_context(problem: Problem, exhaustive: bool = False) -> Context:
         mtp_draft_layers=1 if uses_mtp_layers else 0,
         minibatches=spec.algorithm.minibatches,
         agent=agent_work(problem),
+        interrupt=weight_update(problem) == "interrupt",
     )
     return Context(
         problem=problem,

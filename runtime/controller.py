@@ -32,6 +32,7 @@ from rlc.runtime.prompts import PromptItem, PromptStream
 from rlc.runtime.result_futures import ResultFutures
 from rlc.runtime.rollout.failures import engine_is_dead
 from rlc.runtime.rollout.pool import RolloutPool
+from rlc.runtime.rollout.versions import version_spans
 from rlc.runtime.rollout_log import RolloutLog
 from rlc.runtime.seeds import request_seed
 from rlc.runtime.spec_decode import SpecDecodeDelta
@@ -51,9 +52,16 @@ class Group:
     item: PromptItem
     output_ids: list[list[int]]
     logprobs: list[list[float]]
-    versions: list[int]
+    versions: list[int]  # per sample, the oldest version among its tokens (what the staleness bound counts)
     rewards: list[float] = field(default_factory=list)
     request: int = -1  # the generate request that produced it (RUN/rollouts.jsonl)
+    token_versions: list[list[int]] = field(default_factory=list)  # per sample, each token's version
+
+    def sample_versions(self, index: int) -> list[int]:
+        """Each token's policy version of sample `index` (one version throughout where none was recorded)."""
+        if self.token_versions:
+            return self.token_versions[index]
+        return [self.versions[index]] * len(self.output_ids[index])
 
 
 @dataclass
@@ -120,6 +128,7 @@ class Controller:
         self.eos_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
         self._step_started = time.perf_counter()
         self._rollout_tokens = 0
+        self._interrupted = 0  # samples a weight update interrupted since the last step
         # Driver-thread time per step outside the engines and the trainer: taking finished requests' results
         # (gather; Ray delivers them through their futures off this thread) and scoring them (reward); the
         # trainer thread adds batch, train and sync.
@@ -215,6 +224,7 @@ class Controller:
                     [list(s.logprobs) for s in samples],
                     [int(s.version) for s in samples],
                     request=chunk.id,
+                    token_versions=[list(s.versions) for s in samples],
                 )
                 t0 = time.perf_counter()
                 completions = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in group.output_ids]
@@ -225,10 +235,18 @@ class Controller:
                     self.finished.append(group)
 
     def _record(self, chunk: Chunk, results: list[Any]) -> None:
-        """Log a finished request with the one version its engine generated it under."""
+        """Log a finished request with the oldest version among its tokens, and the token versions of every
+        sample a weight update interrupted."""
         version = min(int(s.version) for samples in results for s in samples)
         cursors = [item.cursor for item in chunk.items]
-        self.rollout_log.request(chunk.id, cursors, version, chunk.admitted_at, chunk.engine)
+        interrupted = [
+            (p, i, version_spans(s.versions))
+            for p, samples in enumerate(results)
+            for i, s in enumerate(samples)
+            if len(set(s.versions)) > 1
+        ]
+        self._interrupted += len(interrupted)
+        self.rollout_log.request(chunk.id, cursors, version, chunk.admitted_at, chunk.engine, interrupted)
 
     def _engine_died(self, chunk: Chunk) -> None:
         """Restart the engine, bring it to the current weights, and re-issue every prompt it held."""
@@ -281,14 +299,14 @@ class Controller:
         input_ids, loss_mask, behaviour, adv, lags, lengths = [], [], [], [], [], []
         for g_index, group in enumerate(groups):
             prompt = list(group.item.prompt_ids)
-            for s_index, (out, lps, version) in enumerate(
-                zip(group.output_ids, group.logprobs, group.versions, strict=True)
-            ):
+            for s_index, (out, lps) in enumerate(zip(group.output_ids, group.logprobs, strict=True)):
                 input_ids.append(prompt + out)
                 loss_mask.append([0] * len(prompt) + [1] * len(out))
+                # Each token's behaviour log-prob is the one the version that sampled it produced: an interrupted
+                # sample's tokens before the update carry the old policy's, those after the new one's.
                 behaviour.append([0.0] * len(prompt) + list(lps))
                 adv.append(float(advantages[g_index, s_index]))
-                lags.append(self.version - version)
+                lags += [self.version - v for v in group.sample_versions(s_index)]
                 lengths.append(len(out))
         batch = {
             "input_ids": input_ids,
@@ -301,8 +319,9 @@ class Controller:
         stats = {
             "reward/mean": statistics.fmean(flat),
             "reward/std": statistics.pstdev(flat),
-            "staleness/mean": statistics.fmean(lags),
-            "staleness/max": float(max(lags)),
+            # Over trained tokens: an interrupted sample's tokens are as old as the version that sampled each.
+            "staleness/mean": statistics.fmean(lags) if lags else 0.0,
+            "staleness/max": float(max(lags, default=0)),
             "response_len/mean": statistics.fmean(lengths),
             "train/tokens": float(sum(len(x) for x in input_ids)),
         }
@@ -520,12 +539,14 @@ class Controller:
             "time/step_s": step_s,
             "throughput/rollout_tokens_per_s": self._rollout_tokens / step_s if step_s > 0 else 0.0,
             "rollout/engine_restarts": float(self.rollout.restarts),
+            "rollout/interrupted_samples": float(self._interrupted),
             "reward/failed": float(self.scorer.take_failed()),
             **self._spec_decode_metrics(),
         }
         metrics.update(self._timeline)
         self._timeline = dict.fromkeys(self._timeline, 0.0)
         self._rollout_tokens = 0
+        self._interrupted = 0
         self.logger.log(metrics)
         if checkpoint_due:
             self._wait_checkpoint(self._trainer_thread.submit(self._checkpoint))

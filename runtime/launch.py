@@ -253,7 +253,6 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
     """
     from rlc.runtime.rollout.engine import rollout_engine_actor
     from rlc.runtime.rollout.pool import RolloutPool
-    from rlc.runtime.rollout.served import served_engine_actor
     from rlc.runtime.train.group import TrainerGroup
 
     request = launch_request(plan)
@@ -294,17 +293,17 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
         generations[index] = generation + 1
         spec = engines[index]
         env = {**engine_env, **spec.device_env(plan.platform)}
-        served = plan.agent is not None  # agents call vLLM's OpenAI server inside the actor
-        cls = (served_engine_actor if served else rollout_engine_actor)(
+        cls = rollout_engine_actor(
             name=spec.name + (f"-r{generation}" if generation else ""),
             num_cpus=0,
             resources=spec.resources,
             scheduling_strategy=_strategy(groups, spec),
             runtime_env={"env_vars": env},
-            max_concurrency=1000 if served else 1,
         )
-        extra = (plan.agent.model_dump(), plan.sampling.model_dump()) if plan.agent is not None else ()
-        return cls.remote(engine_args, plan.platform, env, version if stamp == 0 else stamp, *extra)
+        # Agents call vLLM's OpenAI server inside the actor.
+        agent = (plan.agent.model_dump(), plan.sampling.model_dump()) if plan.agent is not None else (None, None)
+        stamped = version if stamp == 0 else stamp
+        return cls.remote(engine_args, plan.platform, env, stamped, plan.schedule.weight_update, *agent)
 
     def trainers() -> dict[str, Any]:
         return {
@@ -370,7 +369,6 @@ def build_teachers(plan: Plan, request: LaunchRequest, groups: dict[str, Any]) -
             resources=spec.resources,
             scheduling_strategy=_strategy(groups, spec),
             runtime_env={"env_vars": env},
-            max_concurrency=1,
         )
         return cls.remote(dict(role.engine), plan.platform, env, 0)
 

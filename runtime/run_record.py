@@ -9,7 +9,6 @@ with what varied: how many generate requests ran and how stale the trained sampl
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import platform
@@ -43,25 +42,13 @@ def process_facts(_owner: Any = None) -> dict[str, Any]:
     }
 
 
-def _engine_facts(engine: Any) -> dict[str, Any]:
-    """An engine actor's own facts and those of its vLLM worker processes (where the model runs), asked through
-    rlc's worker extension (`WeightSyncExtension.process_facts`)."""
-    try:
-        workers: Any = engine.llm.collective_rpc("process_facts")
-    except Exception as exc:  # a custom worker extension without the method
-        workers = f"unavailable ({type(exc).__name__})"
-    if inspect.iscoroutine(workers):  # a served engine's AsyncLLM, whose event loop this call would block
-        workers.close()
-        workers = "unavailable (served engine)"
-    return {"actor": process_facts(), "workers": workers}
-
-
 def gather_processes(trainer: Any, engines: list[Any]) -> dict[str, Any]:
-    """Ask every trainer rank and engine for its facts (`__ray_call__` runs the function in the actor)."""
+    """Ask every trainer rank and engine for its facts (`__ray_call__` runs the function in a trainer actor; an
+    engine asks its vLLM workers too, `RolloutEngine.process_facts`)."""
     import ray
 
     ranks = ray.get([w.__ray_call__.remote(process_facts) for w in trainer.workers])
-    found = ray.get([e.__ray_call__.remote(_engine_facts) for e in engines])
+    found = ray.get([e.process_facts.remote() for e in engines])
     return {"trainer": ranks, "rollout": found}
 
 

@@ -113,6 +113,11 @@ class Schedule(PlanModel):
     rollout_chunk_prompts: int = Field(description="Prompts per generate request sent to one engine.")
     rollout_chunks_per_engine: int = Field(2, description="Generate requests kept queued per engine.")
     weight_sync: Literal["broadcast", "disk", "inplace"]
+    weight_update: Literal["interrupt", "wait"] = Field(
+        "interrupt",
+        description="What a weight update does to samples in flight: continue them under the new weights, or let "
+        "them finish first (`planner.weight_update`).",
+    )
     sync_check_max_gap: float = Field(
         1e-3,
         description="Largest mean |log-prob difference| between each engine and the trainer on a probe scored "

@@ -347,6 +347,14 @@ class Rollout(StrictModel):
         None,
         description="Agentic rollouts: a user agent drives the engines over many turns instead of one completion.",
     )
+    weight_update: Literal["auto", "interrupt", "wait"] = Field(
+        "auto",
+        description="What a weight update does to samples the engines are generating. interrupt: freeze them, load, "
+        "and continue the same sequences under the new weights (prefilled again), each token labelled with the "
+        "version that sampled it (AReaL's interruptible rollout); wait: let them finish first (new ones queue). "
+        "auto: wait with LoRA adapters (a running request keeps the adapter it started with), else interrupt. "
+        "Only asynchronous runs update weights with samples in flight.",
+    )
     sync_check_max_gap: float | None = Field(
         None,
         gt=0.0,

@@ -39,7 +39,7 @@ def agent_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(ray_cluster, agent_model_dir: Path):  # type: ignore[no-untyped-def]
-    from rlc.runtime.rollout.served import served_engine_actor
+    from rlc.runtime.rollout.engine import rollout_engine_actor
 
     args = {
         "model": str(agent_model_dir),
@@ -52,8 +52,8 @@ def served(ray_cluster, agent_model_dir: Path):  # type: ignore[no-untyped-def]
         "worker_extension_cls": "rlc.runtime.rollout.weight_sync.WeightSyncExtension",
     }
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    actor = served_engine_actor(num_cpus=0, runtime_env={"env_vars": env}).remote(
-        args, "cpu", env, 0, AGENT, {"temperature": 1.0, "top_p": 1.0}
+    actor = rollout_engine_actor(num_cpus=0, runtime_env={"env_vars": env}).remote(
+        args, "cpu", env, 0, "interrupt", AGENT, {"temperature": 1.0, "top_p": 1.0}
     )
     ray_cluster.get(actor.ready.remote(), timeout=900)
     yield actor

@@ -89,7 +89,8 @@ def test_weight_sync_methods() -> None:
 
 
 def test_engine_feed_is_what_the_plan_tells_the_controller() -> None:
-    """The cost model's per-engine concurrency is the feed the plan prescribes and the controller obeys."""
+    """The cost model's per-engine concurrency is the feed the plan prescribes and the controller obeys: one
+    group per request, streamed, up to twice max_num_seqs sequences held per engine."""
     import inspect
 
     from rlc.runtime import controller
@@ -97,22 +98,20 @@ def test_engine_feed_is_what_the_plan_tells_the_controller() -> None:
     source = inspect.getsource(controller)
     assert "self.chunk_prompts = sched.rollout_chunk_prompts" in source
     assert "self.chunks_per_engine = sched.rollout_chunks_per_engine" in source
-    # One request per engine at a time, holding its whole share of the step, at any staleness.
-    assert cost.ENGINE_CHUNKS == 1
-    assert cost.rollout_chunk_prompts(64, 1) == 64 and cost.rollout_chunk_prompts(64, 3) == 22
-    assert cost.rollout_chunk_prompts(4, 16) == 1
-    assert cost.engine_inflight_samples(64, 8, 1) == 64 * 8
-    assert cost.engine_inflight_samples(64, 8, 8) == 8 * 8
+    assert cost.STREAM_REQUEST_PROMPTS == 1
+    assert cost.engine_inflight_requests(1024, 8) == 256
+    assert cost.engine_inflight_requests(90, 8) == 23
+    assert cost.engine_inflight_requests(1, 16) == 1
 
 
 def test_concurrency_is_an_engines_share_capped_by_its_slots() -> None:
-    """Each engine is fed its whole share of the step, so one TP 8 engine holds the whole batch in flight and
-    eight TP 1 engines an eighth each; vLLM's max_num_seqs caps either."""
-    work = _work(max_response_len=8192, max_prompt_len=2048)
+    """A synchronous step admits the batch at once: one TP 8 engine holds the whole batch in flight and eight
+    TP 1 engines an eighth each; vLLM's max_num_seqs caps either."""
+    work = _work(max_response_len=8192, max_prompt_len=2048, staleness=0)
     wide = cost.rollout_time(SIZES, RolloutLayout(8, tp=8), A2, work, 8, 1024)
     narrow = cost.rollout_time(SIZES, RolloutLayout(8, tp=1), A2, work, 8, 90)
     capped = cost.rollout_time(SIZES, RolloutLayout(8, tp=8), A2, work, 8, 256)
-    assert wide.concurrency == cost.engine_inflight_samples(64, 8, 1) == 512
+    assert wide.concurrency == 512
     assert narrow.concurrency == 64 and 8 * narrow.concurrency == wide.concurrency
     assert capped.concurrency == 256
 
@@ -169,20 +168,25 @@ def test_rollout_past_one_sample_per_rank_gains_nothing() -> None:
     assert times[0].prefill_s == pytest.approx(times[2].prefill_s)
 
 
-def test_an_asynchronous_engine_share_still_waits_for_its_own_longest_sample() -> None:
-    """An engine serves one request at a time, holding its whole share of a step, so overlap with training hides
-    the rollout, not the tail: one engine's share is the batch (async = sync); eight engines each wait for the
-    longest of their eighth, less than the batch's longest but more than mean-length passes alone."""
-    work = dataclasses.replace(_work(max_response_len=2048, max_prompt_len=2048, batch_prompts=32), response_tokens=200)
-    whole = cost.rollout_time(SIZES, RolloutLayout(8, tp=8), A2, work, 8, 1024)
-    assert whole.async_s == pytest.approx(whole.sync_s)
-    shares = cost.rollout_time(SIZES, RolloutLayout(8, tp=1), A2, work, 8, 1024)
-    per_engine = work.samples // 8
-    passes = per_engine / shares.concurrency * work.response_tokens * shares.step_s + shares.prefill_s
-    assert passes < shares.async_s < shares.sync_s
-    share_longest = cost.expected_longest_response(work.response_tokens, work.max_response, per_engine)
-    batch_longest = cost.expected_longest_response(work.response_tokens, work.max_response, work.samples)
-    assert work.response_tokens < share_longest < batch_longest < work.max_response
+def test_streamed_rollout_has_no_tail_and_pays_its_updates() -> None:
+    """Under a staleness bound the controller streams groups, so the engines run up to (s + 1) batches at once and
+    a step's slowest samples finish beside the next batches: no long tail, only mean-length passes, plus what
+    each weight update costs the running sequences (prefilled again when interrupting, drained when waiting)."""
+    base = dataclasses.replace(_work(max_response_len=2048, max_prompt_len=2048, batch_prompts=32), response_tokens=200)
+    sync_work = dataclasses.replace(base, staleness=0)
+    layout = RolloutLayout(8, tp=1)
+    sync = cost.rollout_time(SIZES, layout, A2, sync_work, 8, 1024)
+    assert sync.async_s == pytest.approx(sync.sync_s)
+    work = dataclasses.replace(base, staleness=2)
+    stream = cost.rollout_time(SIZES, layout, A2, work, 8, 1024)
+    per_rank = work.samples // 8
+    assert stream.concurrency == 3 * per_rank
+    passes = per_rank / stream.concurrency * work.response_tokens * stream.step_s + stream.prefill_s
+    update = cost.interrupt_s(SIZES, layout, A2, stream.concurrency, work.inflight_context)
+    assert stream.async_s == pytest.approx(passes + update)
+    assert stream.async_s < sync.sync_s
+    waiting = cost.rollout_time(SIZES, layout, A2, dataclasses.replace(work, interrupt=False), 8, 1024)
+    assert waiting.async_s > passes
 
 
 def test_minibatches_pay_their_own_pipeline_fills_updates_and_proximal_pass() -> None:

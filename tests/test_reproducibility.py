@@ -183,6 +183,17 @@ def test_schedule_refuses_what_it_cannot_replay(
         ReplaySchedule.load(tmp_path, batch_prompts)
 
 
+def test_schedule_refuses_a_request_a_weight_update_interrupted(tmp_path: Path) -> None:
+    log = RolloutLog(tmp_path)
+    log.request(log.new_id(), [0, 1], 0, 0, 0, interrupted=[(1, 3, [(0, 0, 5), (1, 5, 9)])])
+    log.batch(1, [(0, 0), (0, 1)])
+    log.close()
+    line = json.loads((tmp_path / LOG_FILE).read_text().splitlines()[0])
+    assert line["interrupted"] == [[1, 3, [[0, 0, 5], [1, 5, 9]]]]
+    with pytest.raises(RunError, match=r"interrupted.*weight_update: wait"):
+        ReplaySchedule.load(tmp_path, 2)
+
+
 def test_schedule_refuses_a_missing_log_and_a_broken_line(tmp_path: Path) -> None:
     with pytest.raises(RunError, match="does not exist"):
         ReplaySchedule.load(tmp_path, 2)

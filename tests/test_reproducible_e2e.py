@@ -72,7 +72,9 @@ def test_colocated_example_repeats(tmp_path: Path) -> None:
 
 
 def test_asynchronous_run_replays_exactly_from_its_log(tmp_path: Path) -> None:
-    plan = compile_example("quickstart", tmp_path / "plan", tmp_path / "run", "algorithm.max_staleness=1")
+    # Weight updates wait for running samples: where an interrupting update lands depends on timing.
+    overrides = ("algorithm.max_staleness=1", "rollout.weight_update=wait")
+    plan = compile_example("quickstart", tmp_path / "plan", tmp_path / "run", *overrides)
     recorded = run(plan, tmp_path / "run")
     facts = record(tmp_path / "run")
     assert not facts["plan"]["deterministic"] and "max_staleness 1" in facts["plan"]["reasons"][0]

@@ -240,6 +240,52 @@ def test_update_from_path_matches_hf(ray_cluster, engine, tiny_model_dir, tokeni
 
 
 @pytest.mark.slow
+def test_interrupted_samples_continue_under_the_new_weights(ray_cluster, engine, tiny_model_dir, tokenizer, tmp_path):
+    """A weight update lands while samples decode (the plan's weight_update: interrupt): every sample comes back
+    whole, its tokens labelled version 0 then version 1, in order; the tokens before the update carry the old
+    policy's log-probs and those after the new policy's on the whole prefix, so the frozen sequences were
+    prefilled again under the new weights (their cached KV was the old weights')."""
+    ray = ray_cluster
+    base = _hf(tiny_model_dir)
+    new = _hf(tiny_model_dir)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    path = write_safetensors(new.state_dict(), tmp_path / "v1")
+    # The whole state dict (the tied head too, which the model folder's file leaves out): loading the folder's
+    # file after `path` would leave the engine's head at v1.
+    base_path = write_safetensors(base.state_dict(), tmp_path / "v0")
+    prompt = tokenizer("3+4=").input_ids
+    req = {"prompt_ids": prompt, "n": 8, "temperature": 1.0, "max_tokens": 120, "ignore_eos": True, "seed": 5}
+    for attempt in range(6):
+        ray.get(engine.update_weights_from_path.remote(str(base_path), 0))
+        running = engine.generate.remote([req])
+        time.sleep(0.02 * (attempt + 1))
+        ray.get(engine.update_weights_from_path.remote(str(path), 1))
+        samples = ray.get(running)[0]
+        interrupted = [s for s in samples if s.interrupted]
+        if interrupted:
+            break
+    else:
+        pytest.fail("no weight update landed mid-sample in 6 attempts")
+    worst_old = worst_new = 0.0
+    for s in interrupted:
+        assert len(s.output_ids) == len(s.logprobs) == len(s.versions) == 120
+        switch = s.versions.index(1)
+        assert s.versions == [0] * switch + [1] * (120 - switch) and s.version == 0
+        ids = s.prompt_ids + s.output_ids
+        old_ref = _hf_logprobs(base, ids)[len(prompt) - 1 :]
+        new_ref = _hf_logprobs(new, ids)[len(prompt) - 1 :]
+        got = torch.tensor(s.logprobs)
+        worst_old = max(worst_old, (got[:switch] - old_ref[:switch]).abs().max().item())
+        worst_new = max(worst_new, (got[switch:] - new_ref[switch:]).abs().max().item())
+    print(f"{len(interrupted)} interrupted; max |vLLM - HF| before {worst_old:.2e}, after {worst_new:.2e}")
+    assert worst_old < TOL and worst_new < TOL
+    ray.get(engine.update_weights_from_path.remote(str(base_path), 0))
+
+
+@pytest.mark.slow
 def test_broadcast_from_trainer_group_matches_trainer(ray_cluster, engine, tiny_model_dir, tokenizer) -> None:
     """Two FSDP2 ranks train a step, rank 0 broadcasts to the engine, both score a sequence alike."""
     from rlc.runtime.train.group import TrainerGroup

