@@ -18,6 +18,11 @@ which Perfetto or chrome://tracing shows as a timeline).
 
 With --rounds 2 the runs go 0, 2, 2, 0 (balanced against drift on a shared machine) and medians are reported.
 
+With --long-tail the task has long-tailed responses: the quickstart on an untrained tiny model (its responses end
+at a random token, so lengths are geometric, up to 96 tokens), where a synchronous step waits for its batch's
+longest sample and the asynchronous run streams past it, its weight updates interrupting running samples (their
+count per step is printed).
+
 Run: python benchmarks/async_vs_sync.py [--steps 60] [--rounds 1]   (about 4 minutes on 2 cores)
 """
 
@@ -46,22 +51,20 @@ def rlc(*args: str, cwd: Path) -> None:
         subprocess.run([sys.executable, "-m", "rlc", *args], cwd=cwd, check=True, stdout=out, stderr=subprocess.STDOUT)
 
 
-def run_once(work: Path, staleness: int, steps: int, tag: str) -> dict[str, float]:
+def long_tail_overrides(work: Path) -> list[str]:
+    """An untrained tiny model (random stopping: geometric response lengths) and room for long responses."""
+    from rlc.runtime.tasks.tiny_model import build_tiny_model
+
+    model = build_tiny_model(work / "untrained-model", seed=0, warmup_steps=0)
+    return [f"model.path={model}", "rollout.max_response_len=96", "train.micro_batch_tokens=16384"]
+
+
+def run_once(work: Path, staleness: int, steps: int, tag: str, extra: list[str]) -> dict[str, float]:
     plan_dir = work / f"plan-s{staleness}"
     if not plan_dir.exists():
-        rlc(
-            "compile",
-            str(SPEC),
-            "-o",
-            str(plan_dir),
-            "--set",
-            f"algorithm.steps={steps}",
-            "--set",
-            f"algorithm.max_staleness={staleness}",
-            "--set",
-            f"output.checkpoint_every={steps}",
-            cwd=work,
-        )
+        overrides = [f"algorithm.steps={steps}", f"algorithm.max_staleness={staleness}", *extra]
+        overrides.append(f"output.checkpoint_every={steps}")
+        rlc("compile", str(SPEC), "-o", str(plan_dir), *(x for item in overrides for x in ("--set", item)), cwd=work)
     run_dir = work / f"run-{tag}"
     t0 = time.perf_counter()
     rlc("run", str(plan_dir), "--run-dir", str(run_dir), cwd=work)
@@ -82,6 +85,7 @@ def summarize(rows: list[dict], skip: int) -> dict[str, float]:
         "staleness_max": max(r["staleness/max"] for r in rows),
         "reward_final": statistics.fmean(r["reward/mean"] for r in rows[-10:]),
         "reward_first": statistics.fmean(r["reward/mean"] for r in rows[:10]),
+        "interrupted": statistics.fmean(r.get("rollout/interrupted_samples", 0.0) for r in steady),
         "rollout_s": statistics.fmean(r["time/rollout_s"] for r in steady),
         "train_s": statistics.fmean(r["time/train_s"] for r in steady),
         "sync_s": statistics.fmean(r["time/weight_sync_s"] for r in steady),
@@ -97,15 +101,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=1, help="1: runs 0, 2; 2: runs 0, 2, 2, 0")
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the steady figures")
+    parser.add_argument("--long-tail", action="store_true", help="long-tailed responses (see the docstring)")
     args = parser.parse_args()
 
     order = [0, 2] if args.rounds == 1 else [0, 2, 2, 0] * (args.rounds // 2)
     results: dict[int, list[dict[str, float]]] = {0: [], 2: []}
     with tempfile.TemporaryDirectory(prefix="rlc-bench-async-") as tmp:
         work = Path(tmp)
+        extra = long_tail_overrides(work) if args.long_tail else []
         for i, staleness in enumerate(order):
             log(f"run {i + 1}/{len(order)}: max_staleness={staleness}, {args.steps} steps")
-            out = run_once(work, staleness, args.steps, f"{i}-s{staleness}")
+            out = run_once(work, staleness, args.steps, f"{i}-s{staleness}", extra)
             summary = summarize(out["rows"], args.skip)  # type: ignore[arg-type]
             summary["wall_s"] = out["wall"]  # type: ignore[assignment]
             results[staleness].append(summary)
@@ -113,7 +119,8 @@ def main() -> None:
 
     med = {s: {k: statistics.median(r[k] for r in results[s]) for k in results[s][0]} for s in results}
     sync, asyn = med[0], med[2]
-    print(f"quickstart GRPO, {args.steps} steps, {len(order)} run(s); steady = steps after the first {args.skip}")
+    task = "long-tailed responses" if args.long_tail else "quickstart"
+    print(f"{task} GRPO, {args.steps} steps, {len(order)} run(s); steady = steps after the first {args.skip}")
     print(
         f"{'max_staleness':>13s} {'steps/s':>8s} {'(all)':>7s} {'ratio':>6s} {'step_s':>7s} {'rollout':>8s} "
         f"{'train':>6s} {'sync':>6s} {'overlap':>7s} {'stale':>6s} {'max':>4s} {'reward 1st10':>12s} "
@@ -147,6 +154,7 @@ def main() -> None:
         f"from the controller's spans, RUN/trace.json): {sync['overlap']:.0%} synchronous, {asyn['overlap']:.0%} "
         "asynchronous."
     )
+    print(f"interrupted samples per step (asynchronous): {asyn['interrupted']:.1f}")
     print(
         f"summary: async (max_staleness 2) runs {ratio:.2f}x the steps/s of sync (max_staleness 0) "
         f"at mean staleness {asyn['staleness']:.2f} vs {sync['staleness']:.2f}; final reward "

@@ -14,7 +14,7 @@ Paths:
      (``runtime/seeds.py``): the baseline for B, whose requests carry the same seeds. A -> As is what
      vLLM's seeded sampler costs by itself.
   B  the runtime's path: the engine as a Ray actor (``rollout_engine_actor``, as ``rlc run`` starts it)
-     driven by the real ``Controller``'s rollout side (``_fill``/``_collect``: its feed, staleness
+     driven by the real ``Controller``'s workflow (``fill``/``collect``: its feed, staleness
      admission, its wait on results and reward scoring). The trainer is replaced by an instant step that
      frees the batch's slots in the staleness gate once a batch is complete (the policy version stays 0),
      so rollout is the bottleneck and the gate keeps the engine fed as in a run whose training is free.
@@ -204,6 +204,7 @@ class Bench:
         from rlc.runtime.controller import Controller
         from rlc.runtime.rollout.engine import rollout_engine_actor
         from rlc.runtime.rollout.pool import RolloutPool
+        from rlc.runtime.workflows.generate import GenerateWorkflow
         from rlc.schemas.registry import load_target
 
         bench = self
@@ -216,15 +217,14 @@ class Bench:
                 num_cpus=0,
                 resources={resource: tp},
                 runtime_env={"env_vars": self.env},
-                max_concurrency=1,
             )
             return cls.remote(self.engine_args, self.plan.platform, self.env, 0)
 
-        class RolloutOnly(Controller):
-            def _requests(self, items):  # type: ignore[no-untyped-def]
+        class FullLength(GenerateWorkflow):
+            def requests(self, items):  # type: ignore[no-untyped-def]
                 # vLLM stops on stop_token_ids even with ignore_eos: drop them so every sample is MAX_TOKENS long.
                 full = {"stop_token_ids": [], "ignore_eos": True, "max_tokens": MAX_TOKENS}
-                return [{**r, **full} for r in super()._requests(items)]
+                return [{**r, **full} for r in super().requests(items)]
 
         pool = RolloutPool(self.plan, make_engine)
         stack.callback(pool.shutdown)
@@ -238,7 +238,9 @@ class Bench:
         for name, plan in (("B", self.plan), ("Bu", unseeded)):
             run_dir = self.work / f"controller-{name}"
             run_dir.mkdir(exist_ok=True)
-            controllers[name] = RolloutOnly(plan, run_dir, self.tokenizer, self.reward_fn, pool, trainer=None)
+            controllers[name] = Controller(
+                plan, run_dir, self.tokenizer, self.reward_fn, pool, trainer=None, workflow=FullLength
+            )
             stack.callback(controllers[name].close)
         # Self-contained: the actor cannot import this module, so the probe names nothing from it.
         probe = lambda _: (__import__("os").getpid(), __import__("torch").get_num_threads())  # noqa: E731
@@ -254,19 +256,18 @@ class Bench:
             """
             tokens = 0
             done = 0
+            wf = ctl.workflow
             while done < len(batches):
-                ctl._fill()
-                ctl._collect(timeout=0.05)
-                while len(ctl.finished) >= ctl.batch_prompts:
-                    ctl.finished.sort(key=lambda g: g.item.cursor)
-                    groups, ctl.finished = ctl.finished[: ctl.batch_prompts], ctl.finished[ctl.batch_prompts :]
+                wf.fill()
+                wf.collect(timeout=0.05)
+                while (groups := wf.next_batch()) is not None:
                     tokens += sum(len(ids) for g in groups for ids in g.output_ids)
                     ctl.gate.retract(ctl.gate.batch_samples)
                     done += 1
             # Leave nothing in flight: the other paths must not share the engine with a request of this one.
-            ray.get(list(ctl.inflight))
-            ctl.inflight.clear()
-            ctl.finished.clear()
+            ray.get(list(wf.inflight))
+            wf.inflight.clear()
+            wf.finished.clear()
             ctl.gate.submitted = 0  # the discarded samples give back their slots
             return tokens
 

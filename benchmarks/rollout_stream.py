@@ -2,22 +2,24 @@
 
 What: output tokens per second and running sequences of one rollout engine, the actor `rlc run` starts
 (`rollout_engine_actor`, vLLM's async engine), on the quickstart's tiny model (built locally) with the engine
-arguments of the quickstart plan compiled with `rollout.max_response_len=512` (log stats on, to read vLLM's
+arguments of the quickstart plan compiled with `rollout.max_response_len=500`, `max_num_seqs` set to
+`--concurrency` (the engine runs at most that many sequences at once) and log stats on (to read vLLM's
 running-sequences gauge). Response lengths are long-tailed as RL's are: each sample's length is drawn from an
-exponential law (mean 48 tokens, capped at 512) and enforced with `max_tokens` and `ignore_eos`, the same
+exponential law (mean 48 tokens, capped at 500) and enforced with `max_tokens` and `ignore_eos`, the same
 lengths for both feeds in a repetition.
 
 Feeds, alternated (the order flips every repetition; this machine's speed drifts minute to minute):
   share   the feed before streaming (kept here only): the engine's whole share of a step, `--concurrency`
           samples, as one generate call; the next share once it returns, i.e. once its longest sample ends.
-  stream  the controller's feed now (`compiler/cost.py` STREAM_REQUEST_PROMPTS): `--concurrency` requests in
-          flight, one sample each; each finished one is replaced at once by the next.
+  stream  the controller's feed now (`compiler/cost.py`): one request per sample group (here one sample), up to
+          STREAM_OVERFILL x max_num_seqs of them held by the engine, each finished one replaced at once; vLLM's
+          waiting queue refills a freed slot without waiting for that round trip.
 Both generate `--samples` samples per repetition. Reported per feed: tokens/s (median over repetitions), the
 mean running sequences over the whole run (the gauge sampled every 50 ms), and for the stream its steady state
-(from the first full admission to the last new request) as a fraction of the admitted concurrency; then the
-median of the per-repetition tokens/s ratios stream / share.
+(from the first full admission to the last new request) as a fraction of the engine's concurrency
+(max_num_seqs); then the median of the per-repetition tokens/s ratios stream / share.
 
-Run: python benchmarks/rollout_stream.py [--reps 3] [--samples 512] [--concurrency 128]   (~4 minutes on 2 cores)
+Run: python benchmarks/rollout_stream.py [--reps 3] [--samples 1024] [--concurrency 128]   (~4 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlc.compiler.cost import STREAM_OVERFILL
+
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "quickstart.yaml"
 MEAN_LEN = 48
-CAP = 512
+CAP = 500  # the tiny model has 512 positions; prompts take up to 8
 SAMPLE_EVERY_S = 0.05
 AIM_RATIO = 1.3
 AIM_OCCUPANCY = 0.9
@@ -118,12 +122,13 @@ async def stream_feed(engine: Any, prompts: list[list[int]], lens: list[int], co
     pending: set[asyncio.Future] = set()
     sent = tokens = 0
     full_at = last_sent_at = 0.0
+    held = STREAM_OVERFILL * concurrency
     while sent < len(lens) or pending:
-        while sent < len(lens) and len(pending) < concurrency:
+        while sent < len(lens) and len(pending) < held:
             ref = engine.generate.remote([request(prompts[sent % len(prompts)], lens[sent], sent)])
             pending.add(asyncio.ensure_future(ref))
             sent += 1
-            if sent == concurrency:
+            if sent == held:
                 full_at = time.perf_counter()
             if sent == len(lens):
                 last_sent_at = time.perf_counter()
@@ -149,7 +154,7 @@ async def main_async(args: argparse.Namespace) -> int:
     plan = compile_plan(tmp / "plan")
     model = build_tiny_model(tmp / "model", seed=0)
     (role,) = [r for r in plan["roles"] if r["name"] == "rollout"]
-    engine_args = {**role["engine"], "model": str(model), "disable_log_stats": False}
+    engine_args = {**role["engine"], "model": str(model), "disable_log_stats": False, "max_num_seqs": args.concurrency}
     env = {**plan["env"], **role["env"]}
     from transformers import AutoTokenizer
 
@@ -174,7 +179,7 @@ async def main_async(args: argparse.Namespace) -> int:
     steady = statistics.median(r["steady"] for r in results["stream"]) / args.concurrency
     print(
         f"rollout feeds, tiny model, {args.samples} samples/rep, lengths ~ Exp(mean {MEAN_LEN}) capped {CAP}, "
-        f"{args.concurrency} admitted, {args.reps} reps (median):"
+        f"max_num_seqs {args.concurrency}, {args.reps} reps (median):"
     )
     print(f"{'feed':8s} {'tokens/s':>9s} {'running mean':>13s}")
     for name, rows in results.items():
@@ -185,14 +190,14 @@ async def main_async(args: argparse.Namespace) -> int:
     print(
         f"stream / share tokens/s: {ratio:.2f}x (aim >= {AIM_RATIO}x); per rep {', '.join(f'{r:.2f}' for r in ratios)}"
     )
-    print(f"stream steady-state running / admitted: {steady:.2f} (aim >= {AIM_OCCUPANCY})")
+    print(f"stream steady-state running / max_num_seqs: {steady:.2f} (aim >= {AIM_OCCUPANCY})")
     return 0 if ratio >= AIM_RATIO and steady >= AIM_OCCUPANCY else 1
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--concurrency", type=int, default=128)
     return asyncio.run(main_async(parser.parse_args()))
 

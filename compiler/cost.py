@@ -521,9 +521,18 @@ def rollout_time(
             work.agent, per_rank, engine_share, work.samples, c_sync, step, tail_step, tau, target
         )
         sync_s = chain + prefill
-        # Asynchronous: the controller keeps staleness + 1 batches of trajectories in flight (agent_plan sizes the
-        # engines' in-flight work to it), so one batch's tool waits and tail overlap the next batches' calls; a
-        # batch still needs its engine's own work.
+        # Asynchronous: the controller keeps up to staleness + 1 batches of trajectories in flight (agent_plan sizes
+        # the engines' in-flight work to it), so one batch's tool waits and tail overlap the next batches' calls; a
+        # batch still needs its engine's own work. A trajectory waiting for its tool holds no decode slot, so of
+        # the rank's (s + 1) × share trajectories only the share of their time spent decoding (`decoding_share`)
+        # decodes at once: with slow tools the engine runs below c and its work takes longer.
+        admitted = (work.staleness + 1) * per_rank * decoding_share(work.agent, step, tau)
+        c_agent = max(1, min(c_sync, int(admitted)))
+        if c_agent < c_sync:
+            agent_step = step_at(c_agent, ctx)
+            busy, _ = agent_rollout_s(
+                work.agent, per_rank, engine_share, work.samples, c_agent, agent_step, tail_step, tau, target
+            )
         async_s = max(busy + prefill, sync_s / (work.staleness + 1))
         generated = work.samples * work.agent.turns * work.agent.turn_tokens
         return RolloutTime(sync_s, async_s, prefill, step, c_sync, generated / async_s)
@@ -539,6 +548,14 @@ def rollout_time(
         update = max(0.0, drain) / tau * step_at(drain_c, work.prompt_tokens + work.response_tokens)
     stream = per_rank / c_async * mean_steps * async_step + update + prefill
     return RolloutTime(sync, stream, prefill, async_step, c_async, work.samples * work.response_tokens / stream)
+
+
+def decoding_share(agent: AgentWork, step: float, tau: float) -> float:
+    """The share of a trajectory's time spent decoding: its turns' decode time over that plus the tool waits
+    between them (turns − 1 of them); the rest it holds no decode slot."""
+    decode = agent.turns * agent.turn_tokens / tau * step
+    tools = max(0.0, agent.turns - 1) * agent.tool_s
+    return decode / (decode + tools) if decode + tools > 0 else 1.0
 
 
 def agent_rollout_s(

@@ -100,8 +100,8 @@ def _rollout_option(
     """The priced layout of engines of (tp, ep) on `n` devices, or its memory miss.
 
     A synchronous pool (colocated, or staleness 0) is priced with the batch's long tail: the planner's schedule
-    sets staleness 0 for every colocated plan, whatever the spec's max_staleness. Every engine, synchronous or
-    not, is fed its whole share as one request (`cost.rollout_chunk_prompts`)."""
+    sets staleness 0 for every colocated plan, whatever the spec's max_staleness. An asynchronous one streams
+    under the staleness bound (`cost.rollout_time`)."""
     pin = ctx.spec.placement.rollout
     eager = bool(pin.eager)
     layout = RolloutLayout(n, tp, ep, fraction, pin.max_num_seqs or 0, _batched_tokens(ctx), eager)

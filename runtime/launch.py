@@ -8,6 +8,7 @@ with a clear message. An earlier run in the run directory is never deleted (see 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -587,7 +588,7 @@ def run_plan(
 
     Without `resume`, a run directory holding an earlier run is refused (`RunUsageError`) unless
     `overwrite`, which moves that run aside to `RUN.old-N/`. With `replay` (a run directory this plan
-    made), the recorded requests and batches are fed back (`runtime/replay.py`) into `run_dir`, by default
+    made), the recorded requests and batches are fed back (`runtime/workflows/replay.py`) into `run_dir`, by default
     `RUN.replay`.
     """
     from rlc.runtime.checkpoint import CheckpointError, latest_checkpoint
@@ -647,21 +648,19 @@ def run_plan(
         write_layout_record(run_dir, plan, trainer.built_layouts())
         log(f"trainer layout as planned: {plan.roles_of('train')[0].layout.summary()}")  # type: ignore[union-attr]
         _write_run_record(run_dir, plan, trainer, pool, replay, log)
+        workflow: Any = None  # generate-and-score
         if plan.agent is not None:
-            from rlc.runtime.agent.controller import AgentController
             from rlc.runtime.agent.launch import build_runners
+            from rlc.runtime.agent.workflow import AgentWorkflow
 
             runners = build_runners(plan, launch_request(plan))
-            controller = AgentController(
-                plan, run_dir, tokenizer, reward_fn, pool, trainer, runners=runners.actors, start=start
-            )
+            workflow = functools.partial(AgentWorkflow, runners=runners.actors)
         elif schedule is not None:
-            from rlc.runtime.replay import ReplayController
+            from rlc.runtime.workflows.replay import ReplayWorkflow
 
             log(f"replaying {schedule.steps} recorded step(s) of {replay}")
-            controller = ReplayController(plan, run_dir, tokenizer, reward_fn, pool, trainer, schedule=schedule)
-        else:
-            controller = Controller(plan, run_dir, tokenizer, reward_fn, pool, trainer, start=start)
+            workflow = functools.partial(ReplayWorkflow, schedule=schedule)
+        controller = Controller(plan, run_dir, tokenizer, reward_fn, pool, trainer, start=start, workflow=workflow)
         try:
             controller.prepare_weight_path()
         except HostMovesError as exc:

@@ -68,6 +68,8 @@ class LaunchRequest:
     #: How the trainer builds a hybrid model's linear-attention layers (None: every layer is attention).
     token_mixers: str | None = None
     pipeline: str | None = None
+    #: How the controller feeds the rollout engines and what a weight update does to samples in flight.
+    rollout_feed: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -243,7 +245,28 @@ def launch_request(plan: Plan) -> LaunchRequest:
         optimizer_steps=plan.algorithm.minibatches,
         token_mixers=_token_mixers(plan),
         pipeline=_pipeline_line(plan),
+        rollout_feed=_feed_line(plan),
     )
+
+
+def _feed_line(plan: Plan) -> str:
+    """The dry run's statement of the streaming feed (`runtime/workflows/generate`) and the weight-update mode."""
+    sched = plan.schedule
+    if plan.agent is not None:
+        feed = f"agent episodes, up to {plan.agent.inflight_per_engine} per engine"
+    else:
+        feed = (
+            f"{sched.rollout_chunk_prompts} prompt(s) x {sched.group_size} samples per request, up to "
+            f"{sched.rollout_chunks_per_engine} requests per engine at once"
+        )
+    if sched.max_staleness == 0:
+        return f"{feed}, synchronous: weight updates land between batches"
+    update = (
+        "freeze running samples, load, continue them under the new weights"
+        if sched.weight_update == "interrupt"
+        else "let running samples finish, then load"
+    )
+    return f"{feed}, up to {sched.max_staleness} versions ahead; weight updates {sched.weight_update}: {update}"
 
 
 def _pipeline_line(plan: Plan) -> str | None:
@@ -337,6 +360,8 @@ def render_request(req: LaunchRequest) -> str:
         shown = {k: v for k, v in sorted(args.items()) if k != "model"}
         lines.append(f"engine {role}: model {args.get('model')}; " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     lines.append(f"weight sync: {req.weight_sync['method']}: {req.weight_sync['how']}")
+    if req.rollout_feed:
+        lines.append(f"rollout feed: {req.rollout_feed}")
     if req.refusals:
         lines.append("refused: this runtime cannot execute the plan:")
         lines += [f"  - {r}" for r in req.refusals]

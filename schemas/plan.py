@@ -111,7 +111,11 @@ class Schedule(PlanModel):
     packing: bool
     max_staleness: int = Field(description="0 = synchronous; colocated is always 0.")
     rollout_chunk_prompts: int = Field(description="Prompts per generate request sent to one engine.")
-    rollout_chunks_per_engine: int = Field(2, description="Generate requests kept queued per engine.")
+    rollout_chunks_per_engine: int = Field(
+        2,
+        description="Generate requests each engine holds at once; they run concurrently "
+        "(`cost.engine_inflight_requests`).",
+    )
     weight_sync: Literal["broadcast", "disk", "inplace"]
     weight_update: Literal["interrupt", "wait"] = Field(
         "interrupt",

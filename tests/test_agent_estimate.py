@@ -102,6 +102,20 @@ def test_an_asynchronous_step_overlaps_tool_waits_but_not_the_engines_work() -> 
     assert busy_only.async_s <= busy_only.sync_s
 
 
+def test_asynchronous_tool_waits_count_once_they_empty_the_decode_slots() -> None:
+    """Under a staleness bound the tool waits overlap other trajectories' calls only while enough trajectories are
+    admitted to keep the engine's slots busy: a trajectory waiting for its tool decodes nothing. With tools slow
+    enough that the admitted trajectories decode below the engine's concurrency, the estimate rises with them."""
+    ctx = _context(A2_AGENT)
+    one = dataclasses.replace(ctx, work=dataclasses.replace(ctx.work, staleness=1), memo={})
+    times = [_rollout(one, tool_s=t).async_s for t in (0.0, 1.0, 100.0, 1000.0)]
+    assert times[0] <= times[1] < times[2] < times[3]
+    agent = one.work.agent
+    assert agent is not None
+    assert cost.decoding_share(dataclasses.replace(agent, tool_s=0.0), 0.05, 1.0) == 1.0
+    assert 0 < cost.decoding_share(dataclasses.replace(agent, tool_s=100.0), 0.05, 1.0) < 0.5
+
+
 def test_the_planner_prices_turns_and_says_so(tmp_path: Path) -> None:
     few = compile_text(A2_AGENT.replace("max_turns: 8", "max_turns: 8\n    expected_turns: 2"), "a.yaml")
     many = compile_text(A2_AGENT.replace("max_turns: 8", "max_turns: 8\n    expected_turns: 8"), "a.yaml")

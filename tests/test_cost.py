@@ -93,9 +93,9 @@ def test_engine_feed_is_what_the_plan_tells_the_controller() -> None:
     group per request, streamed, up to twice max_num_seqs sequences held per engine."""
     import inspect
 
-    from rlc.runtime import controller
+    from rlc.runtime.workflows import generate
 
-    source = inspect.getsource(controller)
+    source = inspect.getsource(generate)
     assert "self.chunk_prompts = sched.rollout_chunk_prompts" in source
     assert "self.chunks_per_engine = sched.rollout_chunks_per_engine" in source
     assert cost.STREAM_REQUEST_PROMPTS == 1

@@ -372,3 +372,22 @@ def test_prefix_caching_only_where_a_prompt_can_fill_a_kv_block() -> None:
     assert mopd_plan is not None
     engines = [r.engine for r in mopd_plan.roles if r.engine and "enable_prefix_caching" in r.engine]
     assert len(engines) >= 2 and all(e["enable_prefix_caching"] for e in engines)  # rollout and teachers
+
+
+@pytest.mark.parametrize("name", ["a2-qwen3-8b-grpo", "a3-qwen3-8b-mopd"])
+def test_a_wide_rollout_engine_states_why_narrower_ones_lost(name: str) -> None:
+    """Where the free plan runs engines wider than one device, the rollout role names each narrower width on the
+    same devices with its estimate (never faster than the chosen one) and the decode term that decided."""
+    import re
+
+    path = EXAMPLES[0].parent / f"{name}.yaml"
+    checked = check_file(path)
+    plan, _ = build_plan(checked.problem, checked.lines, str(path))
+    assert plan is not None
+    rollout = plan.role("rollout")
+    notes = [n for n in rollout.notes if n.startswith("narrower engines:")]
+    assert rollout.parallel.tp > 1 and len(notes) >= 1
+    for note in notes:
+        ratio = re.search(r"\((\d+\.\d+)x\)", note)
+        assert ratio and float(ratio.group(1)) >= 1.0, note
+        assert "decode step" in note and "sequences per engine" in note

@@ -56,24 +56,42 @@ def test_trained_samples_never_exceed_the_bound(batch: int, staleness: int, chun
         version += 1
 
 
-def test_the_controller_admits_a_whole_batch_when_chunks_do_not_divide_it() -> None:
+def _loop(**extra):  # type: ignore[no-untyped-def]
+    """The loop attributes the generate workflow reads, as plain data."""
+    import types
+
+    schedule = types.SimpleNamespace(
+        group_size=2, batch_prompts=20, rollout_chunk_prompts=8, rollout_chunks_per_engine=3
+    )
+    base = {
+        "plan": types.SimpleNamespace(schedule=schedule, algorithm=types.SimpleNamespace(normalize_std=True)),
+        "tokenizer": types.SimpleNamespace(eos_token_id=1),
+        "version": 0,
+        "warming": set(),
+        "rollout": types.SimpleNamespace(replicas=1),
+        "may_admit": lambda: True,
+        "training": None,
+    }
+    return types.SimpleNamespace(**{**base, **extra})
+
+
+def test_the_workflow_admits_a_whole_batch_when_requests_do_not_divide_it() -> None:
     """20 prompts in requests of 8 at staleness 0: the third request is short (4), so the batch completes
     (a whole third request would not fit and the run waited for ever)."""
     import types
 
-    from rlc.runtime.controller import Controller
+    from rlc.runtime.workflows.generate import GenerateWorkflow
 
     submitted: list[tuple[int, int]] = []
-    c = object.__new__(Controller)
-    c.colocated, c._training, c._warming, c.inflight, c._reissue = False, None, set(), {}, []
-    c.rollout = types.SimpleNamespace(replicas=1)
-    c.chunks_per_engine, c.chunk_prompts, c.group_size, c.version = 3, 8, 2, 0
-    c.gate = StalenessGate(batch_samples=20 * 2, max_staleness=0)
-    c.prompts = types.SimpleNamespace(take=lambda n: list(range(n)), pop_notice=lambda: None)
-    c._submit = lambda engine, items: submitted.append((engine, len(items)))  # type: ignore[method-assign]
-    c._fill()
+    loop = _loop(
+        gate=StalenessGate(batch_samples=20 * 2, max_staleness=0),
+        prompts=types.SimpleNamespace(take=lambda n: list(range(n)), pop_notice=lambda: None),
+    )
+    wf = GenerateWorkflow(loop)  # type: ignore[arg-type]
+    wf.submit = lambda engine, items, request_id=None: submitted.append((engine, len(items)))  # type: ignore[method-assign]
+    wf.fill()
     assert [n for _, n in submitted] == [8, 8, 4]
-    assert c.gate.submitted == 40 and c.gate.room(0) == 0
+    assert loop.gate.submitted == 40 and loop.gate.room(0) == 0
 
 
 def test_an_idle_trainer_with_a_whole_batch_waiting_does_not_wait_on_rollouts() -> None:
@@ -81,12 +99,14 @@ def test_an_idle_trainer_with_a_whole_batch_waiting_does_not_wait_on_rollouts() 
     hand the waiting batch over at once, not first wait out a rollout still generating (that wait cost the
     quickstart at max_staleness 1 about 50 ms of a ~150 ms step)."""
 
+    import types
+
     from rlc.runtime.controller import Controller
 
     c = object.__new__(Controller)
-    c.batch_prompts, c._training, c.finished = 4, None, [object()] * 3
+    c.training, c.workflow = None, types.SimpleNamespace(has_batch=lambda: False)
     assert c._collect_timeout() > 0  # short of a batch: only a rollout can give the trainer work
-    c.finished = [object()] * 4
+    c.workflow = types.SimpleNamespace(has_batch=lambda: True)
     assert c._collect_timeout() == 0
 
 
@@ -98,7 +118,7 @@ def test_the_trainers_end_wakes_a_wait_on_rollouts() -> None:
     from concurrent.futures import Future
 
     from rlc.runtime.controller import Controller
-    from rlc.runtime.result_futures import ResultFutures
+    from rlc.runtime.workflows.generate import GenerateWorkflow
 
     generating: Future = Future()  # never finishes during the test
 
@@ -106,25 +126,24 @@ def test_the_trainers_end_wakes_a_wait_on_rollouts() -> None:
         def future(self) -> Future:
             return generating
 
+    loop = _loop(training=Future())
+    wf = GenerateWorkflow(loop)  # type: ignore[arg-type]
+    wf.inflight = {Request(): object()}  # type: ignore[dict-item]
+    threading.Timer(0.05, loop.training.set_result, [None]).start()
+    wf.collect(timeout=3600.0)
+    assert loop.training.done() and len(wf.inflight) == 1  # nothing collected: the request is still running
     c = object.__new__(Controller)
-    c.inflight, c._result_futures, c._training = {Request(): object()}, ResultFutures(), Future()
-    threading.Timer(0.05, c._training.set_result, [None]).start()
-    c._collect(timeout=3600.0)
-    assert c._training.done() and len(c.inflight) == 1  # nothing collected: the request is still running
+    c.training, c.workflow = None, wf
     assert c._collect_timeout() > 0  # a bound remains for the loop's other checks (stop, engine restarts)
 
 
 def test_an_interrupted_sample_trains_each_token_with_its_own_version_and_log_prob() -> None:
     """A sample a weight update interrupted: its tokens' behaviour log-probs go to the loss as the engine sampled
     them (old policy before the update, new after), and the staleness it reports is per token."""
-    import types
-
-    from rlc.runtime.controller import Controller, Group
     from rlc.runtime.prompts import PromptItem
+    from rlc.runtime.workflows.generate import GenerateWorkflow, Group
 
-    c = object.__new__(Controller)
-    c.plan = types.SimpleNamespace(algorithm=types.SimpleNamespace(normalize_std=True))
-    c.group_size, c.version = 2, 3
+    wf = GenerateWorkflow(_loop(version=3))  # type: ignore[arg-type]
     item = PromptItem(cursor=0, prompt="1+1=", answer="2", domain=None, prompt_ids=(5, 6))
     group = Group(
         item,
@@ -134,7 +153,7 @@ def test_an_interrupted_sample_trains_each_token_with_its_own_version_and_log_pr
         rewards=[1.0, 0.0],
         token_versions=[[1, 1, 2, 2], [3, 3]],
     )
-    batch, stats, _ = c._build_batch([group])
+    batch, stats, _ = wf.build_batch([group])
     assert batch["behaviour_logprobs"][0] == [0.0, 0.0, -0.1, -0.2, -0.3, -0.4]
     assert batch["loss_mask"][0] == [0, 0, 1, 1, 1, 1]
     assert stats["staleness/max"] == 2.0  # the tokens sampled by version 1

@@ -35,12 +35,14 @@ def test_the_controller_names_the_requests_and_the_step_in_flight() -> None:
     import time
     from concurrent.futures import Future
 
-    from rlc.runtime.controller import Chunk, Controller
+    from rlc.runtime.controller import Controller
+    from rlc.runtime.workflows.generate import Chunk, GenerateWorkflow
 
     c = object.__new__(Controller)
     now = time.monotonic()
-    c.inflight = {"a": Chunk(0, [], submitted_s=now - 900), "b": Chunk(0, [], submitted_s=now - 5), "c": Chunk(1, [])}
-    c._training, c._training_since, c.step = Future(), now - 42, 6
+    wf = object.__new__(GenerateWorkflow)
+    wf.inflight = {"a": Chunk(0, [], submitted_s=now - 900), "b": Chunk(0, [], submitted_s=now - 5), "c": Chunk(1, [])}
+    c.workflow, c.training, c._training_since, c.step = wf, Future(), now - 42, 6
     shown = c._in_flight()
     assert "engine 0: 2 generate request(s), the oldest 900 s" in shown
     assert "engine 1: 1 generate request(s)" in shown and "the trainer: step 7, 42 s" in shown

@@ -25,7 +25,7 @@ import itertools
 import os
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -166,6 +166,7 @@ class RolloutEngine:
         self._start: asyncio.Task | None = None
         self._update_lock: asyncio.Lock | None = None
         self._probe_lock: asyncio.Lock | None = None
+        self._open: asyncio.Event | None = None  # cleared while a weight update runs: new requests wait
         # Ray does not keep an async actor's calls in submission order: a broadcast update sent right after
         # init_sync_group may start first, so it waits (bounded) until the group is joined.
         self._joined: asyncio.Event | None = None
@@ -188,6 +189,8 @@ class RolloutEngine:
         t0 = time.perf_counter()
         self._update_lock = asyncio.Lock()
         self._probe_lock = asyncio.Lock()
+        self._open = asyncio.Event()
+        self._open.set()
         self._joined = asyncio.Event()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
         await self.llm.update_weight_version(str(self.version))
@@ -236,6 +239,8 @@ class RolloutEngine:
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
+        assert self._open is not None, "engine not started"
+        await self._open.wait()
         admitted = self.version
         final = None
         request_id = f"rlc-{next(self._ids)}"
@@ -265,6 +270,8 @@ class RolloutEngine:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
 
         async def score(ids: Sequence[int]) -> list[float]:
+            assert self._open is not None, "engine not started"
+            await self._open.wait()
             final = None
             async for out in self.llm.generate(
                 {"prompt_token_ids": list(ids)}, params, f"rlc-score-{next(self._ids)}", lora_request=self._lora
@@ -283,50 +290,62 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------- weight updates while serving
 
-    async def _update(self, method: str | None, args: tuple[Any, ...], version: int) -> float:
-        """Pause as the plan says, run `method` in every worker (it reloads weights), drop cached KV, label
-        `version`, resume; returns seconds taken."""
-        assert self._update_lock is not None, "engine not started"
+    async def _update(self, load: Callable[[], Awaitable[Any]], version: int, interrupt: bool) -> float:
+        """Pause (freezing running sequences, or letting them finish), `load` the new policy, drop cached KV,
+        label `version`, resume; returns seconds taken. New requests wait until it is done, so each names the
+        policy it runs under."""
+        assert self._update_lock is not None and self._open is not None, "engine not started"
         t0 = time.perf_counter()
-        interrupt = self.weight_update == "interrupt" and method is not None
         async with self._update_lock:
-            # A LoRA swap changes the adapter new requests name: running ones keep theirs, so they finish first.
-            await self.llm.pause_generation(mode="keep" if interrupt else "wait", clear_cache=False)
+            self._open.clear()
             try:
-                if method is not None:
-                    await asyncio.wait_for(self.llm.collective_rpc(method, args=args), UPDATE_TIMEOUT_S)
-                # Frozen sequences are preempted and prefilled again under the new weights.
-                await self.llm.reset_prefix_cache(reset_running_requests=interrupt)
-                await self.llm.update_weight_version(str(int(version)))
-                self.version = int(version)
+                await self.llm.pause_generation(mode="keep" if interrupt else "wait", clear_cache=False)
+                try:
+                    await load()
+                    # Frozen sequences are preempted and prefilled again under the new weights.
+                    await self.llm.reset_prefix_cache(reset_running_requests=interrupt)
+                    await self.llm.update_weight_version(str(int(version)))
+                    self.version = int(version)
+                finally:
+                    await self.llm.resume_generation()
             finally:
-                await self.llm.resume_generation()
+                self._open.set()
         return time.perf_counter() - t0
+
+    async def _load_in_workers(self, method: str, args: tuple[Any, ...], version: int) -> float:
+        """A weight update through rlc's worker extension (`method` reloads the weights in every worker)."""
+
+        async def load() -> None:
+            await asyncio.wait_for(self.llm.collective_rpc(method, args=args), UPDATE_TIMEOUT_S)
+
+        return await self._update(load, version, interrupt=self.weight_update == "interrupt")
 
     async def update_weights_from_path(self, path: str, version: int) -> float:
         """Reload weights from a safetensors file or directory; returns seconds taken."""
-        return await self._update("load_from_safetensors", (str(path),), version)
+        return await self._load_in_workers("load_from_safetensors", (str(path),), version)
 
     async def update_lora_adapter(self, path: str, version: int) -> float:
         """Serve the PEFT adapter in folder ``path`` from now on, as policy ``version``; returns seconds.
 
-        Each version gets its own LoRA id (vLLM caches adapters by id), so the new adapter is loaded from disk on
-        the next request and the previous one is dropped from the engine's cache.
+        A running request keeps the adapter it started with, so the swap waits for them to finish (whatever the
+        plan's weight_update). Each version gets its own LoRA id (vLLM caches adapters by id): the new adapter is
+        loaded from disk on the next request, and the previous one is dropped from the engine's cache.
         """
         from vllm.lora.request import LoRARequest
 
         if self.agent is not None:
             raise NotSupported("the agent endpoint serves merged weights; LoRA adapters are not served to agents")
-        t0 = time.perf_counter()
-        previous = self._lora
-        lora_id = int(version) + 1  # vLLM wants ids > 0; a restarted engine reuses the current version's id
-        self._lora = LoRARequest(f"rlc-v{int(version)}", lora_id, str(path))
-        await self._update(None, (), version)  # waits for the requests that name the previous adapter
-        if previous is not None:
-            # Same id, new files (a re-sync of the same version): vLLM reloads the folder once the id is dropped.
-            with contextlib.suppress(Exception):  # not loaded yet: the adapter cache evicts it anyway
-                await self.llm.remove_lora(previous.lora_int_id)
-        return time.perf_counter() - t0
+        # vLLM wants ids > 0; a restarted engine reuses the current version's id.
+        adapter = LoRARequest(f"rlc-v{int(version)}", int(version) + 1, str(path))
+
+        async def swap() -> None:
+            previous, self._lora = self._lora, adapter
+            if previous is not None:
+                # Same id, new files (a re-sync of the same version): vLLM reloads the folder once the id is dropped.
+                with contextlib.suppress(Exception):  # not loaded yet: the adapter cache evicts it anyway
+                    await self.llm.remove_lora(previous.lora_int_id)
+
+        return await self._update(swap, version, interrupt=False)
 
     async def init_sync_group(
         self, host: str, port: int, rank: int, world_size: int, backend: str | None = None
@@ -359,7 +378,7 @@ class RolloutEngine:
         except TimeoutError:
             raise RuntimeError(f"no weight-sync group joined within {JOIN_TIMEOUT_S} s of a broadcast") from None
         meta = [(n, tuple(s), str(d)) for n, s, d in meta]
-        return await self._update("receive_broadcast", (meta, bucket_bytes), version)
+        return await self._load_in_workers("receive_broadcast", (meta, bucket_bytes), version)
 
     async def close_sync_group(self) -> None:
         """Leave the weight-sync group."""

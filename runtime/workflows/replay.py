@@ -13,25 +13,28 @@ request recorded under that version has been generated.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlc.runtime.controller import Chunk, Controller, Group
 from rlc.runtime.errors import RunError
 from rlc.runtime.prompts import PromptItem, PromptStream
 from rlc.runtime.rollout_log import RecordedRequest, ReplaySchedule
+from rlc.runtime.workflows.generate import Chunk, GenerateWorkflow, Group
 
-__all__ = ["ReplayController"]
+if TYPE_CHECKING:
+    from rlc.runtime.controller import Controller
+
+__all__ = ["ReplayWorkflow"]
 
 
-class ReplayController(Controller):
-    """The controller with admission and batches taken from a `ReplaySchedule` instead of timing."""
+class ReplayWorkflow(GenerateWorkflow):
+    """Generate-and-score with admission and batches taken from a `ReplaySchedule` instead of timing."""
 
-    def __init__(self, *args: Any, schedule: ReplaySchedule, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, loop: Controller, schedule: ReplaySchedule) -> None:
+        super().__init__(loop)
         self.schedule = schedule
-        self.total_steps = min(self.total_steps, schedule.steps)
-        self._items = _items_by_cursor(self.prompts, schedule.max_cursor())
-        self._wanted = {g for groups in schedule.batches[: self.total_steps] for g in groups}
+        loop.total_steps = min(loop.total_steps, schedule.steps)
+        self._items = _items_by_cursor(loop.prompts, schedule.max_cursor())
+        self._wanted = {g for groups in schedule.batches[: loop.total_steps] for g in groups}
         needed = [r for r in schedule.needed() if any((r.id, c) in self._wanted for c in r.cursors)]
         self._recorded = {r.id: r for r in needed}
         self._unsent: dict[int, list[RecordedRequest]] = {}
@@ -40,27 +43,23 @@ class ReplayController(Controller):
         self._outstanding: dict[int, int] = {v: len(rs) for v, rs in self._unsent.items()}  # not yet collected
         self._done: dict[tuple[int, int], Group] = {}
 
-    def _fill(self) -> None:
+    def fill(self) -> None:
         """Send the requests recorded under the version the engines hold now, as engine slots free up."""
-        if self.colocated and self._training is not None:
+        loop = self.loop
+        if not loop.may_admit():
             return
-        queue = self._unsent.get(self.version, [])
-        per_engine = {i: 0 for i in range(self.rollout.replicas) if i not in self._warming}
-        for chunk in self.inflight.values():
-            if chunk.engine in per_engine:
-                per_engine[chunk.engine] += 1
+        queue = self._unsent.get(loop.version, [])
+        per_engine = self.engine_slots()
         for engine in sorted(per_engine, key=per_engine.get):  # type: ignore[arg-type]
             while queue and per_engine[engine] < self.chunks_per_engine:
                 request = queue.pop(0)
-                items = [self._items[c] for c in request.cursors]
-                ref = self.rollout.engines[engine].generate.remote(self._requests(items))
-                self.inflight[ref] = Chunk(engine, items, request.id, self.version)
+                self.submit(engine, [self._items[c] for c in request.cursors], request.id)
                 per_engine[engine] += 1
 
-    def _record(self, chunk: Chunk, results: list[Any]) -> None:
+    def on_request(self, chunk: Chunk, results: list[Any]) -> None:
         """Check the request ran under its recorded version, log it, and count it as collected."""
-        super()._record(chunk, results)
-        versions = {int(s.version) for samples in results for s in samples}
+        super().on_request(chunk, results)
+        versions = {v for samples in results for s in samples for v in s.versions}
         recorded = self._recorded[chunk.id].version
         if versions != {recorded}:
             raise RunError(
@@ -69,31 +68,30 @@ class ReplayController(Controller):
             )
         self._outstanding[recorded] -= 1
 
-    def _engine_died(self, chunk: Chunk) -> None:
+    def requeue(self, lost: list[Chunk]) -> None:
         """The lost requests go back to the front of their version's queue, under their recorded ids."""
-        lost = [chunk] + [c for c in self.inflight.values() if c.engine == chunk.engine]
-        super()._engine_died(chunk)
-        self._reissue.clear()  # the base controller would send them as new requests
         for c in reversed(lost):
             request = self._recorded[c.id]
             self._unsent.setdefault(request.version, []).insert(0, request)
 
-    def _drop_too_stale(self, group: Group) -> bool:
+    def keep(self, group: Group) -> None:
         """Every recorded group is used as recorded; groups no batch needs are simply not kept."""
         key = (group.request, group.item.cursor)
         if key in self._wanted:
             self._done[key] = group
-        return True  # never into `finished`: `_next_batch` takes groups from `_done`
 
-    def _next_batch(self) -> list[Group] | None:
+    def has_batch(self) -> bool:
+        loop = self.loop
+        if loop.step >= loop.total_steps or self._outstanding.get(loop.version, 0) > 0:
+            return False
+        return all(key in self._done for key in self.schedule.batches[loop.step])
+
+    def next_batch(self) -> list[Group] | None:
         """The recorded groups of the next step, once they and every request of the current version are in:
         the sync that ends this step replaces the engines' weights."""
-        if self.step >= self.total_steps or self._outstanding.get(self.version, 0) > 0:
+        if not self.has_batch():
             return None
-        wanted = self.schedule.batches[self.step]
-        if any(key not in self._done for key in wanted):
-            return None
-        return [self._done.pop(key) for key in wanted]
+        return [self._done.pop(key) for key in self.schedule.batches[self.loop.step]]
 
 
 def _items_by_cursor(prompts: PromptStream, last: int) -> dict[int, PromptItem]:

@@ -1,7 +1,7 @@
-"""The controller's second rollout kind: agent trajectories instead of generate requests.
+"""The agent-episode workflow: agent trajectories instead of generate requests.
 
-The trainer side (proximal log-probs, the step, weight sync, checkpoints) is `Controller`'s, unchanged; this
-class replaces what feeds it. Under the same staleness gate it admits tasks (a GRPO group is `group_size`
+The trainer side (proximal log-probs, the step, weight sync, checkpoints) is the loop's (`Controller`); this
+workflow feeds it. Under the loop's staleness gate it admits tasks (a GRPO group is `group_size`
 trajectories of one task), opens a session per trajectory on the least-loaded engine, hands the trajectory to
 an environment worker, and, when the agent returns, closes the session and turns the engine's record into
 training rows (`trajectory`). Every wait is bounded: a runner that does not answer within the episode's
@@ -15,19 +15,21 @@ import secrets
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlc.agents.llm import Endpoint
 from rlc.runtime.agent.failures import AgentGuard
 from rlc.runtime.agent.runner import Episode
 from rlc.runtime.agent.sessions import SessionRecord
 from rlc.runtime.agent.trajectory import Row, Segments, segment_calls, trajectory_rows, turn_rows
-from rlc.runtime.controller import Controller
 from rlc.runtime.errors import RunError
 from rlc.runtime.prompts import PromptItem
 from rlc.runtime.result_futures import ResultFutures
 
-__all__ = ["AgentController", "AgentGroup", "Trajectory"]
+if TYPE_CHECKING:
+    from rlc.runtime.controller import Controller
+
+__all__ = ["AgentGroup", "AgentWorkflow", "Trajectory"]
 
 #: Seconds past an episode's timeout_s before the controller stops waiting for its runner.
 RUNNER_GRACE_S = 30.0
@@ -81,19 +83,22 @@ class _Pending:
     deadline: float
 
 
-class AgentController(Controller):
-    """`Controller` whose rollouts are agent trajectories; `runners` are the environment workers' actors."""
+class AgentWorkflow:
+    """Agent episodes over the loop's rollout engines; `runners` are the environment workers' actors."""
 
-    def __init__(self, *args: Any, runners: list[Any], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, loop: Controller, runners: list[Any]) -> None:
         import ray
 
-        agent = self.plan.agent
+        self.loop = loop
+        agent = loop.plan.agent
         if agent is None:
-            raise ValueError("AgentController needs a plan with an agent")
+            raise ValueError("AgentWorkflow needs a plan with an agent")
         self.agent = agent
+        self.group_size = loop.plan.schedule.group_size
+        self.batch_prompts = loop.plan.schedule.batch_prompts
+        self.finished: list[AgentGroup] = []
         self.runners = runners
-        self.endpoints: list[str] = ray.get([e.endpoint.remote() for e in self.rollout.engines])
+        self.endpoints: list[str] = ray.get([e.endpoint.remote() for e in self.loop.rollout.engines])
         self.episodes: dict[Any, _Pending] = {}
         self._episode_results = ResultFutures()  # woken by a finished episode or the trainer's step
         self._open: list[AgentGroup] = []  # groups with trajectories still to come
@@ -101,32 +106,32 @@ class AgentController(Controller):
         self._runner_load = [0] * len(runners)
         self._runner_of: dict[Any, int] = {}  # episode ref -> runner index
         self.guard = AgentGuard(
-            agent.run, self.plan.schedule.batch_samples, agent.max_failed_share, self.logger.message
+            agent.run, self.loop.plan.schedule.batch_samples, agent.max_failed_share, self.loop.logger.message
         )
-        self.capacity = agent.inflight_per_engine * self.rollout.replicas
+        self.capacity = agent.inflight_per_engine * self.loop.rollout.replicas
 
     # ------------------------------------------------------------------ admission
 
     def _engine_load(self) -> dict[int, int]:
-        load = {i: 0 for i in range(self.rollout.replicas) if i not in self._warming}
+        load = {i: 0 for i in range(self.loop.rollout.replicas) if i not in self.loop.warming}
         for pending in self.episodes.values():
             if pending.engine in load:
                 load[pending.engine] += 1
         return load
 
-    def _fill(self) -> None:
+    def fill(self) -> None:
         """Admit tasks while the staleness bound allows; start their trajectories up to the planned capacity."""
-        if self.colocated and self._training is not None:
+        if not self.loop.may_admit():
             return
         load = self._engine_load()
         if not load:
             return  # every engine is restarting
         room = self.capacity - len(self.episodes)
         while len(self._slots) < room:
-            if not self.gate.can_admit(self.group_size, self.version):
+            if not self.loop.gate.can_admit(self.group_size, self.loop.version):
                 break
-            self.gate.admit(self.group_size)
-            group = AgentGroup(self.prompts.next(), self.group_size)
+            self.loop.gate.admit(self.group_size)
+            group = AgentGroup(self.loop.prompts.next(), self.group_size)
             self._open.append(group)
             self._slots += [group] * self.group_size
         starting, self._slots = self._slots[:room], self._slots[room:]
@@ -145,7 +150,7 @@ class AgentController(Controller):
         for key, engine, _ in plan:
             by_engine.setdefault(engine, []).append(key)
         timeout = self.agent.timeout_s
-        ray.get([self.rollout.engines[e].open_sessions.remote(keys, timeout) for e, keys in by_engine.items()])
+        ray.get([self.loop.rollout.engines[e].open_sessions.remote(keys, timeout) for e, keys in by_engine.items()])
         now = time.monotonic()
         for key, engine, group in plan:
             runner = min(range(len(self.runners)), key=lambda i: (self._runner_load[i], i))
@@ -167,19 +172,19 @@ class AgentController(Controller):
             }
             ref = self.runners[runner].run_episode.remote(task, endpoint.to_dict(), timeout)
             self.episodes[ref] = _Pending(key, engine, group, now + timeout + RUNNER_GRACE_S)
-            self.trace.submitted(key, f"episode {group.item.cursor}", engine)
+            self.loop.trace.submitted(key, f"episode {group.item.cursor}", engine)
             self._runner_of[ref] = runner
 
     # ------------------------------------------------------------------ collection
 
-    def _collect(self, timeout: float) -> None:
+    def collect(self, timeout: float) -> None:
         import ray
 
         if not self.episodes:
-            super()._collect(timeout)  # nothing in flight: wait for the trainer instead
+            self._episode_results.wait({}, self.loop.training, timeout)  # nothing in flight: wait for the trainer
             return
         done: list[tuple[_Pending, Episode]] = []
-        for ref, future in self._episode_results.wait(self.episodes, self._training, timeout):
+        for ref, future in self._episode_results.wait(self.episodes, self.loop.training, timeout):
             pending = self.episodes.pop(ref)
             self._runner_load[self._runner_of.pop(ref)] -= 1
             try:
@@ -195,17 +200,16 @@ class AgentController(Controller):
                 ray.cancel(ref, force=False)
                 done.append((pending, Episode(pending.key, "timeout", error="its runner did not answer in time")))
         for pending, episode in done:
-            self.trace.finished(pending.key, status=episode.status)
+            self.loop.trace.finished(pending.key, status=episode.status)
         if done:
-            self.stall.progress()
+            self.loop.stall.progress()
             self._finish_episodes(done)
 
-    def _in_flight(self) -> str:
+    def in_flight(self) -> list[str]:
         per_engine: dict[int, int] = {}
         for pending in self.episodes.values():
             per_engine[pending.engine] = per_engine.get(pending.engine, 0) + 1
-        parts = [f"engine {e}: {n} agent episode(s)" for e, n in sorted(per_engine.items())]
-        return "; ".join(part for part in [*parts, super()._in_flight()] if part)
+        return [f"engine {e}: {n} agent episode(s)" for e, n in sorted(per_engine.items())]
 
     def _finish_episodes(self, done: list[tuple[_Pending, Episode]]) -> None:
         import ray
@@ -214,7 +218,7 @@ class AgentController(Controller):
         for pending, episode in done:
             by_engine.setdefault(pending.engine, []).append((pending, episode))
         refs = {
-            e: self.rollout.engines[e].close_sessions.remote([p.key for p, _ in items])
+            e: self.loop.rollout.engines[e].close_sessions.remote([p.key for p, _ in items])
             for e, items in by_engine.items()
         }
         for engine, items in by_engine.items():
@@ -240,37 +244,50 @@ class AgentController(Controller):
         )
         reward = episode.reward if episode.status == "ok" else 0.0
         group.trajectories.append(Trajectory(pending.key, pending.engine, episode, record, found, rows, reward))
-        self._rollout_tokens += sum(r.sampled for r in rows)
+        self.loop.rollout_tokens += sum(r.sampled for r in rows)
         if group.complete:
             self._open.remove(group)
             if not self._group_too_stale(group):
-                self.finished.append(group)  # type: ignore[arg-type]
+                self.finished.append(group)
 
     def _group_too_stale(self, group: AgentGroup) -> bool:
         """A group with tokens older than the staleness bound allows (a restarted engine) is played again."""
-        bound = 0 if self.colocated else self.plan.schedule.max_staleness
         versions = [v for t in group.trajectories if (v := t.min_version) is not None]
-        if not versions or min(versions) >= self.version - bound:
+        if not versions or min(versions) >= self.loop.version - self.loop.staleness:
             return False
         fresh = AgentGroup(group.item, group.size)
         self._open.append(fresh)
         self._slots = [fresh] * group.size + self._slots
         return True
 
-    def _resume_cursor(self) -> int:
+    def resume_cursor(self) -> int:
         pending = [g.item for g in self._open] + [g.item for g in self.finished]
-        return min((item.cursor for item in pending), default=self.prompts.cursor)
+        return min((item.cursor for item in pending), default=self.loop.prompts.cursor)
 
     # ------------------------------------------------------------------ the batch
 
-    def _build_batch(self, groups: list[Any]) -> tuple[dict[str, Any], dict[str, float], list[str | None]]:
+    def has_batch(self) -> bool:
+        return len(self.finished) >= self.batch_prompts
+
+    def next_batch(self) -> list[AgentGroup] | None:
+        """The oldest tasks' groups first, once a batch of them has finished."""
+        if len(self.finished) < self.batch_prompts:
+            return None
+        self.finished.sort(key=lambda g: g.item.cursor)
+        groups, self.finished = self.finished[: self.batch_prompts], self.finished[self.batch_prompts :]
+        return groups
+
+    def batch_record(self, groups: list[AgentGroup]) -> list[tuple[int, int]]:
+        return [(g.request, g.item.cursor) for g in groups]
+
+    def build_batch(self, groups: list[Any]) -> tuple[dict[str, Any], dict[str, float], list[str | None]]:
         import torch
 
         from rlc.runtime.algo.advantages import group_advantages
 
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         advantages = group_advantages(
-            rewards.flatten(), self.group_size, scale_by_std=self.plan.algorithm.normalize_std
+            rewards.flatten(), self.group_size, scale_by_std=self.loop.plan.algorithm.normalize_std
         ).reshape(rewards.shape)
         batch: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "behaviour_logprobs": [], "advantages": []}
         domains: list[str | None] = []
@@ -284,7 +301,7 @@ class AgentController(Controller):
                     batch["behaviour_logprobs"].append(row.logprobs)
                     batch["advantages"].append(float(advantages[g_index, t_index]) * row.weight)
                     domains.append(group.item.domain)
-                    lags += [self.version - v for v, m in zip(row.versions, row.loss_mask, strict=True) if m]
+                    lags += [self.loop.version - v for v, m in zip(row.versions, row.loss_mask, strict=True) if m]
         if not batch["input_ids"]:
             raise RunError(
                 f"agent {self.agent.run!r}: no trajectory of this batch made a model call, so there is nothing to "
@@ -311,7 +328,7 @@ class AgentController(Controller):
             return
         traj = trajectories[0]
         sample = {
-            "step": self.step + 1,
+            "step": self.loop.step + 1,
             "reward": traj.reward,
             "status": traj.episode.status,
             "truncated": traj.record.truncated,
@@ -320,13 +337,13 @@ class AgentController(Controller):
                     "input_ids": row.input_ids,
                     "loss_mask": row.loss_mask,
                     "versions": row.versions,
-                    "text": self.tokenizer.decode(row.input_ids, skip_special_tokens=False),
-                    "tokens": self.tokenizer.convert_ids_to_tokens(row.input_ids),
+                    "text": self.loop.tokenizer.decode(row.input_ids, skip_special_tokens=False),
+                    "tokens": self.loop.tokenizer.convert_ids_to_tokens(row.input_ids),
                 }
                 for row in traj.rows
             ],
         }
-        with (self.run_dir / "agent_samples.jsonl").open("a") as fh:
+        with (self.loop.run_dir / "agent_samples.jsonl").open("a") as fh:
             fh.write(json.dumps(sample) + "\n")
 
     def close(self) -> None:
@@ -335,7 +352,6 @@ class AgentController(Controller):
         for ref in list(self.episodes):
             ray.cancel(ref, force=False)
         self.episodes.clear()
-        super().close()
 
 
 def agent_metrics(groups: list[AgentGroup], trajectories: list[Trajectory], rows: list[Row]) -> dict[str, float]:

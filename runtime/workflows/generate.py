@@ -1,0 +1,303 @@
+"""Generate-and-score: each prompt's group is one generate request to an engine, scored by the run's reward.
+
+The workflow admits prompts one group at a time while the staleness bound allows (`StalenessGate`), keeps each
+engine holding the plan's number of requests (`schedule.rollout_chunks_per_engine`, each of
+`schedule.rollout_chunk_prompts` prompts), takes each request's samples as soon as it returns, scores them and
+files the groups; batches take the oldest prompts first (by stream position), whichever engine finished first, so
+a synchronous run trains on exactly the batch admitted for its version. An engine that dies is restarted by the
+loop and its prompts are issued again; a group older than the staleness bound allows (a restarted engine's) is
+generated again.
+
+`ReplayWorkflow` (`replay.py`) reuses this workflow and replaces its public hooks: `fill` (what to send),
+`on_request` (a request came back), `requeue` (an engine died with requests), `keep` (where a finished group goes)
+and `next_batch`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rlc.runtime.prompts import PromptItem
+from rlc.runtime.result_futures import ResultFutures
+from rlc.runtime.rollout.failures import engine_is_dead
+from rlc.runtime.rollout.versions import version_spans
+from rlc.runtime.seeds import request_seed
+
+if TYPE_CHECKING:
+    from rlc.runtime.controller import Controller
+
+__all__ = ["Chunk", "GenerateWorkflow", "Group"]
+
+
+@dataclass
+class Group:
+    """One prompt's samples: the unit of GRPO advantage normalisation."""
+
+    item: PromptItem
+    output_ids: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[int]  # per sample, the oldest version among its tokens (what the staleness bound counts)
+    rewards: list[float] = field(default_factory=list)
+    request: int = -1  # the generate request that produced it (RUN/rollouts.jsonl)
+    token_versions: list[list[int]] = field(default_factory=list)  # per sample, each token's version
+
+    def sample_versions(self, index: int) -> list[int]:
+        """Each token's policy version of sample `index` (one version throughout where none was recorded)."""
+        if self.token_versions:
+            return self.token_versions[index]
+        return [self.versions[index]] * len(self.output_ids[index])
+
+
+@dataclass
+class Chunk:
+    """One generate request in flight: its engine and prompts."""
+
+    engine: int
+    items: list[PromptItem]
+    id: int = -1  # submission order, as RUN/rollouts.jsonl records it
+    admitted_at: int = 0  # the trainer version when it was admitted
+    submitted_s: float = field(default_factory=time.monotonic)
+
+
+class GenerateWorkflow:
+    """Generate-and-score over the loop's rollout engines; `loop` is the `Controller` that runs it."""
+
+    def __init__(self, loop: Controller) -> None:
+        self.loop = loop
+        sched = loop.plan.schedule
+        self.group_size = sched.group_size
+        self.batch_prompts = sched.batch_prompts
+        # The planner sizes generate requests (its rollout estimate assumes exactly this feed).
+        self.chunk_prompts = sched.rollout_chunk_prompts
+        self.chunks_per_engine = sched.rollout_chunks_per_engine
+        self.finished: list[Group] = []
+        self.inflight: dict[Any, Chunk] = {}
+        self._results = ResultFutures()  # the in-flight requests' results, waited on with the trainer's step
+        self._reissue: list[list[PromptItem]] = []
+        self.eos_ids = [i for i in [loop.tokenizer.eos_token_id] if i is not None]
+
+    # ------------------------------------------------------------------ admission
+
+    def requests(self, items: list[PromptItem]) -> list[dict[str, Any]]:
+        """The generate request of these prompts: a group of group_size samples each, seeded by stream position."""
+        plan = self.loop.plan
+        s = plan.sampling
+        seeded = plan.reproducibility.seeded_sampling
+        return [
+            {
+                "prompt_ids": list(item.prompt_ids),
+                "n": self.group_size,
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "max_tokens": s.max_response_len,
+                "stop_token_ids": self.eos_ids,
+                "seed": request_seed(plan.algorithm.seed, item.cursor) if seeded else None,
+            }
+            for item in items
+        ]
+
+    def submit(self, engine: int, items: list[PromptItem], request_id: int | None = None) -> None:
+        """Send one generate request to `engine`; it is filed under `request_id` (default: the next one)."""
+        loop = self.loop
+        ref = loop.rollout.engines[engine].generate.remote(self.requests(items))
+        rid = loop.rollout_log.new_id() if request_id is None else request_id
+        chunk = Chunk(engine, items, rid, loop.version)
+        self.inflight[ref] = chunk
+        loop.trace.submitted(chunk.id, f"generate #{chunk.id}", engine)
+
+    def engine_slots(self) -> dict[int, int]:
+        """Requests each serving engine holds now (engines restarting are left out)."""
+        per_engine = {i: 0 for i in range(self.loop.rollout.replicas) if i not in self.loop.warming}
+        for chunk in self.inflight.values():
+            if chunk.engine in per_engine:
+                per_engine[chunk.engine] += 1
+        return per_engine
+
+    def fill(self) -> None:
+        """Admit requests while the staleness bound allows (colocated: only between train phases), the emptiest
+        engine first, up to the plan's requests per engine."""
+        loop = self.loop
+        if not loop.may_admit():
+            return
+        per_engine = self.engine_slots()
+        for engine in sorted(per_engine, key=per_engine.get):  # type: ignore[arg-type]
+            while per_engine[engine] < self.chunks_per_engine:
+                if self._reissue:  # already admitted: their slots were counted when first submitted
+                    self.submit(engine, self._reissue.pop(0))
+                    per_engine[engine] += 1
+                    continue
+                # The last request before the bound may be short: when requests do not divide the batch, a whole
+                # one would never fit and the batch would never complete.
+                prompts = min(self.chunk_prompts, loop.gate.room(loop.version) // self.group_size)
+                if prompts == 0:
+                    return
+                loop.gate.admit(prompts * self.group_size)
+                self.submit(engine, loop.prompts.take(prompts))
+                per_engine[engine] += 1
+                notice = loop.prompts.pop_notice()
+                if notice:
+                    loop.logger.message(notice)
+
+    # ------------------------------------------------------------------ collection
+
+    def collect(self, timeout: float) -> None:
+        """Take in every finished request; wait up to ``timeout`` for one, or for the trainer to finish
+        (``ResultFutures``: either wakes the wait, with no polling)."""
+        loop = self.loop
+        for ref, future in self._results.wait(self.inflight, loop.training, timeout):
+            chunk = self.inflight.pop(ref, None)
+            if chunk is None:  # dropped with its engine when an earlier request of this turn found it dead
+                continue
+            loop.stall.progress()
+            t0 = time.perf_counter()
+            try:
+                results = future.result()
+            except Exception as exc:
+                if not engine_is_dead(exc):
+                    raise
+                self._engine_died(chunk)
+                continue
+            loop.timeline["time/gather_s"] += time.perf_counter() - t0
+            self.on_request(chunk, results)
+            loop.trace.finished(chunk.id, prompts=len(chunk.items))
+            for item, samples in zip(chunk.items, results, strict=True):
+                group = Group(
+                    item,
+                    [list(s.output_ids) for s in samples],
+                    [list(s.logprobs) for s in samples],
+                    [int(s.version) for s in samples],
+                    request=chunk.id,
+                    token_versions=[list(s.versions) for s in samples],
+                )
+                t0 = time.perf_counter()
+                completions = [loop.tokenizer.decode(ids, skip_special_tokens=True) for ids in group.output_ids]
+                group.rewards = loop.scorer.score_group(completions, item.answer, prompt=item.prompt)
+                loop.timeline["time/reward_s"] += time.perf_counter() - t0
+                loop.rollout_tokens += sum(len(ids) for ids in group.output_ids)
+                self.keep(group)
+
+    def on_request(self, chunk: Chunk, results: list[Any]) -> None:
+        """Log a finished request with the oldest version among its tokens, and the token versions of every
+        sample a weight update interrupted."""
+        version = min(int(s.version) for samples in results for s in samples)
+        cursors = [item.cursor for item in chunk.items]
+        interrupted = [
+            (p, i, version_spans(s.versions))
+            for p, samples in enumerate(results)
+            for i, s in enumerate(samples)
+            if len(set(s.versions)) > 1
+        ]
+        self.loop.interrupted_samples += len(interrupted)
+        self.loop.rollout_log.request(chunk.id, cursors, version, chunk.admitted_at, chunk.engine, interrupted)
+
+    def _engine_died(self, chunk: Chunk) -> None:
+        """Have the loop restart the engine, and issue every request it held again."""
+        lost = [chunk] + [c for c in self.inflight.values() if c.engine == chunk.engine]
+        for c in lost:
+            self.loop.trace.finished(c.id, prompts=len(c.items), lost=True)
+        for ref in [r for r, c in self.inflight.items() if c.engine == chunk.engine]:
+            del self.inflight[ref]
+        self.loop.logger.message(
+            f"rollout engine {chunk.engine} died; restarting it and re-issuing {len(lost)} request(s)"
+        )
+        self.requeue(lost)
+        self.loop.restart_engine(chunk.engine)
+
+    def requeue(self, lost: list[Chunk]) -> None:
+        """Requests lost with their engine go out again (their prompts were admitted already)."""
+        self._reissue.extend(c.items for c in lost)
+
+    def keep(self, group: Group) -> None:
+        """File a finished group for a batch; one older than the staleness bound allows (e.g. from a restarted
+        engine) is generated again instead."""
+        if min(group.versions) >= self.loop.version - self.loop.staleness:
+            self.finished.append(group)
+        else:
+            self._reissue.append([group.item])
+
+    # ------------------------------------------------------------------ batches
+
+    def has_batch(self) -> bool:
+        return len(self.finished) >= self.batch_prompts
+
+    def next_batch(self) -> list[Group] | None:
+        """The next step's groups once enough have finished: the oldest prompts first, whichever engine
+        finished first (with max_staleness 0 exactly the batch admitted for this version)."""
+        if len(self.finished) < self.batch_prompts:
+            return None
+        self.finished.sort(key=lambda g: (g.item.cursor, g.request))
+        groups, self.finished = self.finished[: self.batch_prompts], self.finished[self.batch_prompts :]
+        return groups
+
+    def batch_record(self, groups: list[Group]) -> list[tuple[int, int]]:
+        return [(g.request, g.item.cursor) for g in groups]
+
+    def build_batch(self, groups: list[Group]) -> tuple[dict[str, Any], dict[str, float], list[str | None]]:
+        """One sequence per sample: prompt + response, the loss on the response, each token's behaviour log-prob,
+        the group-normalised advantage."""
+        import torch
+
+        from rlc.runtime.algo.advantages import group_advantages
+
+        version = self.loop.version
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        advantages = group_advantages(
+            rewards.flatten(), self.group_size, scale_by_std=self.loop.plan.algorithm.normalize_std
+        ).reshape(rewards.shape)
+        input_ids, loss_mask, behaviour, adv, lags, lengths = [], [], [], [], [], []
+        for g_index, group in enumerate(groups):
+            prompt = list(group.item.prompt_ids)
+            for s_index, (out, lps) in enumerate(zip(group.output_ids, group.logprobs, strict=True)):
+                input_ids.append(prompt + out)
+                loss_mask.append([0] * len(prompt) + [1] * len(out))
+                # Each token's behaviour log-prob is the one the version that sampled it produced: an interrupted
+                # sample's tokens before the update carry the old policy's, those after the new one's.
+                behaviour.append([0.0] * len(prompt) + list(lps))
+                adv.append(float(advantages[g_index, s_index]))
+                lags += [version - v for v in group.sample_versions(s_index)]
+                lengths.append(len(out))
+        batch = {
+            "input_ids": input_ids,
+            "loss_mask": loss_mask,
+            "behaviour_logprobs": behaviour,
+            "advantages": adv,
+        }
+        domains = [g.item.domain for g in groups for _ in g.output_ids]
+        flat = rewards.flatten().tolist()
+        stats = {
+            "reward/mean": statistics.fmean(flat),
+            "reward/std": statistics.pstdev(flat),
+            # Over trained tokens: an interrupted sample's tokens are as old as the version that sampled each.
+            "staleness/mean": statistics.fmean(lags) if lags else 0.0,
+            "staleness/max": float(max(lags, default=0)),
+            "response_len/mean": statistics.fmean(lengths),
+            "train/tokens": float(sum(len(x) for x in input_ids)),
+        }
+        return batch, stats, domains
+
+    # ------------------------------------------------------------------ state
+
+    def resume_cursor(self) -> int:
+        """Where a resumed run restarts the prompt stream: the oldest prompt not yet trained on.
+
+        Prompts in flight, finished but not yet trained, or waiting to be re-issued would otherwise be lost
+        on resume. (Called while the loop waits for the checkpoint, so these collections are stable.)
+        """
+        pending = [c.items for c in self.inflight.values()] + [[g.item] for g in self.finished] + self._reissue
+        return min((item.cursor for items in pending for item in items), default=self.loop.prompts.cursor)
+
+    def in_flight(self) -> list[str]:
+        """Requests per engine with their ages."""
+        now = time.monotonic()
+        oldest: dict[int, float] = {}
+        count: dict[int, int] = {}
+        for chunk in self.inflight.values():
+            count[chunk.engine] = count.get(chunk.engine, 0) + 1
+            oldest[chunk.engine] = max(oldest.get(chunk.engine, 0.0), now - chunk.submitted_s)
+        return [f"engine {e}: {count[e]} generate request(s), the oldest {oldest[e]:.0f} s" for e in sorted(count)]
+
+    def close(self) -> None:
+        self.inflight.clear()
