@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # in_process.py beside this file
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,9 +76,10 @@ def interleaved(variants: dict[str, Any], reps: int) -> dict[str, float]:
 
 
 def rollout(plan: Any, model: Path, reps: int) -> dict[str, dict[str, float]]:
+    from in_process import InProcessEngine
+
     from rlc.runtime.launch import load_inputs
     from rlc.runtime.prompts import PromptStream
-    from rlc.runtime.rollout.engine import RolloutEngine
     from rlc.runtime.seeds import request_seed
 
     tokenizer, _ = load_inputs(plan, model)
@@ -84,7 +87,10 @@ def rollout(plan: Any, model: Path, reps: int) -> dict[str, dict[str, float]]:
     os.environ.update({**plan.env, **role.env})
     args = {**role.engine, "model": str(model)}
     assert args["enable_chunked_prefill"] is False
-    engines = {"off": RolloutEngine(args, "cpu"), "on": RolloutEngine({**args, "enable_chunked_prefill": True}, "cpu")}
+    engines = {
+        "off": InProcessEngine(args, "cpu"),
+        "on": InProcessEngine({**args, "enable_chunked_prefill": True}, "cpu"),
+    }
     stream = PromptStream(plan.data, tokenizer, plan.algorithm.seed, plan.sampling.max_prompt_len)
     batch = stream.take(plan.schedule.batch_prompts)
     eos = [tokenizer.eos_token_id]

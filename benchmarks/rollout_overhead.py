@@ -229,7 +229,7 @@ class Bench:
         pool = RolloutPool(self.plan, make_engine)
         stack.callback(pool.shutdown)
         pool.wait_ready()
-        actor = pool.engines[0]
+        actor = pool.engines[0].actor
         stack.callback(lambda: ray.get(actor.shutdown.remote(), timeout=60))
         # What `algorithm.deterministic: false` changes on the rollout side: no per-request seeds.
         unseeded = self.plan.model_copy(deep=True)

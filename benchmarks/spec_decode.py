@@ -57,6 +57,8 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # in_process.py beside this file
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,13 +167,14 @@ class Bench:
         ]
 
     def run_variant(self, variant: str) -> None:
-        from rlc.runtime.rollout.engine import RolloutEngine
+        from in_process import InProcessEngine
+
         from rlc.runtime.spec_decode import SpecDecodeDelta
 
         t_variant = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            engine = RolloutEngine(self.engine_args(variant), self.plan.platform, self.env)
+            engine = InProcessEngine(self.engine_args(variant), self.plan.platform, self.env)
         for w in caught:
             if "worker_extension_cls" in str(w.message):
                 log(f"{variant}: warning from RolloutEngine: {w.message}")

@@ -63,7 +63,7 @@ class PhaseSwitcher:
     def _engines(self, method: str, *args: Any) -> None:
         import ray
 
-        ray.get([getattr(e, method).remote(*args) for e in self.rollout.engines])
+        ray.get([getattr(e, method)(*args) for e in self.rollout.engines])
 
     def before_train(self) -> None:
         """Engines release the devices (sleep), the trainer takes its state back (onload)."""

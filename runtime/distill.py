@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlc.runtime.errors import RunError
+from rlc.runtime.rollout.client import EngineClient
 from rlc.schemas.plan import Plan, TeacherSettings
 
 MAX_SCORE_ATTEMPTS = 3
@@ -56,12 +57,13 @@ class TeacherPool:
         self.settings = plan.distill
         self.teachers: list[TeacherSettings] = list(plan.distill.teachers)
         self.engines: dict[str, list[Any]] = {
-            t.name: [make_engine(t.role, i) for i in range(plan.role(t.role).replicas)] for t in self.teachers
+            t.name: [EngineClient(make_engine(t.role, i)) for i in range(plan.role(t.role).replicas)]
+            for t in self.teachers
         }
 
     def ready_refs(self) -> list[Any]:
         """One reference per teacher engine that resolves once it is serving."""
-        return [e.ready.remote() for engines in self.engines.values() for e in engines]
+        return [e.ready() for engines in self.engines.values() for e in engines]
 
     def route(self, domains: Sequence[str | None]) -> dict[str, list[int]]:
         """Which sequences each teacher scores."""
@@ -85,7 +87,7 @@ class TeacherPool:
             for r, engine in enumerate(engines):
                 part = indices[r :: len(engines)]
                 if part:
-                    refs[name].append((r, part, engine.prompt_logprobs.remote([list(input_ids[i]) for i in part])))
+                    refs[name].append((r, part, engine.prompt_logprobs([input_ids[i] for i in part])))
         return Scoring(routed, refs)
 
     def _teacher(self, name: str) -> TeacherSettings:
@@ -98,10 +100,10 @@ class TeacherPool:
         from rlc.runtime.rollout.pool import ENGINE_START_TIMEOUT_S
 
         with contextlib.suppress(Exception):
-            ray.kill(self.engines[name][index], no_restart=True)
-        self.engines[name][index] = self._make(self._teacher(name).role, index)
+            ray.kill(self.engines[name][index].actor, no_restart=True)
+        self.engines[name][index] = EngineClient(self._make(self._teacher(name).role, index))
         try:
-            ray.get(self.engines[name][index].ready.remote(), timeout=ENGINE_START_TIMEOUT_S)
+            ray.get(self.engines[name][index].ready(), timeout=ENGINE_START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise RunError(
                 f"teacher {name} engine {index} did not start again within {ENGINE_START_TIMEOUT_S} s"
@@ -120,7 +122,7 @@ class TeacherPool:
             try:
                 if attempt > 1:
                     self._restart(name, index)
-                    ref = self.engines[name][index].prompt_logprobs.remote([list(input_ids[i]) for i in part])
+                    ref = self.engines[name][index].prompt_logprobs([input_ids[i] for i in part])
                 return ray.get(ref)
             except Exception as exc:
                 if not engine_is_dead(exc) or attempt == MAX_SCORE_ATTEMPTS:

@@ -48,7 +48,7 @@ def gather_processes(trainer: Any, engines: list[Any]) -> dict[str, Any]:
     import ray
 
     ranks = ray.get([w.__ray_call__.remote(process_facts) for w in trainer.workers])
-    found = ray.get([e.process_facts.remote() for e in engines])
+    found = ray.get([e.process_facts() for e in engines])
     return {"trainer": ranks, "rollout": found}
 
 

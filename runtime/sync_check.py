@@ -72,7 +72,7 @@ class SyncCheck:
         for index, engine in enumerate(self.rollout.engines):
             try:
                 held, rows = ray.get(
-                    [engine.get_version.remote(), engine.prompt_logprobs.remote(self._probe)], timeout=CHECK_TIMEOUT_S
+                    [engine.get_version(), engine.prompt_logprobs(self._probe)], timeout=CHECK_TIMEOUT_S
                 )
             except RayActorError:
                 continue

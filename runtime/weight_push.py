@@ -103,7 +103,7 @@ class WeightPush:
             import ray
 
             ranks = self.trainer.hosts_info()
-            nodes = ray.get([e.node_id.remote() for e in self.rollout.engines])
+            nodes = ray.get([e.node_id() for e in self.rollout.engines])
             tag = f"{os.getpid()}-{abs(hash(str(self.run_dir))) % 10**8}"
             self._host_moves = plan_host_moves(ranks, nodes, weight_bytes(self.meta()), tag)
             self.message(f"colocated weight moves through host memory: {self._host_moves.describe()}")
@@ -118,7 +118,7 @@ class WeightPush:
             # be reading the previous one.
             root = self.run_dir / "sync"
             path = self.trainer.save_adapter(str(root / f"adapter-v{version:06d}"))
-            _bounded([e.update_lora_adapter.remote(path, version) for e in engines])
+            _bounded([e.update_lora_adapter(path, version) for e in engines])
             for old in sorted(root.glob("adapter-v*"))[:-2]:
                 shutil.rmtree(old, ignore_errors=True)
             return
@@ -129,7 +129,7 @@ class WeightPush:
         else:
             path = self.trainer.save_weights(str(self.run_dir / "sync" / "latest"))
             folders = [str(Path(path).parent)] * len(indices)
-        _bounded([e.update_weights_from_path.remote(f, version) for e, f in zip(engines, folders, strict=True)])
+        _bounded([e.update_weights_from_path(f, version) for e, f in zip(engines, folders, strict=True)])
 
     def _sync_once(self, version: int) -> None:
         import ray
@@ -144,16 +144,16 @@ class WeightPush:
         if self._group is None:
             for index in sorted(self._in_group):  # leave the old group; a broken one may refuse politely
                 with contextlib.suppress(Exception):
-                    ray.get(engines[index].close_sync_group.remote(), timeout=60)
+                    ray.get(engines[index].close_sync_group(), timeout=60)
             self._group = self.trainer.weight_sync_address()
             host, port = self._group
             refs = [
-                e.init_sync_group.remote(host, port, 1 + i * self.rollout.tp, world, self.rollout.sync_backend)
+                e.init_sync_group(host, port, 1 + i * self.rollout.tp, world, self.rollout.sync_backend)
                 for i, e in enumerate(engines)
             ]
             self._in_group = set(range(len(engines)))
         host, port = self._group
-        refs += [e.update_weights_broadcast.remote(meta, version) for e in engines]
+        refs += [e.update_weights_broadcast(meta, version) for e in engines]
         refs += self.trainer.sync_weights_broadcast_async(host, port, world, meta)
         _bounded(refs)
 

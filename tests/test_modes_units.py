@@ -157,6 +157,8 @@ def test_teacher_pool_restarts_a_dead_engine_and_rescores_its_share(monkeypatch:
     import ray
     from ray.exceptions import RayActorError
 
+    from rlc.runtime.rollout.client import EngineClient
+
     class Call:
         def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
             self.remote = fn
@@ -180,14 +182,14 @@ def test_teacher_pool_restarts_a_dead_engine_and_rescores_its_share(monkeypatch:
     pool._make = lambda role, index: made.append((role, index)) or Engine(alive=True)
     pool.log = lambda message: None
     pool.restarts = 0
-    pool.engines = {"t": [Engine(alive=True), Engine(alive=False)]}
+    pool.engines = {"t": [EngineClient(Engine(alive=True)), EngineClient(Engine(alive=False))]}
 
     ids = [[1, 2, 3], [1, 2], [1, 2, 3, 4]]
     rows, _ = pool.collect(pool.score(ids, [None] * 3), ids)
     assert made == [("teacher-t", 1)] and pool.restarts == 1  # only the dead replica was replaced
     assert rows["t"] == [[0.0, -1.0, -1.0], [0.0, -1.0], [0.0, -1.0, -1.0, -1.0]]  # every share scored
 
-    pool.engines["t"][0] = Engine(alive=False)
+    pool.engines["t"][0] = EngineClient(Engine(alive=False))
     pool._make = lambda role, index: Engine(alive=False)  # keeps dying: give up after MAX_SCORE_ATTEMPTS
     with pytest.raises(RayActorError):
         pool.collect(pool.score(ids, [None] * 3), ids)

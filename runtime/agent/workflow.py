@@ -98,7 +98,7 @@ class AgentWorkflow:
         self.batch_prompts = loop.plan.schedule.batch_prompts
         self.finished: list[AgentGroup] = []
         self.runners = runners
-        self.endpoints: list[str] = ray.get([e.endpoint.remote() for e in self.loop.rollout.engines])
+        self.endpoints: list[str] = ray.get([e.endpoint() for e in self.loop.rollout.engines])
         self.episodes: dict[Any, _Pending] = {}
         self._episode_results = ResultFutures()  # woken by a finished episode or the trainer's step
         self._open: list[AgentGroup] = []  # groups with trajectories still to come
@@ -150,7 +150,7 @@ class AgentWorkflow:
         for key, engine, _ in plan:
             by_engine.setdefault(engine, []).append(key)
         timeout = self.agent.timeout_s
-        ray.get([self.loop.rollout.engines[e].open_sessions.remote(keys, timeout) for e, keys in by_engine.items()])
+        ray.get([self.loop.rollout.engines[e].open_sessions(keys, timeout) for e, keys in by_engine.items()])
         now = time.monotonic()
         for key, engine, group in plan:
             runner = min(range(len(self.runners)), key=lambda i: (self._runner_load[i], i))
@@ -218,8 +218,7 @@ class AgentWorkflow:
         for pending, episode in done:
             by_engine.setdefault(pending.engine, []).append((pending, episode))
         refs = {
-            e: self.loop.rollout.engines[e].close_sessions.remote([p.key for p, _ in items])
-            for e, items in by_engine.items()
+            e: self.loop.rollout.engines[e].close_sessions([p.key for p, _ in items]) for e, items in by_engine.items()
         }
         for engine, items in by_engine.items():
             records = ray.get(refs[engine], timeout=120)

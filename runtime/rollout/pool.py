@@ -6,6 +6,7 @@ import contextlib
 import threading
 from typing import Any
 
+from rlc.runtime.rollout.client import EngineClient
 from rlc.schemas.plan import Plan
 
 __all__ = ["ENGINE_START_TIMEOUT_S", "RolloutPool"]
@@ -29,13 +30,13 @@ class RolloutPool:
         self.replicas = role.replicas
         self.tp = role.parallel.tp
         self.sync_backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[plan.platform]
-        self.engines = [make_engine(i, 0) for i in range(self.replicas)]
+        self.engines = [EngineClient(make_engine(i, 0)) for i in range(self.replicas)]
         self.restarts = 0
         self._lock = threading.Lock()
 
     def ready_refs(self) -> list[Any]:
         """One reference per engine that resolves once it is serving (or raises the error that stopped it)."""
-        return [e.ready.remote() for e in self.engines]
+        return [e.ready() for e in self.engines]
 
     def wait_ready(self, timeout: float = ENGINE_START_TIMEOUT_S) -> list[float]:
         import ray
@@ -47,7 +48,7 @@ class RolloutPool:
         from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
-            return bool(ray.get(self.engines[index].healthy.remote(), timeout=timeout))
+            return bool(ray.get(self.engines[index].healthy(), timeout=timeout))
         except RayActorError:
             return False
         except GetTimeoutError:
@@ -68,9 +69,9 @@ class RolloutPool:
                 if not force and self._alive(index):
                     continue
                 with contextlib.suppress(Exception):
-                    ray.kill(self.engines[index], no_restart=True)
-                self.engines[index] = self._make(index, -1)
-                ray.get(self.engines[index].ready.remote(), timeout=ENGINE_START_TIMEOUT_S)
+                    ray.kill(self.engines[index].actor, no_restart=True)
+                self.engines[index] = EngineClient(self._make(index, -1))
+                ray.get(self.engines[index].ready(), timeout=ENGINE_START_TIMEOUT_S)
                 self.restarts += 1
                 restarted.append(index)
         return restarted
@@ -80,5 +81,5 @@ class RolloutPool:
 
         for engine in self.engines:
             with contextlib.suppress(Exception):
-                ray.kill(engine, no_restart=True)
+                ray.kill(engine.actor, no_restart=True)
         self.engines = []

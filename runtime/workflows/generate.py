@@ -102,7 +102,7 @@ class GenerateWorkflow:
     def submit(self, engine: int, items: list[PromptItem], request_id: int | None = None) -> None:
         """Send one generate request to `engine`; it is filed under `request_id` (default: the next one)."""
         loop = self.loop
-        ref = loop.rollout.engines[engine].generate.remote(self.requests(items))
+        ref = loop.rollout.engines[engine].generate(self.requests(items))
         rid = loop.rollout_log.new_id() if request_id is None else request_id
         chunk = Chunk(engine, items, rid, loop.version)
         self.inflight[ref] = chunk
