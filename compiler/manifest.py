@@ -4,6 +4,11 @@
 `uv --locked` and Terraform's saved plans): a hand edit, a missing or stray file, an unknown plan format or
 an rlc of another major.minor is refused with the file named and the fix. This module is on the start-up
 path of `rlc run`, so it imports nothing heavy (hashlib, json, and the plan schema only when loading).
+
+A plan directory holds regular files only: a named pipe would block its reader forever and a device such as
+`/dev/zero` never ends, so both are refused by name before anything is read (RLC701). Symbolic links are
+followed only to regular files inside the plan directory (a Kubernetes ConfigMap volume links every entry into
+its `..data/` folder); one that leads out of it, or nowhere, is refused the same way.
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from rlc import __version__
 from rlc.compiler.diagnostics import Diagnostic, first_line
@@ -36,12 +42,73 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+class SpecialFileError(ValueError):
+    """A plan file that is not a regular file (a FIFO, a device, a socket, a directory)."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: Path) -> IO[bytes]:
+    """`path` open for reading, or SpecialFileError when it is not a regular file.
+
+    Opened without blocking (a FIFO's open would wait for a writer) and checked on the open file, so a file
+    swapped after an earlier check cannot slip through.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise SpecialFileError(f"{path} is {_kind(mode)}, not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_text(path: Path) -> str:
+    """The UTF-8 text of a regular file (SpecialFileError for anything else, see `open_regular`)."""
+    with open_regular(path) as handle:
+        return handle.read().decode("utf-8")
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
+    with open_regular(path) as handle:
         for block in iter(lambda: handle.read(1 << 16), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def not_a_plan_file(plan_dir: Path, name: str) -> str | None:
+    """Why `plan_dir/name` cannot be read as a plan file (None when it can): not a regular file, a symbolic link
+    out of the plan directory, or a dangling one. Only stat is called, so a FIFO cannot block the check."""
+    path = plan_dir / name
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        linked = " (a symbolic link that leads nowhere)" if path.is_symlink() else ""
+        return f"{name} cannot be read{linked}: {exc.strerror or exc}"
+    real = path.resolve()
+    linked = f" (a symbolic link to {real})" if real != path.absolute() else ""
+    if not stat.S_ISREG(mode):
+        return f"{name}{linked} is {_kind(mode)}, not a regular file"
+    try:
+        real.relative_to(plan_dir.resolve())
+    except ValueError:
+        return f"{name}{linked} lies outside the plan directory"
+    return None
 
 
 def dumps_json(data: Any) -> str:
@@ -78,7 +145,7 @@ def build_manifest(files: dict[str, bytes], *, spec_hash: str, plan_hash: str, f
 def read_manifest(plan_dir: Path) -> dict[str, Any] | None:
     """The parsed manifest, or None when there is none or it is not a plan manifest."""
     try:
-        data = json.loads((plan_dir / MANIFEST).read_text(encoding="utf-8"))
+        data = json.loads(read_text(plan_dir / MANIFEST))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or not isinstance(data.get("files"), dict) or "plan_format" not in data:
@@ -89,20 +156,32 @@ def read_manifest(plan_dir: Path) -> dict[str, Any] | None:
 def list_files(plan_dir: Path) -> list[str]:
     """Every file under `plan_dir` as a sorted POSIX relative path.
 
-    Directory symlinks are followed (a ConfigMap volume mounts `roles/` as a link into `..data/`), and the
-    volume's own `..`-prefixed entries are skipped.
+    Directory symlinks are followed when they stay inside the plan directory (a ConfigMap volume mounts
+    `roles/` as a link into `..data/`); one that leads out is listed as an entry itself (`not_a_plan_file` then
+    refuses it) rather than walked. The volume's own `..`-prefixed entries are skipped.
     """
     found: list[str] = []
+    inside = Path(plan_dir).resolve()
     for root, dirs, files in os.walk(plan_dir, followlinks=True):
         rel_root = Path(root).relative_to(plan_dir)
         if rel_root == Path("."):
             dirs[:] = [d for d in dirs if not d.startswith(_CONFIGMAP_INTERNALS)]
             files = [f for f in files if not f.startswith(_CONFIGMAP_INTERNALS)]
+        outward = [d for d in dirs if os.path.islink(os.path.join(root, d)) and not _within(Path(root, d), inside)]
+        dirs[:] = [d for d in dirs if d not in outward]
         if len(rel_root.parts) >= 8:  # plans are shallow; this also stops a symlink loop
             dirs[:] = []
         dirs.sort()
-        found.extend((rel_root / name).as_posix() for name in files)
+        found.extend((rel_root / name).as_posix() for name in [*files, *outward])
     return sorted(found)
+
+
+def _within(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder)
+    except (ValueError, OSError, RuntimeError):
+        return False
+    return True
 
 
 def plan_problem(exc: Exception) -> str:
@@ -132,6 +211,9 @@ def verify_plan_dir(plan_dir: Path, *, allow_modified: bool = False) -> list[Dia
     where = str(plan_dir)
     if not plan_dir.is_dir():
         return [_error("RLC701", f"plan directory {where} does not exist", where, "run `rlc compile` first")]
+    special = {name: why for name in list_files(plan_dir) if (why := not_a_plan_file(plan_dir, name))}
+    if MANIFEST in special:
+        return _special_files(plan_dir, special)
     manifest = read_manifest(plan_dir)
     if manifest is None:
         return [
@@ -168,10 +250,13 @@ def verify_plan_dir(plan_dir: Path, *, allow_modified: bool = False) -> list[Dia
             )
         )
     listed: dict[str, str] = {str(k): str(v) for k, v in manifest["files"].items()}
-    present = set(list_files(plan_dir)) - {MANIFEST}
+    found += _special_files(plan_dir, special)
+    present = set(list_files(plan_dir)) - {MANIFEST} - set(special)
     changed = "warning" if allow_modified else "error"
     for name in sorted(listed):
         file = str(plan_dir / name)
+        if name in special:
+            continue
         if name not in present:
             found.append(_error("RLC704", f"{name} is missing from the plan", file, recompile))
         elif sha256_file(plan_dir / name) != listed[name]:
@@ -197,9 +282,17 @@ def verify_plan_dir(plan_dir: Path, *, allow_modified: bool = False) -> list[Dia
     return found
 
 
+def _special_files(plan_dir: Path, special: dict[str, str]) -> list[Diagnostic]:
+    """RLC701 errors for files no plan holds (never downgraded by --allow-modified: reading them would hang)."""
+    hint = f"replace it with the compiled file, or {_recompile(plan_dir)}"
+    return [
+        _error("RLC701", f"{why}; a plan directory holds regular files only", str(plan_dir / name), hint)
+        for name, why in sorted(special.items())
+    ]
+
+
 def load_plan(plan_dir: Path) -> Plan:
     """The Plan in `plan_dir/plan.json` (call verify_plan_dir first; this only parses and validates)."""
     from rlc.schemas.plan import Plan
 
-    text = (Path(plan_dir) / PLAN_FILE).read_text(encoding="utf-8")
-    return Plan.model_validate_json(text)
+    return Plan.model_validate_json(read_text(Path(plan_dir) / PLAN_FILE))

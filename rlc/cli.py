@@ -2,7 +2,8 @@
 
 Only the light compile-path libraries are imported at module level (typer, and lazily pydantic, pyyaml,
 jinja2, rich); `rlc run` imports the runtime (torch, ray, vllm) after the plan has been verified.
-Exit codes: 0 ok, 1 findings (invalid spec, refused plan, plans differ), 2 usage error.
+Exit codes: 0 ok, 1 findings (invalid spec, refused plan, plans differ; a run that failed, or that Ctrl-C or
+SIGTERM stopped before its last step), 2 usage error.
 """
 
 from __future__ import annotations
@@ -397,11 +398,15 @@ def run(
         )
     _require_runtime()
     from rlc.runtime.errors import RunError, RuntimeGapError, RunUsageError
-    from rlc.runtime.launch import refuse_gaps, run_plan
+    from rlc.runtime.launch import RunStopped, refuse_gaps, run_plan
 
     try:
         refuse_gaps(plan)
         run_plan(plan, run_dir, resume=resume, overwrite=overwrite, replay=replay)
+    except RunStopped as exc:  # Ctrl-C or SIGTERM: a partial run, checkpointed, is not a finished one
+        again = f"{plan_dir} --run-dir {target_dir}" if run_dir or replay else str(plan_dir)
+        typer.echo(f"rlc run: {str(exc).replace('PLANDIR', again)}", err=True)
+        raise typer.Exit(EXIT_FINDINGS) from None
     except RuntimeGapError as exc:
         lines = "\n".join(f"    - {gap}" for gap in exc.gaps)
         code = "RLC708"

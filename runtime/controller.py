@@ -93,6 +93,7 @@ class Controller:
         self.teachers: Any = None  # a distill.TeacherPool when the plan distills
         self.spec_decode = SpecDecodeDelta() if plan.sampling.speculative else None
         self._stop = threading.Event()
+        self._checkpointed_step = self.step  # the step of the newest checkpoint (a resumed run starts at one)
         self._step_started = time.perf_counter()
         #: Tokens generated and samples a weight update interrupted since the last step (the workflow counts them).
         self.rollout_tokens = 0
@@ -245,16 +246,18 @@ class Controller:
         self.weights.prepare()
 
     def _checkpoint(self) -> None:
-        staged = staging_dir(self.run_dir, self.step)
+        step = self.step
+        staged = staging_dir(self.run_dir, step)
         self.trainer.save_checkpoint(str(staged))
         state = ControllerState(
-            step=self.step,
+            step=step,
             version=self.version,
             data_cursor=self.workflow.resume_cursor(),
             rng=_rng_to_json(random.getstate()),
             plan_hash=self.plan.spec_hash,
         )
         finalize(self.run_dir, staged, state, self.plan.schedule.keep_checkpoints)
+        self._checkpointed_step = step
 
     # ------------------------------------------------------------------ the loop
 
@@ -276,8 +279,29 @@ class Controller:
                 self.stall.check(self._in_flight)
             return self.step
         finally:
-            if self.training is not None:
+            # A stopped run keeps the step its trainer is in (`finish_after_stop`); anything else drops it.
+            if self.training is not None and not self._stop.is_set():
                 self.training.cancel()
+
+    def finish_after_stop(self) -> int:
+        """After `stop`: finish and record the step the trainer was in (its update is already in the weights), then
+        checkpoint the last step unless that is done; returns the step reached. The loop itself checkpoints only
+        every `checkpoint_every` steps and at its last one."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        training, self.training = self.training, None
+        if training is not None and not training.cancelled():
+            try:
+                training.result(timeout=self.stall.limit_s)
+            except FutureTimeout:
+                raise StallError(
+                    f"step {self.step + 1} did not finish within the plan's stall bound of {self.stall.limit_s:.0f} s "
+                    "after the stop request (schedule.stall_timeout_s)"
+                ) from None
+            self._finish_step(training)
+        if self.step > self._checkpointed_step:
+            self._wait_checkpoint(self._trainer_thread.submit(self._checkpoint))
+        return self.step
 
     def _in_flight(self) -> str:
         """What the run is waiting for, for a stall's message: the workflow's work in flight, the step."""
@@ -367,7 +391,7 @@ class Controller:
         if self.spec_decode is None:
             return {}
         try:
-            snaps = ray.get([e.spec_decode_metrics.remote() for e in self.rollout.engines], timeout=120)
+            snaps = ray.get([e.spec_decode_metrics() for e in self.rollout.engines], timeout=120)
         except Exception as exc:  # a dying engine: the restart path deals with it
             self.logger.message(f"spec-decode counters unavailable this step ({type(exc).__name__})")
             return {}

@@ -2,7 +2,9 @@
 
 Everything that can be wrong with the inputs (run directory, model folder, dataset, reward function, a
 checkpoint from another plan, free disk) is checked before any actor starts, and reported as a `RunError`
-with a clear message. An earlier run in the run directory is never deleted (see `run_dir`).
+with a clear message. An earlier run in the run directory is never deleted (see `run_dir`), and one driver
+holds the run directory's lock for the whole run. Ctrl-C and SIGTERM stop a run cleanly: the step in progress
+is finished and checkpointed, and the run ends with `RunStopped` (a partial run is not a finished one).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from rlc.runtime.preflight import Weights, check_model_folder
 from rlc.runtime.weight_push import sync_method
 from rlc.schemas.plan import Plan, Role
 
-__all__ = ["RunError", "RunUsageError", "prepare_model", "run_plan"]
+__all__ = ["RunError", "RunStopped", "RunUsageError", "prepare_model", "run_plan"]
 
 T = TypeVar("T")
 
@@ -456,6 +458,34 @@ def _preflight(plan: Plan, run_dir: Path, resume: bool, overwrite: bool, log) ->
     return model_path, weights
 
 
+#: Signals that stop a run cleanly, as Ctrl-C does: SIGTERM is what `kill`, schedulers (Slurm, Kubernetes) and
+#: `ray job stop` send first.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RunStopped(RunError):
+    """A signal stopped the run before its last step: it finished the step in progress and checkpointed it, and
+    `rlc run` exits non-zero (a partial run is not a finished one)."""
+
+    def __init__(self, step: int, total: int, signal_name: str, run_dir: Path) -> None:
+        self.step, self.total = step, total
+        by = f" ({signal_name})" if signal_name else ""
+        super().__init__(f"stopped at step {step} of {total}{by}; {_last_checkpoint(run_dir)}")
+
+
+def _last_checkpoint(run_dir: Path) -> str:
+    """Where a stopped run's newest checkpoint is, and how to continue from it."""
+    from rlc.runtime.checkpoint import CheckpointError, latest_checkpoint
+
+    try:
+        found = latest_checkpoint(run_dir)
+    except CheckpointError:
+        found = None
+    if found is None:
+        return _resumable(run_dir)
+    return f"the last checkpoint is {found[0]} (step {found[1].step}): continue with `rlc run PLANDIR --resume`"
+
+
 def _resumable(run_dir: Path) -> str:
     from rlc.runtime.checkpoint import CheckpointError, latest_checkpoint
 
@@ -591,15 +621,28 @@ def run_plan(
     made), the recorded requests and batches are fed back (`runtime/workflows/replay.py`) into `run_dir`, by default
     `RUN.replay`.
     """
-    from rlc.runtime.checkpoint import CheckpointError, latest_checkpoint
+    from rlc.runtime.run_dir import lock_run_dir
 
     refuse_gaps(plan)
     if replay is not None and run_dir is None:
         run_dir = Path(f"{Path(replay)}.replay")
     run_dir = Path(run_dir or plan.run_dir)
     log = lambda text: print(f"rlc: {text}", flush=True)  # noqa: E731
-    start = None
     schedule = _replay_schedule(plan, Path(replay), run_dir, resume) if replay is not None else None
+    if resume and overwrite:  # before the lock, which would create the run directory
+        raise RunUsageError("--resume continues the earlier run and --overwrite moves it aside: pass one of them")
+    # One driver per run directory, from before its first look at the directory until Ray is shut down.
+    with lock_run_dir(run_dir, log, create=not resume):
+        return _run_locked(plan, run_dir, resume, overwrite, replay, schedule, log)
+
+
+def _run_locked(  # type: ignore[no-untyped-def]
+    plan: Plan, run_dir: Path, resume: bool, overwrite: bool, replay: Path | None, schedule: Any, log
+) -> int:
+    """`run_plan` once this process holds the run directory's lock."""
+    from rlc.runtime.checkpoint import CheckpointError, latest_checkpoint
+
+    start = None
     if resume and not overwrite:  # before the pre-flight, which would create the run directory and build the model
         try:
             found = latest_checkpoint(run_dir)
@@ -633,7 +676,9 @@ def run_plan(
     started_ray = start_ray(plan, log)
     placement_groups: list[Any] = []  # released at the end when Ray is not ours to shut down
     trainer = pool = controller = teachers = reference = runners = None
-    previous = signal.getsignal(signal.SIGINT)
+    # After ray.init, which sets its own SIGTERM handler (exit at once): a second signal gets that back.
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    stopped_by: list[str] = []
     try:
         log("starting trainer and rollout engines")
         try:
@@ -675,18 +720,33 @@ def run_plan(
             log(f"resumed from {checkpoint.name} at step {start.step}")
 
         def interrupt(signum: int, frame: Any) -> None:
-            log("interrupted: finishing the current step's bookkeeping and shutting down")
+            name = signal.Signals(signum).name
+            stopped_by.append(name)
             controller.stop()
-            signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():  # a second signal stops at once
+                signal.signal(sig, handler)
+            with contextlib.suppress(RuntimeError):  # the signal came during a print: stdout is not reentrant
+                log(
+                    f"interrupted ({name}): finishing the current step, writing a checkpoint and shutting down "
+                    "(send the signal again to stop at once, without the checkpoint)"
+                )
 
-        signal.signal(signal.SIGINT, interrupt)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, interrupt)
         steps = _run_controller(controller.run, run_dir)
+        if stopped_by:
+            steps = _run_controller(controller.finish_after_stop, run_dir)
+        if steps < controller.total_steps:
+            with contextlib.suppress(OSError, ValueError):  # the stop is what must be reported
+                _finish_run_record(run_dir, replay, log)
+            raise RunStopped(steps, controller.total_steps, stopped_by[0] if stopped_by else "", run_dir)
         log(f"done: {steps} step(s); metrics in {run_dir / 'metrics.jsonl'}")
         _finish_run_record(run_dir, replay, log)
         _write_report(run_dir, log)
         return steps
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if controller is not None and trainer is not None:
             with contextlib.suppress(Exception):  # the measured peaks of the whole run, when the ranks still answer
                 write_layout_record(run_dir, plan, trainer.built_layouts())

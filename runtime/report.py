@@ -4,16 +4,23 @@ It reads only the run directory (`metrics.jsonl`, and `plan.json` for the predic
 finished run, a stopped one or one still going. The charts are drawn with matplotlib (the optional
 `rlc[report]` extra) and embedded in the page as data URIs, so the page can be mailed or attached to a CI run
 as a single file.
+
+Writes never follow a symbolic link: a `RUN/report` link, or a link in place of a file the report writes, is
+refused before anything is drawn (someone else's `index.html` must not be overwritten through it), and each
+file is written beside its name and renamed into place, which replaces a name rather than following it.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import io
 import json
 import math
+import os
 import statistics
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,6 +201,43 @@ def is_report_dir(folder: Path) -> bool:
     return "<title>rlc run " in head
 
 
+#: Every file a report writes into its folder.
+REPORT_FILES: tuple[str, ...] = ("index.html", *(f"{stem}.png" for stem, *_ in CHARTS))
+
+
+def _refuse_links(run_dir: Path, out: Path, default: bool) -> None:
+    """RunError when writing the report into `out` would follow a symbolic link: `RUN/report` itself, a folder
+    inside the run directory that leads out of it, or a link in place of one of the report's files."""
+    if default and out.is_symlink():
+        raise RunError(
+            f"{out} is a symbolic link (to {os.readlink(out)}), not the run's report folder: rlc writes its report "
+            "only inside the run directory; remove the link, or write elsewhere with -o"
+        )
+    run, dest = Path(os.path.abspath(run_dir)), Path(os.path.abspath(out))
+    if dest.is_relative_to(run) and not dest.resolve().is_relative_to(run.resolve()):
+        raise RunError(f"{out} leads out of the run directory {run_dir} through a symbolic link; remove the link")
+    linked = [name for name in REPORT_FILES if (out / name).is_symlink()]
+    if linked:
+        raise RunError(
+            f"{out / linked[0]} is a symbolic link (to {os.readlink(out / linked[0])}); the report would overwrite "
+            "what it points to: remove the link"
+        )
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Write `data` to a new file beside `path` and rename it into place: never through a link at `path`."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
     """Draw every chart the metrics allow, write the PNGs and `index.html` into `out_dir` (RUN/report)."""
     try:
@@ -202,6 +246,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
         raise RunUsageError("plots need matplotlib: install `rlc[report]`") from None
     rows = read_metrics(run_dir)
     out = out_dir or run_dir / "report"
+    _refuse_links(run_dir, out, default=out_dir is None)
     out.mkdir(parents=True, exist_ok=True)
     estimates = _estimates(run_dir)
     pngs, figures = [], []
@@ -211,7 +256,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
         if image is None:
             continue
         path = out / f"{stem}.png"
-        path.write_bytes(image)
+        _write_file(path, image)
         pngs.append(path)
         data = base64.b64encode(image).decode()
         figures.append(f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{data}"></figure>')
@@ -238,5 +283,5 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Report:
         ]
     )
     page_path = out / "index.html"
-    page_path.write_text(page + "\n", encoding="utf-8")
+    _write_file(page_path, (page + "\n").encode("utf-8"))
     return Report(page_path, pngs)

@@ -4,14 +4,22 @@ Re-typing `rlc run PLAN` must not cost hours of checkpoints. A directory that ho
 refused unless the user says `--resume` (continue it) or `--overwrite` (move the earlier run's files to a
 sibling `RUN.old-N/`; nothing is deleted). Only the run's own artifacts move: a model folder or data file
 that lives inside the run directory stays where the plan expects it.
+
+One driver at a time: `rlc run` holds an exclusive lock on the run directory (`RunDirLock`) for the whole run,
+taken before anything else touches it, so a second `rlc run` (or a `--resume`) of the same directory stops at once
+instead of writing the same checkpoints and metrics.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import json
 import os
+import socket
 import tempfile
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from rlc.runtime.errors import RunError, RunUsageError
@@ -140,3 +148,111 @@ def why_not_writable(exc: OSError) -> str:
     if exc.errno == errno.ENOSPC:
         return "no space left on the device"
     return exc.strerror or str(exc)
+
+
+#: The driver's lock file inside the run directory: `flock`ed by the `rlc run` process for the whole run, holding
+#: its pid and host; removed when the run ends. Not a run artifact: `--overwrite` leaves it in place.
+LOCK_FILE = ".rlc-run.lock"
+
+#: `flock` errors that mean "the file system keeps no locks", not "someone holds it".
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+class RunDirLock:
+    """An exclusive `flock` on `RUN/.rlc-run.lock`, held by this process until `release()` (or its death: the
+    kernel drops a dead process's lock, so a crashed driver never blocks the next one)."""
+
+    def __init__(self, path: Path | None = None, fd: int | None = None) -> None:
+        self.path, self.fd = path, fd
+
+    def release(self) -> None:
+        """Remove the lock file (only while it is still ours), then unlock."""
+        if self.fd is None or self.path is None:
+            return
+        try:
+            if _same_file(self.fd, self.path):
+                os.unlink(self.path)
+        except OSError:
+            pass  # a lock file left behind is taken over by the next run
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> RunDirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd` (another driver may have removed and recreated it)."""
+    try:
+        mine, named = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (named.st_dev, named.st_ino)
+
+
+def _holder(fd: int) -> tuple[int | None, str]:
+    """Who wrote the lock file: its pid and "pid N on host H, since T" (None and "" when it says nothing readable)."""
+    try:
+        data = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+        pid, host, since = int(data["pid"]), str(data["host"]), str(data.get("since", ""))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, ""
+    return pid, f"pid {pid} on host {host}" + (f", since {since}" if since else "")
+
+
+def lock_run_dir(run_dir: Path, log: Callable[[str], None], *, create: bool = True) -> RunDirLock:
+    """Take the run directory's lock before anything else touches the directory (creating it unless `create` is
+    False and it does not exist: then there is nothing to lock, and the caller's checks refuse the run).
+
+    RunUsageError naming the other driver's pid when one holds it; RunError when the lock file cannot be made.
+    A file system without locks (some network mounts) runs unlocked, with a warning.
+    """
+    check_location(run_dir)
+    if not run_dir.is_dir():
+        if not create:
+            return RunDirLock()
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            why = why_not_writable(exc)
+            raise RunError(f"cannot create the run directory {run_dir}: {why}; choose another --run-dir") from None
+    path = run_dir / LOCK_FILE
+    for _ in range(20):  # a lock file removed between our open and our flock: open the new one
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise RunError(f"{path} is a symbolic link, not rlc's lock file: remove it") from None
+            raise RunError(
+                f"the run directory {run_dir} is not writable (its lock file {LOCK_FILE} cannot be made): "
+                f"{why_not_writable(exc)}; fix its permissions or mount, or choose another --run-dir"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            pid, holder = _holder(fd)
+            os.close(fd)
+            if exc.errno in _NO_LOCKS:
+                log(f"warning: the file system of {run_dir} keeps no locks; nothing stops a second `rlc run` there")
+                return RunDirLock()
+            who = holder or "its pid is not written yet: it is just starting"
+            raise RunUsageError(
+                f"another `rlc run` ({who}) is using the run directory {run_dir}; two drivers would write the same "
+                f"checkpoints and metrics. Wait for it to end, stop it (`kill {pid or 'PID'}` stops it after a "
+                "checkpoint), or choose another --run-dir"
+            ) from None
+        if not _same_file(fd, path):
+            os.close(fd)
+            continue
+        _, left = _holder(fd)
+        if left:  # a driver that died without removing its file: the kernel released its lock
+            log(f"the run directory's lock of {left} was left by a process that no longer runs; taking it over")
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        return RunDirLock(path, fd)
+    raise RunError(f"the lock file {path} keeps changing: is another program removing it?")

@@ -26,7 +26,7 @@ def test_rewards_from_numbers_and_dicts() -> None:
     got = episode("returns_dict")
     assert (got.key, got.status, got.reward, got.error) == ("key-1", "ok", 0.5, "")
     assert reward_of(1) == (1.0, "") and reward_of(True) == (1.0, "")
-    for bad in (None, "1.0", float("nan"), {"score": 1}, [1.0]):
+    for bad in (None, "1.0", float("nan"), {"score": 1}, [1.0], 10**400, 1e39, {"reward": -1e39}):
         value, why = reward_of(bad)
         assert value is None and why
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import threading
 import time
 import traceback
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlc.agents.llm import Endpoint
+from rlc.runtime.tasks.rewards import as_score
 from rlc.runtime.user_code import load_callable
 
 __all__ = ["AgentRunner", "Episode", "agent_runner_actor", "reward_of"]
@@ -45,15 +45,8 @@ def reward_of(value: object) -> tuple[float | None, str]:
         value = value["reward"]
     if value is None:
         return None, "returned None, not a reward"
-    if isinstance(value, str | bytes):
-        return None, f"returned a {type(value).__name__}, not a number"
-    try:
-        number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None, f"returned a {type(value).__name__}, not a number"
-    if not math.isfinite(number):
-        return None, f"returned {number}"
-    return number, ""
+    number, why = as_score(value)  # finite in float32, where the advantages are computed
+    return (None, why) if why else (number, "")
 
 
 def _innermost(exc: BaseException) -> str:

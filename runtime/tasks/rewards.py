@@ -28,6 +28,7 @@ __all__ = [
     "RewardGuard",
     "RewardLoadError",
     "RewardTimeout",
+    "as_score",
     "exact_match",
     "load_reward",
     "math_exact",
@@ -179,25 +180,38 @@ def _clip(text: object, limit: int = 120) -> str:
     return shown if len(shown) <= limit else f"{shown[: limit - 20]}...' ({len(str(text))} chars)"
 
 
-def _not_a_score(value: object) -> str | None:
-    """Why `value` cannot be a reward, or None when it can (ints, floats, bools, numpy/torch scalars)."""
+#: The largest finite float32: rewards become float32 advantages, and one beyond this turns them into inf and NaN.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def as_score(value: object) -> tuple[float, str | None]:
+    """`value` as a reward, and why it cannot be one (None when it can: ints, floats, bools, numpy/torch scalars
+    whose magnitude float32 holds)."""
     if value is None:
-        return "returned None"
+        return 0.0, "returned None"
     if isinstance(value, str | bytes):
-        return f"returned the string {_clip(value, 60)}, not a number"
+        return 0.0, f"returned the string {_clip(value, 60)}, not a number"
     try:
         number = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int or Fraction past float's range, e.g. 10**400
+        shown = repr(value)
+        shown = shown if len(shown) <= 40 else f"{shown[:20]}... ({len(shown)} characters)"
+        return 0.0, f"returned {shown}, beyond float32's range (±3.4e38) the advantages are computed in"
     except (TypeError, ValueError):
-        return f"returned a {type(value).__name__}, not a number"
+        return 0.0, f"returned a {type(value).__name__}, not a number"
+    except Exception as exc:  # the value's own __float__ failed: the user's code
+        return 0.0, f"returned a {type(value).__name__} that does not convert to a number ({type(exc).__name__})"
     if not math.isfinite(number):
-        return f"returned {number}"
-    return None
+        return 0.0, f"returned {number}"
+    if abs(number) > FLOAT32_MAX:
+        return 0.0, f"returned {number:g}, beyond float32's range (±3.4e38) the advantages are computed in"
+    return number, None
 
 
 class RewardGuard:
     """Scores samples with the user's reward function, under the plan's policy for the ones it cannot score.
 
-    A sample whose reward raises, outlives `timeout_s` or is not a finite number scores 0 and is counted (the
+    A sample whose reward raises, outlives `timeout_s` or is not a number finite in float32 scores 0 and is counted (the
     first is reported with its prompt and completion); when more than `max_failed_share` of the last `window`
     samples (one batch) failed, the run stops with a RunError naming the reward, the last failed sample and
     the reason.
@@ -236,10 +250,10 @@ class RewardGuard:
         except Exception as exc:  # the user's code: any failure is the sample's, reported below
             problem = f"raised {type(exc).__name__}: {exc}"
         else:
-            problem = _not_a_score(value)
+            score, problem = as_score(value)
             if problem is None:
                 self.recent.append(False)
-                return float(value)  # type: ignore[arg-type]
+                return score
         self.recent.append(True)
         self.failed_since_step += 1
         sample = f"(prompt {_clip(prompt)}, completion {_clip(completion)}, answer {_clip(answer)})"
