@@ -203,9 +203,10 @@ def _error(code: str, message: str, file: str, hint: str, severity: str = "error
 def verify_plan_dir(plan_dir: Path, *, allow_modified: bool = False) -> list[Diagnostic]:
     """Check a plan directory against its manifest; an empty list means `rlc run` may use it.
 
-    Errors: no manifest, unknown plan format, rlc of another major.minor, a missing, modified or extra file.
-    With `allow_modified`, modified and extra files are warnings instead (a deliberate local experiment);
-    missing files and version problems stay errors.
+    Errors: no manifest, unknown plan format, rlc of another major.minor, a missing, modified or extra file,
+    a plan.json that is not the compiled plan the manifest records although its hash in `files` was made to
+    match (`compiled_plan_differences`). With `allow_modified`, modified and extra files (and such a plan.json)
+    are warnings instead (a deliberate local experiment); missing files and version problems stay errors.
     """
     plan_dir = Path(plan_dir)
     where = str(plan_dir)
@@ -279,7 +280,51 @@ def verify_plan_dir(plan_dir: Path, *, allow_modified: bool = False) -> list[Dia
                 changed,
             )
         )
+    plan_file = str(plan_dir / PLAN_FILE)
+    if PLAN_FILE in listed and PLAN_FILE in present and not any(d.file == plan_file for d in found):
+        found += _rehashed_plan(plan_dir, manifest, changed)
     return found
+
+
+def compiled_plan_differences(plan_dir: Path, manifest: dict[str, Any]) -> list[str]:
+    """How plan.json differs from the manifest's own record of the compiled plan (empty when it does not).
+
+    The manifest keeps `plan_hash` (the sha256 of plan.json as compiled) and, since value-by-value reports,
+    `compiled_plan` (a copy of it), next to the per-file hashes: a plan.json edited and rehashed in `files`
+    still differs from both. A manifest without `compiled_plan` predates it; every manifest has `plan_hash`.
+    """
+    path = plan_dir / PLAN_FILE
+    reasons: list[str] = []
+    expected = manifest.get("plan_hash")
+    if not isinstance(expected, str) or not expected:
+        reasons.append(f"{MANIFEST} has lost its plan_hash")
+    elif sha256_file(path) != expected:
+        reasons.append("its sha256 is not the manifest's plan_hash")
+    if "compiled_plan" in manifest:
+        try:
+            current = json.loads(read_text(path))
+        except (OSError, ValueError):
+            current = None
+        if current != manifest["compiled_plan"]:
+            reasons.append("its values differ from the manifest's copy of the compiled plan")
+    return reasons
+
+
+def _rehashed_plan(plan_dir: Path, manifest: dict[str, Any], severity: str) -> list[Diagnostic]:
+    """RLC705 for a plan.json whose hash in `files` matches but which is not the plan the compiler wrote."""
+    reasons = compiled_plan_differences(plan_dir, manifest)
+    if not reasons:
+        return []
+    return [
+        _error(
+            "RLC705",
+            f"{PLAN_FILE} is not the plan rlc compile wrote, although its sha256 in {MANIFEST} matches (the "
+            f"manifest was edited to fit): {'; '.join(reasons)}",
+            str(plan_dir / PLAN_FILE),
+            f"{_recompile(plan_dir)}, or pass --allow-modified to run it anyway",
+            severity,
+        )
+    ]
 
 
 def _special_files(plan_dir: Path, special: dict[str, str]) -> list[Diagnostic]:

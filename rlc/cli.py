@@ -320,6 +320,41 @@ def diff(
     raise typer.Exit(EXIT_OK if same_plan(changes) else EXIT_FINDINGS)
 
 
+def _worker_env_notice(plan: Any, compiled: Any) -> str | None:
+    """For `rlc run --allow-modified` of an edited plan.json: the environment variables it sets, said plainly to
+    reach the run's Ray workers (a variable can name code: a PYTHONPATH entry, LD_PRELOAD, a plugin), each marked
+    where the edit added or changed it against the manifest's copy of the compiled plan."""
+    compiled = compiled if isinstance(compiled, dict) else {}
+    compiled_roles = {r.get("name"): r for r in compiled.get("roles", []) if isinstance(r, dict)}
+
+    def names(env: dict[str, str], before: Any) -> str:
+        before = before if isinstance(before, dict) else {}
+        shown = []
+        for key, value in sorted(env.items()):
+            if key not in before:
+                key += " (added by the edit)"
+            elif before[key] != value:
+                key += " (changed by the edit)"
+            shown.append(key)
+        return ", ".join(shown)
+
+    lines = []
+    if plan.env:
+        lines.append(f"env, for every Ray worker of the run: {names(plan.env, compiled.get('env'))}")
+    for role in plan.roles:
+        if role.env:
+            before = compiled_roles.get(role.name, {}).get("env")
+            lines.append(f"roles[{role.name}].env, for that role's Ray workers: {names(role.env, before)}")
+    if not lines:
+        return None
+    return (
+        "rlc run: --allow-modified: warning: this modified plan sets environment variables, and they apply to "
+        "every Ray worker of the run: code a variable names (a PYTHONPATH entry, LD_PRELOAD, a plugin) runs in "
+        "those processes, with the run's access to data, devices and the cluster:\n"
+        + "\n".join(f"    {line}" for line in lines)
+    )
+
+
 @app.command()
 def run(
     plan_dir: Annotated[Path, typer.Argument(help="Plan directory from `rlc compile`.", show_default=False)],
@@ -351,7 +386,7 @@ def run(
 ) -> None:
     """Verify a plan directory and execute it (Ray, vLLM rollout, FSDP2 training)."""
     from rlc.compiler.diagnostics import Report, render_text
-    from rlc.compiler.manifest import load_plan, plan_problem, verify_plan_dir
+    from rlc.compiler.manifest import PLAN_FILE, load_plan, plan_problem, read_manifest, verify_plan_dir
 
     if not plan_dir.is_dir():
         raise _usage_error(f"{plan_dir} is not a plan directory; create one with `rlc compile SPEC -o {plan_dir}`")
@@ -367,10 +402,15 @@ def run(
         typer.echo(render_text([report]), err=True)
     if not report.ok:
         raise typer.Exit(EXIT_FINDINGS)
+    # plan.json itself differs from the compiled plan (edited, or edited and rehashed in the manifest)
+    plan_edited = allow_modified and any(d.file == str(plan_dir / PLAN_FILE) for d in report.diagnostics)
     if allow_modified and report.diagnostics:
-        from rlc.compiler.plan_changes import describe_modifications
+        from rlc.compiler.plan_changes import _plan_lines, describe_modifications
 
         changed = describe_modifications(plan_dir)
+        manifest = read_manifest(plan_dir) or {}
+        if plan_edited and "compiled_plan" in manifest and not any(x.startswith(f"{PLAN_FILE}:") for x in changed):
+            changed = [*_plan_lines(plan_dir, manifest["compiled_plan"]), *changed]  # its hash was made to match
         if changed:
             typer.echo("rlc run: --allow-modified: running a plan that differs from the compiled one:", err=True)
             typer.echo("\n".join(f"    {line}" for line in changed), err=True)
@@ -378,6 +418,8 @@ def run(
         plan = load_plan(plan_dir)
     except (OSError, ValueError) as exc:
         raise _usage_error(f"cannot read plan {plan_dir}: {plan_problem(exc)}") from None
+    if plan_edited and (notice := _worker_env_notice(plan, (read_manifest(plan_dir) or {}).get("compiled_plan"))):
+        typer.echo(notice, err=True)
     from rlc.runtime.launch_request import launch_request, render_request
 
     if dry_run:  # the plan alone: no runtime needed

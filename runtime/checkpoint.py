@@ -4,11 +4,18 @@ A checkpoint is `RUN/checkpoints/step-NNNNNN/` holding the trainer's Hugging Fac
 state (written by the trainer ranks) and `controller.json` (step, version, data cursor, RNG). It is built
 under a temporary name and renamed into place only when complete, so an interrupted save never leaves a
 checkpoint that `--resume` would trust.
+
+Durability: a rename is atomic but not durable by itself, and the kernel may write a file's directory entry
+before its data. So every file of the staged checkpoint and every directory in it is fsynced, then the
+`COMPLETE` marker is written and fsynced (last: a checkpoint that has it holds its data after a power loss),
+then the rename and the directory holding it. A disk that fills up mid-save is named (`disk_full`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import shutil
 from dataclasses import asdict, dataclass, field, fields
@@ -51,6 +58,75 @@ class ControllerState:
         return cls(**data)
 
 
+#: Errors that mean the device is full (for this user, with EDQUOT).
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# How libraries that do their own I/O (safetensors' Rust writer) word a full disk in a non-OSError.
+_DISK_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|os error (?:28|122)\b|StorageFull")
+# What fsync on a directory raises where the filesystem cannot sync directories (some network filesystems).
+_NO_DIR_SYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EBADF})
+
+
+def fsync_file(path: Path) -> None:
+    """Make a written file's data durable (its directory entry needs `fsync_dir` of the folder)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (files created, renamed or removed in it) durable; a no-op where the
+    filesystem cannot sync directories."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in _NO_DIR_SYNC:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _NO_DIR_SYNC:
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every directory, deepest first (each after the entries it holds)."""
+    folders: list[Path] = []
+    for here, dirs, files in os.walk(root):
+        dirs.sort()
+        folders.append(Path(here))
+        for name in sorted(files):
+            path = Path(here, name)
+            if not path.is_symlink():
+                fsync_file(path)
+    for folder in reversed(folders):
+        fsync_dir(folder)
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Write `path` so that after a power loss it holds `text` or its old content: a temporary file, fsynced,
+    renamed over it, and the folder fsynced."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_synced(path: Path, text: str) -> None:
+    """Write `path` and fsync it before returning (a marker or state whose data must be on disk first)."""
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
@@ -64,17 +140,76 @@ def staging_dir(run_dir: Path, step: int) -> Path:
     return path
 
 
+def staging_dirs(run_dir: Path) -> list[Path]:
+    """Checkpoints being assembled, or left half-written by a failed save (never trusted by `--resume`)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(".step-") and p.name.endswith(".tmp"))
+
+
 def finalize(run_dir: Path, staged: Path, state: ControllerState, keep: int) -> Path:
-    """Write the controller state and marker, rename into place, then prune older checkpoints."""
-    (staged / CONTROLLER_FILE).write_text(state.to_json())
-    (staged / COMPLETE_MARKER).write_text(f"{state.step}\n")
-    final = checkpoints_dir(run_dir) / f"step-{state.step:06d}"
+    """Write the controller state, make the whole checkpoint durable, mark it complete, rename it into place,
+    then prune older checkpoints.
+
+    The order is what makes a power loss safe: data (the trainer's files and controller.json) fsynced, then
+    the COMPLETE marker written and fsynced, then the staged folder, the rename, and the folder holding it.
+    """
+    write_synced(staged / CONTROLLER_FILE, state.to_json())
+    fsync_tree(staged)  # the trainer's files and every folder in the checkpoint
+    write_synced(staged / COMPLETE_MARKER, f"{state.step}\n")
+    fsync_dir(staged)  # the marker's entry
+    root = checkpoints_dir(run_dir)
+    final = root / f"step-{state.step:06d}"
     if final.exists():
         shutil.rmtree(final)
-    staged.rename(final)
+    os.rename(staged, final)
+    fsync_dir(root)  # the rename
+    fsync_dir(run_dir)  # checkpoints/ itself, on the first checkpoint
     for old in complete_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def disk_full(exc: BaseException) -> OSError | None:
+    """The "no space left" (ENOSPC, EDQUOT) error behind `exc`, or None.
+
+    Looks through what wraps it: exception chains, a Ray task error's `cause` (an actor's OSError reaches the
+    driver inside one, and the copy Ray raises has no errno of its own), and torch.distributed.checkpoint's
+    per-rank `failures`; a library error that only words it (safetensors' writer) becomes an OSError.
+    """
+    chain: list[BaseException] = []
+    stack: list[Any] = [exc]
+    while stack:
+        current = stack.pop()
+        if not isinstance(current, BaseException) or any(current is seen for seen in chain):
+            continue
+        chain.append(current)
+        if isinstance(current, OSError) and current.errno in DISK_FULL_ERRNOS:
+            return current
+        context = None if current.__suppress_context__ else current.__context__  # `raise ... from None` hid it
+        stack += [current.__cause__, context, vars(current).get("cause")]
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+    for current in chain:
+        if "cause" in vars(current):  # a Ray wrapper: its text is a whole remote traceback, so only its cause counts
+            continue
+        found = None if isinstance(current, OSError) else _DISK_FULL_TEXT.search(str(current))
+        if found is not None:
+            code = errno.EDQUOT if found.group() in ("Disk quota exceeded", "os error 122") else errno.ENOSPC
+            return OSError(code, os.strerror(code))
+    return None
+
+
+def close_log(handle: Any) -> None:
+    """Close a log file; a full disk is not raised again here (the write that did not fit already raised, and is
+    what to report), any other error is."""
+    try:
+        handle.close()
+    except OSError as exc:
+        if disk_full(exc) is None:
+            raise
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:

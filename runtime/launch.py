@@ -510,10 +510,11 @@ def _actor_death(exc: Exception) -> str:
 
 
 def _run_controller(work: Callable[[], T], run_dir: Path) -> T:
-    """The training loop (or the resume's first sync), with a dead actor, a wait past its bound or a failed
-    write turned into a resumable message."""
+    """The training loop (or the resume's first sync), with a dead actor, a wait past its bound, a full disk or
+    a failed write turned into a resumable message."""
     from ray.exceptions import GetTimeoutError, RayActorError
 
+    from rlc.runtime.checkpoint import disk_full
     from rlc.runtime.stall import StallError
 
     try:
@@ -528,11 +529,75 @@ def _run_controller(work: Callable[[], T], run_dir: Path) -> T:
     except RayActorError as exc:
         death = _actor_death(exc)
         raise RunError(f"a Ray actor of the run died ({death}); the run stopped: {_resumable(run_dir)}") from None
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
+    except RunError:  # already says what happened
+        raise
+    except Exception as exc:  # a trainer's OSError comes inside a RayTaskError, whose own errno is None
+        full = disk_full(exc)
+        if full is not None:
+            raise RunError(_disk_full_message(full, exc, run_dir)) from None
+        cause = vars(exc).get("cause", exc)
+        if not isinstance(cause, OSError):
+            raise
+        where = f" ({cause.filename})" if cause.filename else ""
+        why = cause.strerror or first_line(cause, type(cause).__name__)
         raise RunError(
-            f"writing the run's files failed: {exc.strerror or exc}{where}; the run stopped: {_resumable(run_dir)}"
+            f"writing the run's files failed: {why}{where}; the run stopped: {_resumable(run_dir)}"
         ) from None
+
+
+def _disk_full_message(full: OSError, exc: BaseException, run_dir: Path) -> str:
+    """What to do about a full disk: during a checkpoint, that the previous one is intact (the half-written one
+    is removed, which also gives back its space); elsewhere, which file could not be written."""
+    import errno
+    import shutil
+
+    from rlc.runtime.checkpoint import CheckpointError, checkpoints_dir, latest_checkpoint, staging_dirs
+
+    quota = full.errno == errno.EDQUOT
+    what = "the disk quota is exceeded on" if quota else "no space left on"
+    free = "free space (or raise the quota)" if quota else "free space"
+    if not _during_checkpoint(full, exc, run_dir):
+        where = f" ({full.filename})" if full.filename else ""
+        return (
+            f"writing the run's files failed: {full.strerror or 'No space left on device'}{where}; the run "
+            f"stopped: {free} on the device holding {run_dir}, then {_resumable(run_dir)}"
+        )
+    partial = staging_dirs(run_dir)
+    for folder in partial:  # never trusted by --resume, and the space is what the next try needs
+        shutil.rmtree(folder, ignore_errors=True)
+    removed = f" (the partial {', '.join(p.name for p in partial)} was removed)" if partial else ""
+    head = f"{what} the device holding {checkpoints_dir(run_dir)} while writing a checkpoint{removed}"
+    try:
+        found = latest_checkpoint(run_dir)
+    except CheckpointError as bad:
+        return f"{head}; the previous checkpoint cannot be resumed ({bad}); {free} and start again with --overwrite"
+    if found is None:
+        return f"{head}; no checkpoint was completed before it: {free} and start again with --overwrite"
+    return f"{head}; the previous checkpoint {found[0].name} is intact: {free} and `rlc run PLANDIR --resume`"
+
+
+def _during_checkpoint(full: OSError, exc: BaseException, run_dir: Path) -> bool:
+    """Whether a full disk stopped a checkpoint: the failed file is under RUN/checkpoints, or the error came
+    through the checkpoint's code (`Controller._checkpoint`, the trainer's `save_checkpoint`, `finalize`)."""
+    import traceback
+
+    from rlc.runtime.checkpoint import checkpoints_dir
+
+    if full.filename:
+        try:
+            Path(os.fsdecode(full.filename)).resolve().relative_to(checkpoints_dir(run_dir).resolve())
+            return True
+        except (ValueError, OSError, RuntimeError):
+            pass
+    names = {"_checkpoint", "save_checkpoint", "finalize", "staging_dir"}
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and not any(current is s for s in seen):
+        seen.append(current)
+        if any(frame.f_code.co_name in names for frame, _ in traceback.walk_tb(current.__traceback__)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _write_run_record(run_dir: Path, plan: Plan, trainer: Any, pool: Any, replay: Path | None, log) -> None:  # type: ignore[no-untyped-def]

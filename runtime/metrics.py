@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from rlc.runtime.checkpoint import close_log, fsync_dir, write_durably
 
 # The per-step keys every run writes (others, such as spec_decode/* or distill/<name>/*, are added by modes).
 REQUIRED_KEYS: tuple[str, ...] = (
@@ -60,7 +63,11 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Writes each step's metrics to every configured sink; appends on resume."""
+    """Writes each step's metrics to every configured sink; appends on resume.
+
+    Each step's JSONL line is fsynced as it is written (once a step), so the lines of the steps a checkpoint
+    holds are on disk when it is; the file's truncation on resume is atomic.
+    """
 
     def __init__(self, run_dir: Path, loggers: list[str], total_steps: int, start_step: int = 0) -> None:
         self.run_dir = run_dir
@@ -70,7 +77,10 @@ class MetricsLogger:
             self.path.unlink()
         elif start_step > 0 and self.path.exists():
             self._truncate_after(start_step)
-        self._jsonl: TextIO | None = self.path.open("a") if "jsonl" in loggers else None
+        self._jsonl: TextIO | None = None
+        if "jsonl" in loggers:
+            self._jsonl = self.path.open("a")
+            fsync_dir(run_dir)  # the file's entry, when this created it
         self._tb = None
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
@@ -90,13 +100,14 @@ class MetricsLogger:
                     kept.append(line)
             except json.JSONDecodeError:
                 continue
-        self.path.write_text("".join(f"{line}\n" for line in kept))
+        write_durably(self.path, "".join(f"{line}\n" for line in kept))
 
     def log(self, metrics: dict[str, Any]) -> None:
         record = {k: _clean(v) for k, v in sorted(metrics.items())}
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
             self._jsonl.flush()
+            os.fsync(self._jsonl.fileno())
         if self._tb is not None:
             self._write_tensorboard(record)
         self._progress.update(record)
@@ -120,8 +131,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+            handle, self._jsonl = self._jsonl, None
+            close_log(handle)
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -19,10 +19,12 @@ for `rlc run --replay`.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from rlc.runtime.checkpoint import close_log, fsync_dir, write_durably
 from rlc.runtime.errors import RunError
 
 __all__ = ["LOG_FILE", "RecordedRequest", "ReplaySchedule", "RolloutLog", "read_lines"]
@@ -50,7 +52,11 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
 
 
 class RolloutLog:
-    """Appends request and batch lines; on resume, keeps only what the checkpoint's steps used."""
+    """Appends request and batch lines; on resume, keeps only what the checkpoint's steps used.
+
+    A step's batch line is fsynced as it is written, with the request lines before it (once a step, not once
+    a request): `--replay` trusts the file, so the steps a checkpoint holds must be in it after a power loss.
+    """
 
     def __init__(self, run_dir: Path, start_step: int = 0) -> None:
         self.path = run_dir / LOG_FILE
@@ -60,6 +66,7 @@ class RolloutLog:
         elif self.path.exists():
             self.next_id = self._truncate_after(start_step)
         self._file: TextIO | None = self.path.open("a")
+        fsync_dir(run_dir)  # the file's entry, when this created it
 
     def _truncate_after(self, step: int) -> int:
         """Drop batches after `step` and requests no kept batch uses; returns the next free request id.
@@ -70,7 +77,7 @@ class RolloutLog:
         batches = [x for x in lines if x.get("kind") == "batch" and x["step"] <= step]
         used = {request for x in batches for request, _ in x["groups"]}
         kept = [x for x in lines if x in batches or (x.get("kind") == "request" and x["id"] in used)]
-        self.path.write_text("".join(json.dumps(x, sort_keys=True) + "\n" for x in kept))
+        write_durably(self.path, "".join(json.dumps(x, sort_keys=True) + "\n" for x in kept))
         return 1 + max((x["id"] for x in lines if x.get("kind") == "request"), default=-1)
 
     def new_id(self) -> int:
@@ -100,17 +107,20 @@ class RolloutLog:
         self._write(record)
 
     def batch(self, step: int, groups: list[tuple[int, int]]) -> None:
-        self._write({"kind": "batch", "step": step, "groups": [list(g) for g in groups]})
+        self._write({"kind": "batch", "step": step, "groups": [list(g) for g in groups]}, sync=True)
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: dict[str, Any], sync: bool = False) -> None:
+        """Append one line; `sync` (a step's batch line) also makes it and every line before it durable."""
         if self._file is not None:
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()
+            if sync:
+                os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            handle, self._file = self._file, None
+            close_log(handle)
 
 
 @dataclass(frozen=True)

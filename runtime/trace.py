@@ -89,6 +89,9 @@ class StepTrace:
         self._file.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Close the trace; a full disk here is not reported again (the write that did not fit already raised)."""
+        from rlc.runtime.checkpoint import close_log
+
+        handle, self._file = self._file, None
+        if handle is not None:
+            close_log(handle)

@@ -2,7 +2,8 @@
 
 The weights are written whole by rank 0 (so a checkpoint is also a model `rlc export` and vLLM can read);
 the optimizer state is saved sharded with torch.distributed.checkpoint under the parameters' model names, so
-a checkpoint restores into the same layout.
+a checkpoint restores into the same layout. Every file a rank writes is fsynced before it returns (the
+optimizer shards by torch itself), so the driver's COMPLETE marker never precedes the data on disk.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import disk_full, fsync_tree, write_synced
 from . import lora as lora_lib
 
 __all__ = ["TrainerCheckpoints"]
@@ -29,19 +31,36 @@ class TrainerCheckpoints:
     step: int
 
     def save_checkpoint(self, ckpt_dir: str) -> str:
-        """Weights as an HF folder (rank 0) and sharded optimizer state (every rank). Collective."""
+        """Weights as an HF folder (rank 0) and sharded optimizer state (every rank), fsynced. Collective.
+
+        A full disk is raised as an OSError with its errno (`rlc run` names it), on every rank: rank 0's failed
+        weight write is shared before the optimizer save, where the other ranks would otherwise wait for it.
+        """
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         root = Path(ckpt_dir)
-        if self.lora:  # the base never changes: the adapter is the checkpoint (`rlc export --merged` folds it in)
-            self.save_adapter(str(root / "adapter"))  # type: ignore[attr-defined]
-        else:
-            self.save_weights(str(root / "hf"), export=True)  # type: ignore[attr-defined]
+        failed: Exception | None = None
+        try:
+            if self.lora:  # the base never changes: the adapter is the checkpoint (`rlc export --merged` folds it in)
+                self.save_adapter(str(root / "adapter"))  # type: ignore[attr-defined]
+            else:
+                self.save_weights(str(root / "hf"), export=True)  # type: ignore[attr-defined]
+            if self.rank == 0:
+                write_synced(root / "trainer_state.json", json.dumps({"step": self.step}, sort_keys=True))
+                fsync_tree(root / ("adapter" if self.lora else "hf"))
+        except Exception as exc:
+            failed = exc
+        _raise_together(failed, root)
         optim = get_optimizer_state_dict(self.model, self.optimizer.optimizers)
-        dcp.save({"optim": optim}, checkpoint_id=str(self._optim_dir(root)), process_group=self._optim_group())
-        if self.rank == 0:
-            (root / "trainer_state.json").write_text(json.dumps({"step": self.step}, sort_keys=True))
+        try:  # the shards are fsynced by torch (FileSystemWriter's sync_files)
+            dcp.save({"optim": optim}, checkpoint_id=str(self._optim_dir(root)), process_group=self._optim_group())
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            full = disk_full(exc)
+            if full is None:
+                raise
+            raise _located(full, root) from exc
         dist.barrier()
         return str(root)
 
@@ -82,3 +101,32 @@ class TrainerCheckpoints:
             self.optimizer.move_state(torch.device("cpu"))
         self.step = int(json.loads((root / "trainer_state.json").read_text())["step"])
         return self.step
+
+
+def _located(full: OSError, root: Path) -> OSError:
+    """A disk-full error that names where it happened (the checkpoint's folder when the library did not say)."""
+    return OSError(full.errno, full.strerror or "No space left on device", full.filename or str(root))
+
+
+def _raise_together(failed: Exception | None, root: Path) -> None:
+    """Raise on every rank when a rank's write failed (collective): a full disk as an OSError, anything else
+    as itself on the rank it happened on and as a RuntimeError naming that rank on the others."""
+    summary: tuple[int | None, str, str | None] | None = None
+    full = disk_full(failed) if failed is not None else None
+    if full is not None:
+        full = _located(full, root)
+        summary = (full.errno, full.strerror, full.filename)
+    elif failed is not None:
+        summary = (None, f"{type(failed).__name__}: {failed}", None)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, summary)
+    if full is not None:
+        raise full from failed
+    if failed is not None:
+        raise failed
+    for rank, other in enumerate(gathered):
+        if other is not None:
+            code, text, filename = other
+            if code is not None:
+                raise OSError(code, text, filename)
+            raise RuntimeError(f"trainer rank {rank} could not write the checkpoint's weights ({text})")
