@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,19 @@ __all__ = ["SYNC_TIMEOUT_S", "WeightPush"]
 #: Seconds one weight sync may take before the run stops with a resumable message (a hung collective or
 #: engine would otherwise stall the run with no word).
 SYNC_TIMEOUT_S = 1800
+#: Seconds between health checks of the engines while a sync waits: an engine whose vLLM core died mid-sync (its
+#: collective RPC into the dead core may never return) is named and restarted within about this long.
+HEALTH_EVERY_S = 15.0
+#: Seconds one engine may take to answer a health check before it counts as busy (not dead).
+HEALTH_TIMEOUT_S = 10.0
+
+
+class EngineLost(RuntimeError):
+    """Engines found dead while a sync waited for them."""
+
+    def __init__(self, engines: list[int]) -> None:
+        self.engines = engines
+        super().__init__(f"rollout engine(s) {', '.join(map(str, engines))} died during the weight sync")
 
 
 def sync_method(plan: Plan) -> str:
@@ -75,7 +89,7 @@ class WeightPush:
                 self._sync_once(version)
                 self.synced_version = version
                 return
-            except (RayActorError, RayTaskError) as exc:
+            except (RayActorError, RayTaskError, EngineLost) as exc:
                 if attempt == attempts:
                     raise
                 cause = getattr(exc, "cause", None) or exc
@@ -118,7 +132,7 @@ class WeightPush:
             # be reading the previous one.
             root = self.run_dir / "sync"
             path = self.trainer.save_adapter(str(root / f"adapter-v{version:06d}"))
-            _bounded([e.update_lora_adapter(path, version) for e in engines])
+            _bounded([e.update_lora_adapter(path, version) for e in engines], dict(zip(indices, engines, strict=True)))
             for old in sorted(root.glob("adapter-v*"))[:-2]:
                 shutil.rmtree(old, ignore_errors=True)
             return
@@ -129,7 +143,8 @@ class WeightPush:
         else:
             path = self.trainer.save_weights(str(self.run_dir / "sync" / "latest"))
             folders = [str(Path(path).parent)] * len(indices)
-        _bounded([e.update_weights_from_path(f, version) for e, f in zip(engines, folders, strict=True)])
+        refs = [e.update_weights_from_path(f, version) for e, f in zip(engines, folders, strict=True)]
+        _bounded(refs, dict(zip(indices, engines, strict=True)))
 
     def _sync_once(self, version: int) -> None:
         import ray
@@ -155,18 +170,47 @@ class WeightPush:
         host, port = self._group
         refs += [e.update_weights_broadcast(meta, version) for e in engines]
         refs += self.trainer.sync_weights_broadcast_async(host, port, world, meta)
-        _bounded(refs)
+        # A dead engine's side of the broadcast may never return; the trainer's side then waits out its collective
+        # timeout (`rollout.weight_sync.SYNC_TIMEOUT_S`) before the retry's calls reach it.
+        _bounded(refs, dict(enumerate(engines)))
 
 
-def _bounded(refs: list[Any]) -> list[Any]:
-    """`ray.get` within SYNC_TIMEOUT_S, or a clear stop (the last checkpoint resumes the run)."""
+def _bounded(refs: list[Any], engines: Mapping[int, Any] | None = None) -> list[Any]:
+    """`ray.get` of a sync's calls within SYNC_TIMEOUT_S, or a clear stop (the last checkpoint resumes the run);
+    every HEALTH_EVERY_S it waits, `engines` are checked, and EngineLost names the dead ones (a call that failed
+    raises its own error first)."""
     import ray
-    from ray.exceptions import GetTimeoutError
 
-    try:
-        return ray.get(refs, timeout=SYNC_TIMEOUT_S)
-    except GetTimeoutError:
-        raise RunError(
-            f"a weight sync did not finish within {SYNC_TIMEOUT_S} s (an engine or the trainer is stuck); "
-            "the run stopped: `rlc run PLAN --resume` continues from the last checkpoint"
-        ) from None
+    deadline = time.monotonic() + SYNC_TIMEOUT_S
+    while True:
+        wait_s = max(0.0, min(HEALTH_EVERY_S, deadline - time.monotonic()))
+        ready, waiting = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+        if not waiting:
+            return ray.get(list(refs))
+        ray.get(ready)  # a call that already failed (an engine actor that exited) raises its error now
+        dead = _dead(engines or {})
+        if dead:
+            raise EngineLost(dead)
+        if time.monotonic() >= deadline:
+            raise RunError(
+                f"a weight sync did not finish within {SYNC_TIMEOUT_S} s (an engine or the trainer is stuck); "
+                "the run stopped: `rlc run PLAN --resume` continues from the last checkpoint"
+            )
+
+
+def _dead(engines: Mapping[int, Any]) -> list[int]:
+    """The pool indices of the engines whose actor exited or whose vLLM core died (one busy past HEALTH_TIMEOUT_S
+    is not counted: a long load answers late)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    dead = []
+    for index, engine in sorted(engines.items()):
+        try:
+            if not ray.get(engine.healthy(), timeout=HEALTH_TIMEOUT_S):
+                dead.append(index)
+        except RayActorError:
+            dead.append(index)
+        except GetTimeoutError:
+            continue
+    return dead
