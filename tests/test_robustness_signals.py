@@ -236,7 +236,8 @@ RLC = [sys.executable, "-m", "rlc"]
 @pytest.mark.slow
 def test_sigterm_stops_a_real_run_with_a_checkpoint(tmp_path: Path) -> None:
     """The quickstart under SIGTERM after a few steps: non-zero exit, "stopped at step N", and a checkpoint of
-    exactly step N (checkpoint_every is past the end, so only the stop writes one)."""
+    exactly step N (checkpoint_every is past the end, so only the stop writes one); `--resume` then runs to the
+    end with every step recorded exactly once."""
     plan = tmp_path / "plan"
     run_dir = tmp_path / "run"
     compile_args = [*RLC, "compile", str(ROOT / "examples" / "quickstart.yaml"), "-o", str(plan)]
@@ -265,3 +266,7 @@ def test_sigterm_stops_a_real_run_with_a_checkpoint(tmp_path: Path) -> None:
     assert f"stopped at step {steps} of 200 (SIGTERM)" in output
     assert (run_dir / "checkpoints" / f"step-{steps:06d}" / "COMPLETE").is_file()
     assert not (run_dir / ".rlc-run.lock").exists()
+    resumed = subprocess.run([*RLC, "run", str(plan), "--resume"], capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    numbers = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
+    assert numbers == list(range(1, 201))
