@@ -1,10 +1,13 @@
 """An asynchronous run on long-tailed responses: rollout streams beside training, weight updates interrupt samples.
 
 The quickstart at max_staleness 2 on an untrained tiny model (its responses end at a random token: lengths are
-geometric, long-tailed), the plan's default `rollout.weight_update: interrupt`. What the run must show: rollout
-overlapping training in its trace, samples a weight update interrupted, each recorded with its tokens' versions in
-order, and those tokens' behaviour log-probs in the decoupled loss (the importance weights move off 1, which the
-stale tokens make them).
+geometric, long-tailed), the plan's default `rollout.weight_update: interrupt`, and an engine of 8 sequences at
+a time: generating a batch then takes longer than training on one, so the engine is busy at every weight update
+however fast this machine is (with the quickstart's engine it may finish each batch before the update lands).
+
+What the run must show: rollout overlapping training in its trace, samples a weight update interrupted, each
+recorded with its tokens' versions in order, and those tokens' behaviour log-probs in the decoupled loss (the
+importance weights move off 1, which the stale tokens make them).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def test_interrupted_samples_carry_both_versions_and_train(tmp_path: Path) -> No
         "algorithm.max_staleness=2",
         "rollout.max_response_len=96",
         "train.micro_batch_tokens=16384",
+        "placement.rollout.max_num_seqs=8",
         f"output.dir={tmp_path / 'run'}",
         "output.checkpoint_every=1000",
     ]
