@@ -170,7 +170,6 @@ class RolloutEngine:
         # Ray does not keep an async actor's calls in submission order: a broadcast update sent right after
         # init_sync_group may start first, so it waits (bounded) until the group is joined.
         self._joined: asyncio.Event | None = None
-        self._sync_world: tuple[int, int] | None = None
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- start
@@ -361,7 +360,6 @@ class RolloutEngine:
         ranks = await asyncio.wait_for(
             self.llm.collective_rpc("init_sync_group", args=(host, port, rank, world_size, backend)), JOIN_TIMEOUT_S
         )
-        self._sync_world = (rank, world_size)
         self._joined.set()
         return min(ranks)
 
@@ -385,7 +383,6 @@ class RolloutEngine:
         if self._joined is not None:
             self._joined.clear()
         await self.llm.collective_rpc("close_sync_group")
-        self._sync_world = None
 
     async def reset_prefix_cache(self) -> bool:
         """Drop cached KV blocks (computed by older weights)."""
