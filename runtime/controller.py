@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,15 @@ class Controller:
         """Whether new rollouts may start now: always, except while a colocated run trains (its engines yield the
         devices to the trainer)."""
         return not (self.colocated and self.training is not None)
+
+    def engine_load(self, engines_in_flight: Iterable[int]) -> dict[int, int]:
+        """Work items each serving engine holds, from the engine index of every item in flight (engines restarting
+        are left out: they take no work)."""
+        load = {i: 0 for i in range(self.rollout.replicas) if i not in self.warming}
+        for engine in engines_in_flight:
+            if engine in load:
+                load[engine] += 1
+        return load
 
     def restart_engine(self, index: int) -> None:
         """Restart a dead engine and bring it to the current weights; it takes no work until then."""

@@ -57,8 +57,11 @@ def test_trained_samples_never_exceed_the_bound(batch: int, staleness: int, chun
 
 
 def _loop(**extra):  # type: ignore[no-untyped-def]
-    """The loop attributes the generate workflow reads, as plain data."""
+    """The loop attributes the generate workflow reads, as plain data (and the loop's own per-engine count)."""
+    import functools
     import types
+
+    from rlc.runtime.controller import Controller
 
     schedule = types.SimpleNamespace(
         group_size=2, batch_prompts=20, rollout_chunk_prompts=8, rollout_chunks_per_engine=3
@@ -72,7 +75,9 @@ def _loop(**extra):  # type: ignore[no-untyped-def]
         "may_admit": lambda: True,
         "training": None,
     }
-    return types.SimpleNamespace(**{**base, **extra})
+    loop = types.SimpleNamespace(**{**base, **extra})
+    loop.engine_load = functools.partial(Controller.engine_load, loop)
+    return loop
 
 
 def test_the_workflow_admits_a_whole_batch_when_requests_do_not_divide_it() -> None:

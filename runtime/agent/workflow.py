@@ -113,11 +113,7 @@ class AgentWorkflow:
     # ------------------------------------------------------------------ admission
 
     def _engine_load(self) -> dict[int, int]:
-        load = {i: 0 for i in range(self.loop.rollout.replicas) if i not in self.loop.warming}
-        for pending in self.episodes.values():
-            if pending.engine in load:
-                load[pending.engine] += 1
-        return load
+        return self.loop.engine_load(p.engine for p in self.episodes.values())
 
     def fill(self) -> None:
         """Admit tasks while the staleness bound allows; start their trajectories up to the planned capacity."""

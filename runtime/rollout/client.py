@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .engine import Sample, SampleRequest
+from .engine import SampleRequest
 from .weight_sync import DEFAULT_BUCKET_BYTES, TensorMeta
 
 __all__ = ["EngineClient"]
@@ -50,7 +50,7 @@ class EngineClient:
     # ---------------------------------------------------------------- generation and scoring
 
     def generate(self, requests: Sequence[SampleRequest | Mapping[str, Any]]) -> Ref:
-        """→ list[list[Sample]]: each request's samples, each token with its behaviour log-prob and version."""
+        """→ list[list[engine.Sample]]: each request's samples, each token with its behaviour log-prob and version."""
         return self.actor.generate.remote(list(requests))
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> Ref:
@@ -112,7 +112,3 @@ class EngineClient:
     def close_sessions(self, keys: Sequence[str]) -> Ref:
         """→ list[SessionRecord | None]: stop these sessions and return what each recorded."""
         return self.actor.close_sessions.remote(list(keys))
-
-
-# The sample type a `generate` reference resolves to, for readers of this module.
-_ = Sample

@@ -110,11 +110,7 @@ class GenerateWorkflow:
 
     def engine_slots(self) -> dict[int, int]:
         """Requests each serving engine holds now (engines restarting are left out)."""
-        per_engine = {i: 0 for i in range(self.loop.rollout.replicas) if i not in self.loop.warming}
-        for chunk in self.inflight.values():
-            if chunk.engine in per_engine:
-                per_engine[chunk.engine] += 1
-        return per_engine
+        return self.loop.engine_load(c.engine for c in self.inflight.values())
 
     def fill(self) -> None:
         """Admit requests while the staleness bound allows (colocated: only between train phases), the emptiest
