@@ -217,7 +217,7 @@ def main() -> None:
 
     import ray
 
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="rlc-bench-agent-call-") as tmp:
         work = Path(tmp)

@@ -53,7 +53,7 @@ def rlc(*args: str, cwd: Path) -> None:
 
 def long_tail_overrides(work: Path) -> list[str]:
     """An untrained tiny model (random stopping: geometric response lengths) and room for long responses."""
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
     model = build_tiny_model(work / "untrained-model", seed=0, warmup_steps=0)
     return [f"model.path={model}", "rollout.max_response_len=96", "train.micro_batch_tokens=16384"]

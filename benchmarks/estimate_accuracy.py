@@ -78,7 +78,7 @@ def estimate(run: dict[str, Any]) -> Any:
 def band_of(target: str) -> tuple[float, float]:
     """The factors by which the target's profile says measured step times may fall short of the estimate and
     exceed it (explain's "likely" range)."""
-    from rlc.compiler.profiles import find_target
+    from rlc.schemas.profiles import find_target
 
     profile = find_target(target)[0]
     return profile.uncertainty_below, profile.estimate_uncertainty

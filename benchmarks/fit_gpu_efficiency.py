@@ -46,7 +46,7 @@ ROUNDS = 2
 
 def with_values(values: dict[str, float], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """estimate_accuracy's rows for `runs` with the GPU profiles' efficiencies set to `values`."""
-    from rlc.compiler.profiles import TARGETS_ENV
+    from rlc.schemas.profiles import TARGETS_ENV
     from rlc.schemas.registry import load_target
 
     with tempfile.TemporaryDirectory() as folder:

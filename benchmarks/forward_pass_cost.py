@@ -32,7 +32,7 @@ def _batch(n: int, g: torch.Generator) -> dict:
 def main() -> None:
     import torch.distributed as dist
 
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
     from rlc.runtime.train.trainer import TrainerWorker
 
     torch.set_num_threads(1)

@@ -76,7 +76,7 @@ def throughput(lens: list[int], padded_size: int) -> dict[str, float]:
     """Median real tokens/s of train_step for each trainer configuration."""
     import torch.distributed as dist
 
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
     from rlc.runtime.train.trainer import TrainerWorker
 
     with socket.socket() as s:

@@ -148,7 +148,7 @@ async def main_async(args: argparse.Namespace) -> int:
     import ray
 
     from rlc.runtime.rollout.engine import rollout_engine_actor
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="rlc-stream-"))
     plan = compile_plan(tmp / "plan")

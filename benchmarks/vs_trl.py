@@ -313,7 +313,7 @@ def compile_plan(work: Path, steps: int, staleness: int | None = None, seed: int
 
 def build_model(plan: Any, work: Path) -> Path:
     """The quickstart model, built once; rlc gets a copy where its plan looks, so TRL's stays untouched."""
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
     if not plan.model.build_tiny:
         raise SystemExit("the quickstart plan no longer builds the tiny model; this benchmark expects it to")

@@ -1,6 +1,6 @@
 """Semantic checks of `rollout.agent` (RLC220): settings that contradict each other or the rollout budget.
 
-Registered into `rules.RULES` like every other rule (imported at the end of `rules`).
+Registered into `rule_registry.RULES` like every other rule.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import difflib
 from collections.abc import Iterator
 
 from rlc.compiler.diagnostics import Diagnostic
-from rlc.compiler.rules import RuleContext, rule
+from rlc.compiler.rule_registry import RuleContext, rule
 
 #: vLLM 0.x tool-call parser names (`--tool-call-parser`); an unknown name is a warning, since builds add parsers.
 KNOWN_TOOL_PARSERS: tuple[str, ...] = (

@@ -2,7 +2,7 @@
 
 Codes are stable (CI greps them): 0xx the spec file itself, 1xx keys, values and names, 2xx semantic rules that
 need the target or the model, 3xx the planner (what does not fit or cannot run), 7xx plan directories.
-`rules.rule` refuses an unregistered code, and tests check that every code the sources report is here.
+`rule_registry.rule` refuses an unregistered code, and tests check that every code the sources report is here.
 """
 
 from __future__ import annotations

@@ -61,12 +61,6 @@ class Report:
         return sorted(unique.values(), key=lambda d: (d.line or 0, order[d.severity], d.path, d.code))
 
 
-def first_line(exc: BaseException, default: str | None = None) -> str:
-    """The first line of an exception's message (Ray's and pydantic's run to pages), else `default` or its type."""
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else (default or type(exc).__name__)
-
-
 def render_text(reports: list[Report]) -> str:
     """Human-readable lines in the compiler style `file:line: error[CODE] path: message`."""
     lines: list[str] = []

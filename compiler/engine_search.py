@@ -219,18 +219,9 @@ def _teacher_search(
             continue
         layout = RolloutLayout(n, tp, 1, frac, max(1, min(seqs, MAX_AUTO_SEQS)), tokens)
         seconds = cost.teacher_time_s(sizes, n, ctx.target, ctx.work, share)
-        seconds += ctx.work.samples * share / layout.replicas * 0.0  # engines run in parallel
         found.options.append(TeacherOption(name, layout, mem, seqs, seconds + 0.01 * tp))
     found.options.sort(key=lambda o: (round(o.seconds, 6), o.layout.tp))
     return found
-
-
-def _teacher_share(ctx: Context, name: str) -> float:
-    """Share of samples a teacher scores: 1/teachers under domain routing, all of them under mixture."""
-    distill = ctx.spec.distill
-    if distill is None:
-        return 0.0
-    return 1.0 if distill.routing == "mixture" else 1.0 / len(distill.teachers)
 
 
 def _teacher_share(ctx: Context, name: str) -> float:

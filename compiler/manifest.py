@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from rlc import __version__
-from rlc.compiler.diagnostics import Diagnostic, first_line
+from rlc.compiler.diagnostics import Diagnostic
+from rlc.messages import first_line
 
 if TYPE_CHECKING:
     from rlc.schemas.plan import Plan
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 MANIFEST = "manifest.json"
 PLAN_FILE = "plan.json"
 #: Plan formats this rlc can run (the schema's PLAN_FORMAT_VERSION and any older ones still readable).
-SUPPORTED_FORMATS: tuple[int, ...] = (2,)
+SUPPORTED_FORMATS: tuple[int, ...] = (3,)
 #: Entries a Kubernetes ConfigMap volume adds next to the files (atomic-writer internals); never plan content.
 _CONFIGMAP_INTERNALS = ".."
 

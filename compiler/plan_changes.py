@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlc.compiler.diagnostics import first_line
 from rlc.compiler.manifest import MANIFEST, PLAN_FILE, list_files, read_manifest, sha256_file
+from rlc.messages import first_line
 
 #: Lines shown for plan.json before the rest is summarised.
 MAX_LINES = 60

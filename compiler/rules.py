@@ -1,21 +1,18 @@
 """Semantic rules: checks that need the hardware target or the model architecture.
 
-Rules live in a registry; each one looks at the resolved problem and yields diagnostics. Every rule runs
+Each rule registers in `rule_registry` and looks at the resolved problem, yielding diagnostics. Every rule runs
 (none stops the others), so a user sees every problem in one pass. Codes are stable: RLC2xx.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 from pydantic import BaseModel
 
-from rlc.compiler import codes
-from rlc.compiler.diagnostics import Diagnostic, Severity
-from rlc.compiler.load import LineMap
-from rlc.compiler.resolve import Problem
+from rlc.compiler.diagnostics import Diagnostic
+from rlc.compiler.rule_registry import RuleContext, rule
 from rlc.compiler.search_context import lora_rollout_mode
 from rlc.schemas import layout
 from rlc.schemas.spec import BUILTIN_REWARDS, BUILTIN_TASKS
@@ -23,56 +20,9 @@ from rlc.schemas.spec import BUILTIN_REWARDS, BUILTIN_TASKS
 GIB = 1024**3
 
 
-@dataclass
-class RuleContext:
-    problem: Problem
-    lines: LineMap
-    file: str
-
-    def diag(self, code: str, path: str, message: str, hint: str = "", severity: Severity = "error") -> Diagnostic:
-        via = self.lines.override_for(path)
-        if via is not None:  # the value came from the command line, not from the line the path is on
-            message += f" (from `--set {via}`)"
-        return Diagnostic(code, message, path, severity, hint, self.lines.line_for(path), self.file)
-
-
-RuleFn = Callable[[RuleContext], Iterator[Diagnostic]]
-
-
-@dataclass(frozen=True)
-class Rule:
-    code: str
-    summary: str
-    check: RuleFn
-
-
-RULES: list[Rule] = []
-
-
-def rule(code: str, summary: str) -> Callable[[RuleFn], RuleFn]:
-    """Register a semantic check under a stable code, which must be in the registry (`codes.CODES`) with the
-    same summary."""
-    if codes.CODES.get(code) != summary:
-        raise ValueError(f"rule {code} ({summary!r}) is not registered as such in compiler/codes.py")
-
-    def register(fn: RuleFn) -> RuleFn:
-        RULES.append(Rule(code, summary, fn))
-        return fn
-
-    return register
-
-
 def _set_off_default(model: BaseModel, name: str) -> bool:
     """Whether the spec set `name` to something other than its default (not merely spelled the default out)."""
     return name in model.model_fields_set and getattr(model, name) != type(model).model_fields[name].default
-
-
-def run_rules(problem: Problem, lines: LineMap, file: str) -> list[Diagnostic]:
-    ctx = RuleContext(problem, lines, file)
-    found: list[Diagnostic] = []
-    for registered in RULES:
-        found.extend(registered.check(ctx))
-    return found
 
 
 @rule("RLC201", "MTP speculative decoding needs a model with MTP layers")
@@ -680,7 +630,3 @@ def check_deterministic(ctx: RuleContext) -> Iterator[Diagnostic]:
             "add a `determinism` section to the target profile",
             "warning",
         )
-
-
-# Rules of their own modules register on import (after everything above exists).
-from rlc.compiler import agent_rules  # noqa: E402,F401

@@ -6,10 +6,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlc.compiler.diagnostics import Report
+from rlc.compiler import agent_rules, rules
+from rlc.compiler.diagnostics import Diagnostic, Report
 from rlc.compiler.load import LineMap, LoadResult, load_spec_file, load_spec_text
 from rlc.compiler.resolve import Problem, resolve
-from rlc.compiler.rules import run_rules
+from rlc.compiler.rule_registry import RULES, RuleContext
+
+RULE_MODULES = (rules, agent_rules)  # importing them registers their rules
 
 
 @dataclass
@@ -53,3 +56,12 @@ def check_text(
     text: str | bytes, file: str = "<spec>", *, target: str | None = None, targets: Sequence[Path] | None = None
 ) -> Checked:
     return check_loaded(load_spec_text(text, file, target=target), targets)
+
+
+def run_rules(problem: Problem, lines: LineMap, file: str) -> list[Diagnostic]:
+    """Every registered rule on one problem (none stops the others)."""
+    ctx = RuleContext(problem, lines, file)
+    found: list[Diagnostic] = []
+    for registered in RULES:
+        found.extend(registered.check(ctx))
+    return found

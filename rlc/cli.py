@@ -263,14 +263,15 @@ def _check_same_plan(plan: Any, runs: list[Path]) -> None:
 def _measured(runs: list[Path], required: bool) -> tuple[dict[str, float] | None, dict[str, dict[str, float]] | None]:
     """Mean phase times and highest memory peaks over `runs`; a run too short to time is shown without times
     unless it was asked for with --measured (`required`)."""
-    from rlc.compiler.calibrate import CalibrationError, MetricsError, measured_phases
+    from rlc.compiler.calibrate import CalibrationError, measured_phases
     from rlc.compiler.run_memory import MeasuredMemoryError, measured_memory
+    from rlc.schemas.metrics_file import MetricsError
 
     times, memory = [], {}
     for run in runs:
         try:
             times.append(measured_phases(run))
-        except CalibrationError as exc:
+        except (CalibrationError, MetricsError) as exc:
             if required or isinstance(exc, MetricsError):  # a damaged metrics.jsonl is reported, not hidden
                 raise _usage_error(str(exc)) from None
         try:
@@ -497,7 +498,8 @@ def calibrate(
     """Fit the target's efficiencies and overheads to measured runs and write a calibrated target profile
     (use it with `rlc compile --targets DIR` or RLC_TARGETS=DIR)."""
     from rlc.compiler.calibrate import CalibrationError, calibrate, load_run
-    from rlc.compiler.profiles import ProfileError, find_target, target_dirs, write_profile
+    from rlc.schemas.metrics_file import MetricsError
+    from rlc.schemas.profiles import ProfileError, find_target, target_dirs, write_profile
 
     twice = sorted({str(d) for d in run_dirs if sum(o.resolve() == d.resolve() for o in run_dirs) > 1})
     if twice:
@@ -509,7 +511,7 @@ def calibrate(
             raise CalibrationError(f"runs are on several targets ({', '.join(ids)}); calibrate one target at a time")
         base, source = find_target(ids[0], target_dirs(targets))
         profile = calibrate(base, runs)
-    except (CalibrationError, ProfileError) as exc:
+    except (CalibrationError, MetricsError, ProfileError) as exc:
         raise _usage_error(str(exc)) from None
     profile = profile.model_copy(update={"calibration": {**profile.calibration, "base": f"{base.id} from {source}"}})
     try:
@@ -710,7 +712,7 @@ def models() -> None:
 def targets(targets: TargetsOption = None) -> None:
     """List the hardware targets, and which profile compile would use for each (a calibrated one shadows the
     shipped one: --targets, RLC_TARGETS)."""
-    from rlc.compiler.profiles import ProfileError, find_target, profile_files, target_dirs
+    from rlc.schemas.profiles import ProfileError, find_target, profile_files, target_dirs
     from rlc.schemas.registry import target_ids
 
     try:

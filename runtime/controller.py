@@ -69,8 +69,8 @@ class Controller:
         self.trainer = trainer
         sched = plan.schedule
         self.colocated = sched.mode == "colocated"
-        #: How many versions a trained token may lag the policy (colocated runs are on-policy).
-        self.staleness = 0 if self.colocated else sched.max_staleness
+        #: How many versions a trained token may lag the policy (the plan's; colocated plans state 0).
+        self.staleness = sched.max_staleness
         self.step = start.step if start else 0
         self.total_steps = sched.steps  # a replay stops at the last recorded step
         self.version = start.version if start else 0

@@ -481,7 +481,7 @@ def check_run_dir(run_dir: Path) -> list[Check]:
 def check_targets() -> list[Check]:
     """The target profile directories of RLC_TARGETS (what `rlc compile` would read): each must exist and every
     `<target>.yaml` in them must parse and validate, else compile reports RLC108 for it."""
-    from rlc.compiler.profiles import TARGETS_ENV, ProfileError, profile_files, read_profile, target_dirs
+    from rlc.schemas.profiles import TARGETS_ENV, ProfileError, profile_files, read_profile, target_dirs
 
     if not os.environ.get(TARGETS_ENV):
         return []

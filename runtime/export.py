@@ -97,7 +97,7 @@ def _write_model(run: Path, checkpoint: Path, staging: Path) -> None:
 def _base_model_path(run: Path) -> Path:
     from pydantic import ValidationError
 
-    from rlc.compiler.diagnostics import first_line
+    from rlc.messages import first_line
     from rlc.schemas.plan import Plan
 
     plan_file = run / "plan.json"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rlc.compiler.diagnostics import first_line
+from rlc.messages import first_line
 from rlc.runtime.errors import RunError, RuntimeGapError, RunUsageError
 from rlc.runtime.host_moves import HostMovesError
 from rlc.runtime.launch_request import ActorRequest, LaunchRequest, launch_request
@@ -47,7 +47,7 @@ def prepare_model(plan: Plan, log) -> tuple[Path, Weights]:  # type: ignore[no-u
     """Build the quickstart model when the plan asks for it; check every model folder is complete and sound."""
     path = _model_path(plan)
     if plan.model.build_tiny and not (path / "config.json").is_file():
-        from rlc.runtime.tasks.tiny_model import build_tiny_model
+        from rlc.runtime.tasks.model_builder import build_tiny_model
 
         log(f"building the quickstart model in {path} (one-time, a few seconds)")
         try:

@@ -13,12 +13,12 @@ from typing import Any
 
 from rlc.schemas.layout import LINEAR_KERNELS, TORCH_EXPERT_KERNEL_NAME, TrainLayout, runtime_gaps, split_layers
 from rlc.schemas.plan import ExpertLayers, Plan, Role
+from rlc.schemas.platforms import PLATFORM_FACTS
 
 __all__ = ["ActorRequest", "LaunchRequest", "PlacementGroupRequest", "launch_request", "render_request"]
 
 #: The env var that restricts a process's visible devices, per platform (as runtime.platform.PLATFORMS, which
 #: imports torch; tests/test_device_binding.py checks that the two agree).
-VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class ActorRequest:
         """The env that binds this actor to its planned devices: the visible-devices mask, and Ray's opt-out
         from rewriting it with the ids Ray assigned instead (a colocated engine spans several bundles' devices
         while holding a share of one, so Ray's ids cannot say which devices it drives)."""
-        name = VISIBLE_DEVICES_ENV.get(platform)
+        name = PLATFORM_FACTS[platform].visible_devices_env
         if not self.devices or name is None:
             return {}
         return {name: ",".join(map(str, self.devices)), f"RAY_EXPERIMENTAL_NOSET_{name}": "1"}
@@ -100,7 +100,7 @@ def _groups(plan: Plan) -> list[PlacementGroupRequest]:
 def weight_sync_path(plan: Plan) -> dict[str, Any]:
     """How new weights reach the engines, as the plan fixes it."""
     rollout = plan.roles_of("rollout")[0]
-    backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[plan.platform]
+    backend = PLATFORM_FACTS[plan.platform].dist_backend
     if plan.lora is not None and plan.lora.rollout == "adapter":
         return {
             "method": "adapter",

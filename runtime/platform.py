@@ -1,7 +1,7 @@
 """Which accelerator a role runs on: cpu, cuda or npu, and what that implies.
 
-Everything that differs between the three (torch device type, collective backend, the env var that
-restricts visible devices, vLLM dtype and sleep-mode support) is looked up here, so trainers and
+Everything that differs between the three (the facts in `schemas.platforms`, and the device operations) is
+looked up here, so trainers and
 engines never branch on the platform name themselves. ``torch_npu`` is imported lazily, only when an
 NPU platform actually touches the device, so this module imports on any machine.
 """
@@ -9,40 +9,22 @@ NPU platform actually touches the device, so this module imports on any machine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-__all__ = ["PLATFORMS", "Platform", "PlatformName", "get_platform"]
+from rlc.schemas.platforms import PLATFORM_FACTS, PlatformFacts, PlatformName
 
-PlatformName = Literal["cpu", "cuda", "npu"]
+__all__ = ["PLATFORMS", "Platform", "PlatformName", "get_platform"]
 
 
 @dataclass(frozen=True)
-class Platform:
-    """Static facts about one accelerator kind; cheap to create and safe to pickle into Ray actors."""
-
-    name: PlatformName
-    device_type: str
-    """torch device type: ``cpu``, ``cuda`` or ``npu``."""
-    dist_backend: str
-    """torch.distributed backend for trainer groups and weight sync: gloo, nccl or hccl."""
-    visible_devices_env: str | None
-    """Env var that restricts which devices a process sees (None on cpu, where workers are processes)."""
-    supports_sleep_mode: bool
-    """vLLM's sleep/wake_up (offload weights, drop KV cache); refused by vLLM on cpu."""
-    vllm_dtype: str
-    """dtype for vLLM engines and trainer weights: bf16 kernels die with SIGILL on these CPUs."""
+class Platform(PlatformFacts):
+    """A platform's facts (`schemas.platforms`) and the device operations trainers and engines need."""
 
     @property
     def collective_backend(self) -> str:
         """Alias of ``dist_backend`` for readers who think in collectives."""
         return self.dist_backend
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """``vllm_dtype`` as a torch dtype, for loading the trainer's HF model."""
-        return getattr(torch, self.vllm_dtype)
 
     def _ensure_backend(self) -> None:
         # torch_npu registers the "npu" device type and hccl backend on import; nothing else needs it.
@@ -78,11 +60,7 @@ class Platform:
         getattr(torch, self.device_type).synchronize()
 
 
-PLATFORMS: dict[str, Platform] = {
-    "cpu": Platform("cpu", "cpu", "gloo", None, False, "float32"),
-    "cuda": Platform("cuda", "cuda", "nccl", "CUDA_VISIBLE_DEVICES", True, "bfloat16"),
-    "npu": Platform("npu", "npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", True, "bfloat16"),
-}
+PLATFORMS: dict[str, Platform] = {name: Platform(**vars(facts)) for name, facts in PLATFORM_FACTS.items()}
 
 
 def get_platform(name: str | Platform) -> Platform:

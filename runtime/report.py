@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlc.compiler.calibrate import MetricsError, read_metrics_rows
 from rlc.runtime.errors import RunError, RunUsageError
+from rlc.schemas.metrics_file import MetricsError, read_metrics_rows
 
 #: (file stem, title, [(metric key, label)], y-axis label)
 CHARTS: tuple[tuple[str, str, tuple[tuple[str, str], ...], str], ...] = (

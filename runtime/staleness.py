@@ -36,7 +36,3 @@ class StalenessGate:
 
     def admit(self, count: int) -> None:
         self.submitted += count
-
-    def retract(self, count: int) -> None:
-        """Samples that will never finish (their engine died and they are re-issued) give back their slots."""
-        self.submitted -= count

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .layout import TrainLayout
 
 #: 2: train roles carry a typed `layout`, every role its Ray placement (`ray`), the plan its `runtime_gaps`.
-PLAN_FORMAT_VERSION = 2
+PLAN_FORMAT_VERSION = 3
 
 RoleKind = Literal["train", "rollout", "teacher", "reward", "environments"]
 
@@ -136,6 +136,12 @@ class Schedule(PlanModel):
         "episode or train step) before it stops and names what stalled; the compiler sets it from the step-time "
         "estimate (`planner.stall_timeout_s`).",
     )
+
+    @model_validator(mode="after")
+    def _colocated_is_synchronous(self) -> Schedule:
+        if self.mode == "colocated" and self.max_staleness != 0:
+            raise ValueError(f"a colocated schedule is synchronous: max_staleness is 0, not {self.max_staleness}")
+        return self
 
 
 class AlgorithmSettings(PlanModel):

@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The quickstart model (seed 0, default warm-up), built once per test session (~1 s)."""
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
@@ -44,7 +44,7 @@ def tiny_hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3-MoE (the quickstart's sizes, 8 experts, top-2), randomly initialised, once per session: its
     routers send the tokens of a short batch to every expert, which the expert-parallel tests need."""
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-moe") / "model", seed=0, warmup_steps=0, architecture="moe")
 

@@ -197,7 +197,7 @@ def test_agent_turns_the_plan_cannot_have_are_refused(tmp_path: Path, turns: flo
 
 
 def test_a_profile_written_before_the_call_cost_existed_still_loads(tmp_path: Path) -> None:
-    from rlc.compiler.profiles import read_profile
+    from rlc.schemas.profiles import read_profile
 
     data = load_target("cpu").model_dump(mode="json")
     data["efficiency"].pop("agent_call_overhead_s")

@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai")
 
 from rlc.agents.llm import Endpoint  # noqa: E402
 from rlc.runtime.agent.trajectory import segment_calls, trajectory_rows  # noqa: E402
+from rlc.schemas.engine_args import RL_ENGINE_ARGS  # noqa: E402
 
 MAX_LEN = 128
 AGENT = {"served_model_name": "rlc-tiny-agent", "max_turns": 3, "max_tokens_per_turn": 96}
@@ -32,7 +33,7 @@ AGENT = {"served_model_name": "rlc-tiny-agent", "max_turns": 3, "max_tokens_per_
 
 @pytest.fixture(scope="module")
 def agent_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("agent") / "model", seed=0, task="calculator")
 
@@ -49,7 +50,7 @@ def served(ray_cluster, agent_model_dir: Path):  # type: ignore[no-untyped-def]
         "enable_prefix_caching": True,
         "max_logprobs": 1,
         "seed": 0,
-        "worker_extension_cls": "rlc.runtime.rollout.weight_sync.WeightSyncExtension",
+        **RL_ENGINE_ARGS,
     }
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     actor = rollout_engine_actor(num_cpus=0, runtime_env={"env_vars": env}).remote(

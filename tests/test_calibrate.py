@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from rlc.cli import app
 from rlc.compiler import calibrate
 from rlc.compiler.pipeline import compile_text
-from rlc.compiler.profiles import TARGETS_ENV
+from rlc.schemas.profiles import TARGETS_ENV
 from rlc.schemas.registry import load_target
 
 runner = CliRunner()

@@ -118,7 +118,7 @@ def test_models_and_targets_list() -> None:
 def test_targets_show_which_profile_compile_would_use(tmp_path: Path) -> None:
     """A calibrated profile shadows the shipped one; `rlc targets` says which is in force, and refuses a
     profile directory that does not exist."""
-    from rlc.compiler.profiles import write_profile
+    from rlc.schemas.profiles import write_profile
     from rlc.schemas.registry import load_target
 
     cpu = load_target("cpu").model_copy(update={"calibration": {"runs": "r1"}})

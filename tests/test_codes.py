@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlc.compiler import codes, rules
+from rlc.compiler import codes, rule_registry, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for d in ("compiler", "rlc", "runtime", "schemas") for p in (ROOT / d).rglob("*.py")]
@@ -32,11 +32,11 @@ def test_every_registered_code_is_reported() -> None:
 
 
 def test_rules_declare_registered_codes() -> None:
-    for registered in rules.RULES:
+    for registered in validate.RULES:
         assert codes.summary(registered.code) == registered.summary
-    assert len({r.code for r in rules.RULES}) == len(rules.RULES)
+    assert len({r.code for r in validate.RULES}) == len(validate.RULES)
 
 
 def test_an_unregistered_rule_is_refused() -> None:
     with pytest.raises(ValueError, match="not registered"):
-        rules.rule("RLC299", "not a rule")
+        rule_registry.rule("RLC299", "not a rule")

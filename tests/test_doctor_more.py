@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rlc.cli import app
-from rlc.compiler.profiles import TARGETS_ENV, write_profile
 from rlc.runtime import doctor
+from rlc.schemas.profiles import TARGETS_ENV, write_profile
 from rlc.schemas.registry import load_target
 
 runner = CliRunner()

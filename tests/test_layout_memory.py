@@ -72,7 +72,7 @@ def _batch(dp: int, budget: int = BUDGET, micro_batches: int = 1) -> dict:
 
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("long") / "model", seed=0, max_positions=8192)
 
@@ -94,7 +94,7 @@ MOE_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("moe") / "model", seed=0, architecture="moe")
 

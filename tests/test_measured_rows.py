@@ -18,8 +18,8 @@ import yaml
 from typer.testing import CliRunner
 
 from rlc.cli import app
-from rlc.compiler.calibrate import MEASURED_BOUNDS, MetricsError, read_metrics_rows
 from rlc.compiler.pipeline import compile_file
+from rlc.schemas.metrics_file import MEASURED_BOUNDS, MetricsError, read_metrics_rows
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]

@@ -108,7 +108,7 @@ def test_lora_trains_adapters_only_and_engine_matches_trainer(tmp_path: Path) ->
 
     plan = compile_example("cpu-lora", tmp_path, "algorithm.steps=4", "output.checkpoint_every=2")
     run_dir = tmp_path / "run"
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
     base = build_tiny_model(run_dir / "model", seed=0)
     before = _sha256(base / "model.safetensors")
@@ -138,7 +138,7 @@ def test_lora_trains_adapters_only_and_engine_matches_trainer(tmp_path: Path) ->
 def test_lora_merged_rollout_keeps_base_and_matches_trainer(tmp_path: Path) -> None:
     """``lora.rollout: merged``: the engine gets base + scaled B·A after every update, not an adapter."""
     from rlc.compiler.manifest import load_plan
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
     plan = compile_example(
         "cpu-lora", tmp_path, "algorithm.steps=4", "output.checkpoint_every=100", "lora.rollout=merged"
@@ -190,7 +190,7 @@ def baseline_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 def test_mopd_pulls_student_towards_teacher(tmp_path: Path, baseline_rows: list[dict]) -> None:
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
     # A teacher that answers correctly: the tiny model with a longer supervised warm-up (greedy ≈ 0.99).
     teacher = build_tiny_model(tmp_path / "teacher", seed=0, warmup_steps=120)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from rlc.cli import app
 from rlc.compiler.calibrate import WARMUP_STEPS
 from rlc.compiler.pipeline import compile_text
-from rlc.compiler.profiles import TARGETS_ENV, ProfileError, read_profile, target_dirs, write_profile
+from rlc.schemas.profiles import TARGETS_ENV, ProfileError, read_profile, target_dirs, write_profile
 from rlc.schemas.registry import load_target
 
 runner = CliRunner()

@@ -23,6 +23,7 @@ from rlc.runtime.rollout.weight_sync import (
     write_safetensors,
 )
 from rlc.runtime.train.group import split_batch
+from rlc.schemas.engine_args import RL_ENGINE_ARGS, SPEC_DECODE_EXTENSION_CLS
 
 TOL = 1e-4
 PROMPTS = ["3+4=", "1+1=", "9+8=", "5+0="]
@@ -144,6 +145,8 @@ def engine(ray_cluster, tiny_model_dir: Path):
         "seed": 0,
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
         **CPU_ENGINE_ARGS,  # as cpu plans run engines
+        **RL_ENGINE_ARGS,
+        "worker_extension_cls": SPEC_DECODE_EXTENSION_CLS,  # as cpu plans with speculative decoding state it
     }
     # As cpu plans run engines: layers keep their weights (torch GEMMs), so updates copy in place.
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RLC_VLLM_CPU_GEMM": "torch"}
@@ -362,4 +365,16 @@ def test_engine_refuses_sleep_mode_before_starting_vllm() -> None:
     from rlc.runtime.rollout.engine import NotSupported, RolloutEngine
 
     with pytest.raises(NotSupported):
-        RolloutEngine({"model": os.devnull, "enable_sleep_mode": True}, "cpu")
+        RolloutEngine({"model": os.devnull, "enable_sleep_mode": True, **RL_ENGINE_ARGS}, "cpu")
+
+
+def test_engine_refuses_args_that_would_bias_the_behaviour_logprobs() -> None:
+    """vLLM's default log-probs are the untempered model's: an engine whose args do not ask for the sampled
+    distribution's would feed every importance weight a wrong denominator, so it is refused before starting."""
+    from rlc.runtime.rollout.engine import RolloutEngine
+
+    args = {"model": os.devnull, **RL_ENGINE_ARGS}
+    for mode in (None, "raw_logprobs"):
+        broken = {k: v for k, v in args.items() if k != "logprobs_mode"} | ({"logprobs_mode": mode} if mode else {})
+        with pytest.raises(ValueError, match="processed_logprobs"):
+            RolloutEngine(broken, "cpu")

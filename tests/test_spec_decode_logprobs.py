@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from rlc.compiler.planner import CPU_ENGINE_ARGS
+from rlc.schemas.engine_args import RL_ENGINE_ARGS, SPEC_DECODE_EXTENSION_CLS
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +44,8 @@ def spec_engine(tiny_model_dir: Path, ray_cluster):
             "prompt_lookup_max": 4,
         },
         **CPU_ENGINE_ARGS,  # as cpu plans run engines
+        **RL_ENGINE_ARGS,
+        "worker_extension_cls": SPEC_DECODE_EXTENSION_CLS,  # as cpu plans with speculative decoding state it
     }
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     engine = rollout_engine_actor(num_cpus=1, runtime_env={"env_vars": env}).remote(args, "cpu")

@@ -26,13 +26,6 @@ def test_staleness_two_allows_three_batches_ahead() -> None:
     assert gate.can_admit(4, version=1)
 
 
-def test_retract_frees_slots() -> None:
-    gate = StalenessGate(batch_samples=4, max_staleness=0)
-    gate.admit(4)
-    gate.retract(4)
-    assert gate.can_admit(4, version=0)
-
-
 @given(st.integers(1, 16), st.integers(0, 4), st.lists(st.integers(1, 8), max_size=40))
 def test_trained_samples_never_exceed_the_bound(batch: int, staleness: int, chunks: list[int]) -> None:
     """Simulate: admit chunks whenever allowed; train whenever a batch is ready; every trained sample's

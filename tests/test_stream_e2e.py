@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 def test_interrupted_samples_carry_both_versions_and_train(tmp_path: Path) -> None:
     from rlc.compiler.manifest import load_plan
     from rlc.runtime.launch import run_plan
-    from rlc.runtime.tasks.tiny_model import build_tiny_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", seed=0, warmup_steps=0)
     overrides = [

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 from rlc.runtime.tasks.arithmetic import ArithmeticTask, all_one_digit_additions  # noqa: E402
 from rlc.runtime.tasks.datasets import DatasetError, Example, load_jsonl  # noqa: E402
+from rlc.runtime.tasks.model_builder import build_tiny_model  # noqa: E402
 from rlc.runtime.tasks.rewards import (  # noqa: E402
     RewardLoadError,
     exact_match,
@@ -20,7 +21,7 @@ from rlc.runtime.tasks.rewards import (  # noqa: E402
     load_reward,
     math_exact,
 )
-from rlc.runtime.tasks.tiny_model import MARKER, build_tiny_model, greedy_accuracy  # noqa: E402
+from rlc.runtime.tasks.tiny_model import MARKER, greedy_accuracy  # noqa: E402
 from rlc.runtime.tasks.tokenizer import BOS_ID, EOS_ID, VOCAB, save_char_tokenizer  # noqa: E402
 
 torch.set_num_threads(2)

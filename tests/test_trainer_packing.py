@@ -178,18 +178,18 @@ def test_attention_adapters() -> None:
 def test_varlen_sdpa_equals_block_causal_mask(bounds: list[int], padded: bool) -> None:
     """Both cpu varlen paths give the block-causal reference's outputs and gradients."""
     from rlc.runtime.packing import block_causal_mask
-    from rlc.runtime.train import packed_forward as pf
+    from rlc.runtime.train import varlen_attention as va
 
     cu = torch.tensor(bounds, dtype=torch.int32)
     lengths = [b - a for a, b in itertools.pairwise(bounds)]
-    takes_padded = max(lengths) <= pf.PADDED_ATTENTION_MAX_WIDTH and len(lengths) * max(
+    takes_padded = max(lengths) <= va.PADDED_ATTENTION_MAX_WIDTH and len(lengths) * max(
         lengths
-    ) ** 2 <= pf.PADDED_ATTENTION_WASTE * sum(n * n for n in lengths)
+    ) ** 2 <= va.PADDED_ATTENTION_WASTE * sum(n * n for n in lengths)
     assert takes_padded == padded
     g = torch.Generator().manual_seed(0)
     total = bounds[-1]
     inputs = [torch.randn(1, h, total, 8, generator=g, requires_grad=True) for h in (4, 2, 2)]
-    out, _ = pf.varlen_sdpa_attention(torch.nn.Identity(), *inputs, None, scaling=0.3, cu_seq_lens_q=cu)
+    out, _ = va.varlen_sdpa_attention(torch.nn.Identity(), *inputs, None, scaling=0.3, cu_seq_lens_q=cu)
     weights = torch.randn(out.shape, generator=g)
     grads = torch.autograd.grad((out * weights).sum(), inputs)
     ref = torch.nn.functional.scaled_dot_product_attention(
@@ -219,7 +219,7 @@ def _rank_main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         {"lp": lp, "stats": stats, "bins": len(w._micro_batches(share["input_ids"])), "sd": sd},
         f"{out_dir}/rank{rank}.pt",
     )
-    w.shutdown()
+    _leave_together(w)
 
 
 def _two_rank_batch() -> dict:
@@ -340,7 +340,7 @@ def _rank_minibatches(rank: int, port: int, model_dir: str, out_dir: str) -> Non
     assert [len(s["input_ids"]) for s in shares] == ([0, 1] if rank == 0 else [1, 1])
     stats = w.train_step(shares, {"clip": 0.2})
     torch.save({"stats": stats, "sd": w.full_state_dict()}, f"{out_dir}/rank{rank}.pt")
-    w.shutdown()
+    _leave_together(w)
 
 
 @pytest.mark.slow
@@ -368,3 +368,12 @@ def test_two_ranks_take_minibatch_steps_together_with_an_empty_share(pg, tiny_mo
     assert ref["behaviour_gap"] == pytest.approx(sum(masked) / len(masked), abs=TOL)  # over every minibatch
     sd = {k: v.full_tensor() for k, v in one.model.state_dict().items()}
     assert max((r0["sd"][k] - sd[k]).abs().max().item() for k in sd) < WEIGHT_TOL
+
+
+def _leave_together(worker: object) -> None:
+    """Every rank reaches the end before any closes its connections: gloo aborts a process whose peer hangs up
+    while it still exchanges (the product's trainers are ended by Ray instead)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    worker.shutdown()  # type: ignore[attr-defined]

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlc.compiler.rules import RULES
-from rlc.compiler.validate import check_file, check_text
+from rlc.compiler.validate import RULES, check_file, check_text
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 

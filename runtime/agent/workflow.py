@@ -15,7 +15,7 @@ import secrets
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlc.agents.llm import Endpoint
 from rlc.runtime.agent.failures import AgentGuard
@@ -25,9 +25,7 @@ from rlc.runtime.agent.trajectory import Row, Segments, segment_calls, trajector
 from rlc.runtime.errors import RunError
 from rlc.runtime.prompts import PromptItem
 from rlc.runtime.result_futures import ResultFutures
-
-if TYPE_CHECKING:
-    from rlc.runtime.controller import Controller
+from rlc.runtime.workflows import Loop
 
 __all__ = ["AgentGroup", "AgentWorkflow", "Trajectory"]
 
@@ -86,7 +84,7 @@ class _Pending:
 class AgentWorkflow:
     """Agent episodes over the loop's rollout engines; `runners` are the environment workers' actors."""
 
-    def __init__(self, loop: Controller, runners: list[Any]) -> None:
+    def __init__(self, loop: Loop, runners: list[Any]) -> None:
         import ray
 
         self.loop = loop

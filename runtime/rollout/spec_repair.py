@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from rlc.schemas.engine_args import SPEC_DECODE_EXTENSION_CLS
+
 from .weight_sync import WeightSyncExtension
 
 __all__ = ["SPEC_DECODE_EXTENSION_CLS", "SpecDecodeWorkerExtension", "repair_spec_decode_sampling"]
-
-SPEC_DECODE_EXTENSION_CLS = "rlc.runtime.rollout.spec_repair.SpecDecodeWorkerExtension"
 
 
 def _expand_batch_to_tokens(

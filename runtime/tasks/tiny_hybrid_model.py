@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from .tiny_model import SHARED_SIZES, _warmup, save_model_folder, tiny_config, write_atomically
+from .tiny_model import SHARED_SIZES, save_model_folder, tiny_config, warmup, write_atomically
 from .tokenizer import build_char_tokenizer
 
 __all__ = ["build_tiny_hybrid_model", "tiny_hybrid_config"]
@@ -45,7 +45,7 @@ def build_tiny_hybrid_model(out_dir: str | Path, seed: int = 0, warmup_steps: in
     def write(tmp: Path) -> None:
         torch.manual_seed(seed)
         model = Qwen3_5ForCausalLM(tiny_hybrid_config()).to(torch.float32)
-        _warmup(model, build_char_tokenizer(512), warmup_steps, seed)
+        warmup(model, build_char_tokenizer(512), warmup_steps, seed)
         save_model_folder(model, tmp, 512)
 
     write_atomically(out, write)

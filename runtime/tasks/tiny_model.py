@@ -1,4 +1,4 @@
-"""Build the quickstart model locally: a tiny Qwen3 with a supervised warm-up on one-digit addition.
+"""The quickstart model's parts: a tiny Qwen3 config, its supervised warm-up on one-digit addition, atomic folders.
 
 The embedded default downloads nothing, so the policy is created here. From a random start GRPO
 barely earns reward (measured ~0.1 on one-digit addition), so a seeded ~40-step supervised warm-up
@@ -10,7 +10,6 @@ model behind, and a complete folder built by the same recipe is reused.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -23,15 +22,16 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from .arithmetic import all_one_digit_additions
 from .datasets import Example
-from .tokenizer import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer, save_char_tokenizer
+from .tokenizer import BOS_ID, EOS_ID, PAD_ID, save_char_tokenizer
 
 __all__ = [
     "MARKER",
     "SHARED_SIZES",
-    "build_tiny_model",
     "greedy_accuracy",
+    "is_complete",
     "save_model_folder",
     "tiny_config",
+    "warmup",
     "write_atomically",
 ]
 
@@ -116,7 +116,7 @@ def supervised_steps(
     model.eval()
 
 
-def _warmup(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int) -> None:
+def warmup(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int) -> None:
     ids, labels, attn = _warmup_batch(all_one_digit_additions(), tokenizer)
     supervised_steps(model, ids, labels, attn, steps, seed)
 
@@ -148,37 +148,8 @@ def greedy_accuracy(
     return sum(t == ex.answer for t, ex in zip(texts, examples, strict=True)) / len(examples)
 
 
-#: The tiny models' architectures: the quickstart's dense Qwen3, and its mixture-of-experts twin (`tiny_moe_model`).
-ARCHITECTURES = ("dense", "moe")
-
-
-def _recipe(
-    seed: int, warmup_steps: int, max_positions: int, task: str = "addition", architecture: str = "dense"
-) -> dict[str, Any]:
-    return {
-        "recipe_version": RECIPE_VERSION,
-        "seed": seed,
-        "warmup_steps": warmup_steps,
-        "max_positions": max_positions,
-        "task": task,
-        "architecture": architecture,
-    }
-
-
-def _is_complete(path: Path) -> bool:
+def is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in _REQUIRED)
-
-
-def _check_recipe(path: Path, recipe: dict[str, Any]) -> None:
-    # Older markers: the 512 default, the dense architecture.
-    found = {"max_positions": 512, "architecture": "dense", **json.loads((path / MARKER).read_text())}
-    found["task"] = "addition" if found.get("task", "one-digit addition") == "one-digit addition" else found["task"]
-    mismatched = {k: (found.get(k), v) for k, v in recipe.items() if found.get(k) != v}
-    if mismatched:
-        detail = ", ".join(f"{k}: has {a!r}, wanted {b!r}" for k, (a, b) in mismatched.items())
-        raise ValueError(
-            f"{path} holds a tiny model built with a different recipe ({detail}); remove it or use another directory"
-        )
 
 
 def save_model_folder(model: Any, folder: Path, max_positions: int, *tokenizer_args: Any) -> None:
@@ -208,75 +179,9 @@ def write_atomically(out: Path, write: Callable[[Path], None]) -> None:
         try:
             os.rename(tmp, out)
         except OSError:
-            if not _is_complete(out):  # lost a race to something that is not our model
+            if not is_complete(out):  # lost a race to something that is not our model
                 raise
     finally:
         torch.set_num_threads(threads)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def build_tiny_model(
-    out_dir: str | Path,
-    seed: int = 0,
-    warmup_steps: int | None = None,
-    max_positions: int = 512,
-    task: str = "addition",
-    architecture: str = "dense",
-) -> Path:
-    """Create (or reuse) the quickstart checkpoint in ``out_dir`` and return its path.
-
-    ``task`` picks the warm-up: ``addition`` (one-digit sums, 40 steps) or ``calculator`` (tool-use episodes,
-    steps pinned per seed by `tiny_agent_model.WARMUP_STEPS`). Deterministic for a given seed on a given
-    machine. ``architecture``: ``dense`` (Qwen3) or ``moe`` (Qwen3-MoE, 8 experts top-2: `tiny_moe_model`; the
-    addition task only). Refuses to overwrite a non-empty folder that is not a complete tiny model, and a complete
-    one built with another seed, step count, task or architecture.
-    """
-    if task not in ("addition", "calculator"):
-        raise ValueError(f"unknown tiny-model task {task!r}; use addition or calculator")
-    if architecture not in ARCHITECTURES or (architecture == "moe" and task != "addition"):
-        raise ValueError(f"no tiny {architecture!r} model for the {task} task; use dense, or moe with addition")
-    if warmup_steps is None:
-        from .tiny_agent_model import warmup_steps as pinned
-
-        warmup_steps = 40 if task == "addition" else pinned(seed)
-    out = Path(out_dir)
-    recipe = _recipe(seed, warmup_steps, max_positions, task, architecture)
-    if _is_complete(out):
-        _check_recipe(out, recipe)
-        return out
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not a complete tiny model; remove it or choose another directory")
-
-    def write(tmp: Path) -> None:
-        torch.manual_seed(seed)
-        if architecture == "moe":
-            from transformers import Qwen3MoeForCausalLM
-
-            from .tiny_moe_model import tiny_moe_config
-
-            model = Qwen3MoeForCausalLM(tiny_moe_config(max_positions)).to(torch.float32)
-        else:
-            model = Qwen3ForCausalLM(tiny_config(max_positions)).to(torch.float32)
-        if task == "calculator":
-            from .calculator import AGENT_CHARACTERS, CHAT_TEMPLATE
-            from .tiny_agent_model import agent_tokenizer, sampled_success, warmup_calculator
-
-            tokenizer = agent_tokenizer(max_positions)
-            warmup_calculator(model, tokenizer, warmup_steps, seed)
-            measured = {"warmup_sampled": sampled_success(model, tokenizer), "task": "calculator"}
-            save_model_folder(model, tmp, max_positions, AGENT_CHARACTERS, CHAT_TEMPLATE)
-        else:
-            tokenizer = build_char_tokenizer(max_positions)
-            _warmup(model, tokenizer, warmup_steps, seed)
-            measured = {
-                "warmup_greedy_accuracy": greedy_accuracy(model, tokenizer, all_one_digit_additions()),
-                "task": "one-digit addition",
-            }
-            save_model_folder(model, tmp, max_positions)
-        marker = {**recipe, **measured}
-        (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-
-    write_atomically(out, write)
-    _check_recipe(out, recipe)
-    return out

@@ -1,7 +1,7 @@
 """A tiny Qwen3-MoE model: the quickstart model's sizes with every MLP replaced by 8 experts, top-2.
 
 Mixture-of-experts models are what large RL runs train now. This is that shape small enough for two cores, with
-the quickstart's character tokenizer and warm-up (`tiny_model.build_tiny_model(architecture="moe")`), so expert
+the quickstart's character tokenizer and warm-up (`model_builder.build_tiny_model(architecture="moe")`), so expert
 parallelism, MoE rollout and the engines' expert-weight reloads are tested on the real transformers and vLLM
 classes without a download.
 """

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..packing import PackedBatch, pack_sequences
+from .varlen_attention import varlen_sdpa_attention
 
 __all__ = [
     "CP_ATTENTION",
@@ -124,8 +125,6 @@ def _inner_attention(name: str) -> Callable[..., tuple[torch.Tensor, Any]]:
         from transformers import AttentionInterface
 
         return AttentionInterface._global_mapping["flash_attention_2"]
-    from .packed_forward import varlen_sdpa_attention
-
     return varlen_sdpa_attention
 
 

@@ -165,10 +165,6 @@ class TrainerGroup:
         """Every rank's built layout and measured peak memory per phase (``TrainerWorker.built_layout``)."""
         return self._all("built_layout")
 
-    def set_lr(self, lr: float) -> None:
-        """Set the learning rate on every rank."""
-        self._all("set_lr", lr)
-
     def weight_meta(self, dtype: str | None = None) -> list[TensorMeta]:
         """What engines need to receive a broadcast (names, global shapes, dtypes)."""
         import ray

@@ -68,11 +68,6 @@ class UnitOptimizer:
     def lr(self) -> float:
         return float(self.optimizers[0].param_groups[0]["lr"])
 
-    def set_lr(self, lr: float) -> None:
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = float(lr)
-
     def move_state(self, device: torch.device) -> None:
         """Move every moment to `device` (colocated phase switches)."""
         for opt in self.optimizers:

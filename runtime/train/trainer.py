@@ -624,10 +624,6 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             return [[float(v)] * len(s) for v, s in zip(rows, seqs, strict=True)]
         return rows
 
-    def set_lr(self, lr: float) -> None:
-        """Set the learning rate (the controller owns the schedule)."""
-        self.optimizer.set_lr(lr)
-
     # ---------------------------------------------------------------- host helpers
 
     def sync_address(self) -> tuple[str, int]:

@@ -14,9 +14,54 @@ Distillation is not a workflow: teachers score whatever batch the workflow built
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Iterable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
-__all__ = ["Workflow"]
+if TYPE_CHECKING:  # types only: none of these modules imports a workflow
+    from rlc.runtime.metrics import MetricsLogger
+    from rlc.runtime.prompts import PromptStream
+    from rlc.runtime.rollout.pool import RolloutPool
+    from rlc.runtime.rollout_log import RolloutLog
+    from rlc.runtime.staleness import StalenessGate
+    from rlc.runtime.stall import StallWatch
+    from rlc.runtime.trace import StepTrace
+    from rlc.schemas.plan import Plan
+
+__all__ = ["Loop", "Workflow"]
+
+
+class Loop(Protocol):
+    """What a workflow may use of the loop that runs it (`runtime.controller.Controller`): the run's facts, the
+    staleness gate and prompt stream, the step's counters and logs, and three questions about the engines."""
+
+    plan: Plan
+    run_dir: Path
+    tokenizer: Any
+    rollout: RolloutPool
+    staleness: int  # the plan's bound (a colocated plan states 0)
+    step: int
+    version: int
+    total_steps: int
+    gate: StalenessGate
+    prompts: PromptStream
+    training: Future | None  # the trainer's step while it runs
+    stall: StallWatch
+    rollout_tokens: int  # this step's generated tokens
+    interrupted_samples: int  # this step's samples a weight update interrupted
+    logger: MetricsLogger
+    rollout_log: RolloutLog
+    trace: StepTrace
+
+    def may_admit(self) -> bool:
+        """Whether new rollouts may start now."""
+
+    def engine_load(self, engines_in_flight: Iterable[int]) -> dict[int, int]:
+        """Work items each serving engine holds."""
+
+    def restart_engine(self, index: int) -> None:
+        """Restart a dead engine; it takes no work until it has the current weights."""
 
 
 class Workflow(Protocol):

@@ -18,16 +18,14 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlc.runtime.prompts import PromptItem
 from rlc.runtime.result_futures import ResultFutures
 from rlc.runtime.rollout.failures import engine_is_dead
 from rlc.runtime.rollout.versions import version_spans
 from rlc.runtime.seeds import request_seed
-
-if TYPE_CHECKING:
-    from rlc.runtime.controller import Controller
+from rlc.runtime.workflows import Loop
 
 __all__ = ["Chunk", "GenerateWorkflow", "Group"]
 
@@ -65,7 +63,7 @@ class Chunk:
 class GenerateWorkflow:
     """Generate-and-score over the loop's rollout engines; `loop` is the `Controller` that runs it."""
 
-    def __init__(self, loop: Controller) -> None:
+    def __init__(self, loop: Loop) -> None:
         self.loop = loop
         sched = loop.plan.schedule
         self.group_size = sched.group_size

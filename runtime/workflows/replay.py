@@ -13,15 +13,13 @@ request recorded under that version has been generated.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlc.runtime.errors import RunError
 from rlc.runtime.prompts import PromptItem, PromptStream
 from rlc.runtime.rollout_log import RecordedRequest, ReplaySchedule
+from rlc.runtime.workflows import Loop
 from rlc.runtime.workflows.generate import Chunk, GenerateWorkflow, Group
-
-if TYPE_CHECKING:
-    from rlc.runtime.controller import Controller
 
 __all__ = ["ReplayWorkflow"]
 
@@ -29,7 +27,7 @@ __all__ = ["ReplayWorkflow"]
 class ReplayWorkflow(GenerateWorkflow):
     """Generate-and-score with admission and batches taken from a `ReplaySchedule` instead of timing."""
 
-    def __init__(self, loop: Controller, schedule: ReplaySchedule) -> None:
+    def __init__(self, loop: Loop, schedule: ReplaySchedule) -> None:
         super().__init__(loop)
         self.schedule = schedule
         loop.total_steps = min(loop.total_steps, schedule.steps)
