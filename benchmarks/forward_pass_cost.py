@@ -3,7 +3,7 @@
 Run: python benchmarks/forward_pass_cost.py   (about half a minute on two cores; one torch thread)
 
 The planner prices each forward-only pass over a micro-batch (the proximal log-probs of several minibatches, a KL
-reference) at a third of a forward+backward pass's fixed cost (`compiler/cost.py` train_time). This measures the
+reference) at a third of a forward+backward pass's fixed cost (`compiler/cost/train.py` train_time). This measures the
 ratio on the quickstart model, where fixed costs dominate: `TrainerWorker.compute_logprobs` (one forward-only
 pass) against `TrainerWorker.train_step` (forward, backward and the AdamW step) over the same micro-batch of 12-token
 sequences, one-rank FSDP2 over gloo, measured alternately in this run (median of 20 after a warm-up), for a

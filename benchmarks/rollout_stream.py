@@ -11,7 +11,7 @@ lengths for both feeds in a repetition.
 Feeds, alternated (the order flips every repetition; this machine's speed drifts minute to minute):
   share   the feed before streaming (kept here only): the engine's whole share of a step, `--concurrency`
           samples, as one generate call; the next share once it returns, i.e. once its longest sample ends.
-  stream  the controller's feed now (`compiler/cost.py`): one request per sample group (here one sample), up to
+  stream  the controller's feed now (`compiler/cost/rollout.py`): one request per sample group (here one sample), up to
           STREAM_OVERFILL x max_num_seqs of them held by the engine, each finished one replaced at once; vLLM's
           waiting queue refills a freed slot without waiting for that round trip.
 Both generate `--samples` samples per repetition. Reported per feed: tokens/s (median over repetitions), the

@@ -28,6 +28,7 @@ from rlc.runtime.launch_request import ActorRequest, LaunchRequest, launch_reque
 from rlc.runtime.model_family import check_model_family
 from rlc.runtime.preflight import Weights, check_model_folder
 from rlc.runtime.weight_push import sync_method
+from rlc.schemas.layout_file import write_layout_record
 from rlc.schemas.plan import Plan, Role
 
 __all__ = ["RunError", "RunStopped", "RunUsageError", "prepare_model", "run_plan"]
@@ -404,27 +405,6 @@ def check_built_layout(plan: Plan, built: list[dict[str, Any]]) -> list[str]:
             found.append(f"rank {rank}: mesh position {got['coords']} instead of {layout.coordinates(rank)}")
         found += [f"rank {rank}: {k} is {got[k]!r}, the plan says {v!r}" for k, v in want.items() if got[k] != v]
     return found
-
-
-def layout_record(plan: Plan, built: list[dict[str, Any]]) -> dict[str, Any]:
-    """`RUN/layout.json`: the plan's layout, what each rank built, and predicted vs measured peak memory."""
-    role = plan.roles_of("train")[0]
-    assert role.layout is not None
-    return {
-        "role": role.name,
-        "plan_layout": role.layout.model_dump(),
-        "layout_summary": role.layout.summary(),
-        "predicted_memory_gib": {"total": role.memory.total_gib, "items": role.memory.items},
-        "ranks": built,
-    }
-
-
-def write_layout_record(run_dir: Path, plan: Plan, built: list[dict[str, Any]]) -> Path:
-    path = run_dir / "layout.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(layout_record(plan, built), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
 
 
 def refuse_gaps(plan: Plan) -> None:

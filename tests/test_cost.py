@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from rlc.compiler import cost, memory
-from rlc.compiler.memory import RolloutLayout, TrainLayout
+from rlc.compiler.memory import RolloutLayout, TrainLayout, dtype_bytes
 from rlc.schemas.registry import load_arch, load_target
 
 A2 = load_target("a2")
@@ -80,7 +80,7 @@ def test_weight_sync_methods() -> None:
     assert cost.weight_sync_s(SIZES, A2, "broadcast", cross_node=True, adapter_params=10**6) - fixed < 0.01
     # Colocated weights go through host memory: the gather on rank 0 (half an intra-node broadcast) plus one
     # device-to-host and one host-to-device copy of the model; every path ends with the engine's reload.
-    volume = SIZES.total * cost.dtype_bytes(A2)
+    volume = SIZES.total * dtype_bytes(A2)
     reload = volume / (A2.efficiency.weight_reload_gbps * 1e9) + A2.efficiency.weight_sync_overhead_s
     gather = (cost.weight_sync_s(SIZES, A2, "broadcast", cross_node=False) - reload) / 2
     copies = 2 * volume / (A2.host_to_device_bandwidth_gbps * 1e9)

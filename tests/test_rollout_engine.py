@@ -146,6 +146,7 @@ def engine(ray_cluster, tiny_model_dir: Path):
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
         **CPU_ENGINE_ARGS,  # as cpu plans run engines
         **RL_ENGINE_ARGS,
+        "dtype": "float32",  # as cpu plans state it
         "worker_extension_cls": SPEC_DECODE_EXTENSION_CLS,  # as cpu plans with speculative decoding state it
     }
     # As cpu plans run engines: layers keep their weights (torch GEMMs), so updates copy in place.
@@ -365,16 +366,22 @@ def test_engine_refuses_sleep_mode_before_starting_vllm() -> None:
     from rlc.runtime.rollout.engine import NotSupported, RolloutEngine
 
     with pytest.raises(NotSupported):
-        RolloutEngine({"model": os.devnull, "enable_sleep_mode": True, **RL_ENGINE_ARGS}, "cpu")
+        RolloutEngine({"model": os.devnull, "dtype": "float32", "enable_sleep_mode": True, **RL_ENGINE_ARGS}, "cpu")
 
 
 def test_engine_refuses_args_that_would_bias_the_behaviour_logprobs() -> None:
-    """vLLM's default log-probs are the untempered model's: an engine whose args do not ask for the sampled
-    distribution's would feed every importance weight a wrong denominator, so it is refused before starting."""
+    """vLLM's default log-probs are the untempered model's, and its 'auto' dtype halves a float32 checkpoint: an
+    engine whose args leave either to vLLM would feed every importance weight a wrong denominator, so it is
+    refused before starting."""
     from rlc.runtime.rollout.engine import RolloutEngine
 
-    args = {"model": os.devnull, **RL_ENGINE_ARGS}
-    for mode in (None, "raw_logprobs"):
-        broken = {k: v for k, v in args.items() if k != "logprobs_mode"} | ({"logprobs_mode": mode} if mode else {})
-        with pytest.raises(ValueError, match="processed_logprobs"):
+    args = {"model": os.devnull, "dtype": "float32", **RL_ENGINE_ARGS}
+    for key, value, why in [
+        ("logprobs_mode", None, "processed_logprobs"),
+        ("logprobs_mode", "raw_logprobs", "processed_logprobs"),
+        ("dtype", None, "no dtype"),
+        ("dtype", "auto", "no dtype"),
+    ]:
+        broken = {k: v for k, v in args.items() if k != key} | ({key: value} if value else {})
+        with pytest.raises(ValueError, match=why):
             RolloutEngine(broken, "cpu")

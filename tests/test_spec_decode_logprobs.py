@@ -45,6 +45,7 @@ def spec_engine(tiny_model_dir: Path, ray_cluster):
         },
         **CPU_ENGINE_ARGS,  # as cpu plans run engines
         **RL_ENGINE_ARGS,
+        "dtype": "float32",  # as cpu plans state it
         "worker_extension_cls": SPEC_DECODE_EXTENSION_CLS,  # as cpu plans with speculative decoding state it
     }
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}

@@ -111,6 +111,11 @@ def engine_setup(
             f"engine args state logprobs_mode {engine_args.get('logprobs_mode')!r}, not {PROCESSED_LOGPROBS!r}: "
             "the behaviour log-probs must be those of the distribution sampled from (recompile the plan)"
         )
+    if engine_args.get("dtype") in (None, "auto"):
+        raise ValueError(
+            "engine args state no dtype: vLLM's 'auto' casts a float32 checkpoint to half precision, which the "
+            "trainer's log-probs would not match (recompile the plan)"
+        )
     return resolved, dict(engine_args)
 
 

@@ -1,0 +1,146 @@
+"""Weight sync, colocated switches and the whole step: how the phases of one RL step compose into its time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlc.compiler.cost.links import collective_s
+from rlc.compiler.cost.rollout import RolloutTime
+from rlc.compiler.cost.workload import Workload
+from rlc.compiler.memory import ModelSizes, RolloutLayout, dtype_bytes, rollout_weights_bytes
+from rlc.schemas.target import TargetProfile
+
+__all__ = [
+    "DISK_GBPS",
+    "StepTime",
+    "engine_offload_s",
+    "engine_weight_share",
+    "step_time",
+    "switch_s",
+    "teacher_time_s",
+    "weight_sync_s",
+]
+
+#: Shared-filesystem bandwidth for disk weight sync, GB/s (one writer, readers in parallel).
+DISK_GBPS = 2.0
+
+
+def weight_sync_s(
+    sizes: ModelSizes,
+    target: TargetProfile,
+    method: str,
+    *,
+    cross_node: bool,
+    adapter_params: int = 0,
+    engine_share: float = 1.0,
+) -> float:
+    """Seconds to move new weights from the trainer to the engines.
+
+    Volume: the full model in compute dtype (total params × bytes), or only the LoRA adapters when the
+    engine serves them. broadcast: one pipelined broadcast from trainer rank 0 (bytes / link bw; across
+    nodes the scale-out link bounds it) after gathering the shards on that rank (same volume, intra-node).
+    inplace (colocated): the gathered weights go through host shared memory, because the trainer rank
+    and the engine worker of one device cannot both be ranks of one NCCL group: each node's leader rank
+    gathers the full weights (over the scale-out link when the trainer spans nodes) and copies them to its
+    host (bytes / host↔device bandwidth); that node's engine workers then copy back, in parallel, only the
+    shard each one serves (`engine_share` × bytes each: vLLM's weight loaders narrow every checkpoint tensor
+    to the rank's TP slice and skip experts outside its EP rank before the device copy).
+    disk: safetensors written once and read in parallel at DISK_GBPS.
+
+    `engine_share` is the share of the full weights one engine device holds (`memory.rollout_weights_bytes`
+    over the full bytes; 1 for a TP 1 engine). The engine's reload (`weight_reload_gbps`) is per device too:
+    each worker copies and repacks its own shard, all workers at once.
+    """
+    b = dtype_bytes(target)
+    volume = (adapter_params or sizes.total) * b
+    # Every path ends with the engine taking the weights in (vLLM reload_weights: copies into its parameters
+    # and, on cpu and NPUs, repacking for its kernels), at the target's measured or estimated rate.
+    # A LoRA adapter is small and whole on every engine device.
+    shard = volume if adapter_params else volume * min(1.0, max(0.0, engine_share))
+    reload = shard / (target.efficiency.weight_reload_gbps * 1e9) + target.efficiency.weight_sync_overhead_s
+    if method == "disk":
+        return 2 * volume / (DISK_GBPS * 1e9) + reload
+    intra = collective_s(target, volume, target.intra_node_bandwidth_gbps)
+    link = target.inter_node_bandwidth_gbps if cross_node else target.intra_node_bandwidth_gbps
+    if method == "inplace":
+        gather = collective_s(target, volume, link)
+        return gather + (volume + shard) / (target.host_to_device_bandwidth_gbps * 1e9) + reload
+    return intra + collective_s(target, volume, link) + reload
+
+
+def engine_weight_share(sizes: ModelSizes, layout: RolloutLayout) -> float:
+    """Share of the full weights one device of an engine with `layout` holds (dense parts over TP, routed
+    experts over EP or TP): what each engine worker copies in and repacks when new weights arrive."""
+    full = sizes.dense + sizes.embedding + sizes.head + sizes.expert
+    return rollout_weights_bytes(sizes, layout.tp, layout.ep, 1) / full if full else 1.0
+
+
+def switch_s(target: TargetProfile, train_state_gib: float) -> float:
+    """Colocated phase switch per step: training state to host before rollout and back before training.
+
+    2 × state bytes / host↔device bandwidth (the engine's weights are discarded at sleep level 2 and
+    refilled by the in-place sync, its KV cache is dropped and re-allocated, both cheap). 0 on cpu, where
+    nothing moves.
+    """
+    if target.kind == "cpu":
+        return 0.0
+    return 2 * train_state_gib * 1024**3 / (target.host_to_device_bandwidth_gbps * 1e9)
+
+
+def engine_offload_s(sizes: ModelSizes, target: TargetProfile, engine_share: float) -> float:
+    """An adapter-serving colocated engine's base weights to host and back each step (vLLM sleep level 1: an
+    adapter sync never resends the base, so it cannot be discarded as at level 2):
+    2 × its device's share of the weights / host↔device bandwidth, every device at once. 0 on cpu."""
+    if target.kind == "cpu":
+        return 0.0
+    return 2 * sizes.total * dtype_bytes(target) * engine_share / (target.host_to_device_bandwidth_gbps * 1e9)
+
+
+def teacher_time_s(sizes: ModelSizes, devices: int, target: TargetProfile, work: Workload, share: float) -> float:
+    """Forward-only teacher scoring: 2 · active params · (share of samples · mean length) / (devices · peak · MFU)."""
+    flops = 2 * sizes.active * work.samples * share * work.context_tokens
+    return flops / (devices * target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One RL step's estimate and its split."""
+
+    step_s: float
+    rollout_s: float
+    train_s: float
+    teacher_s: float
+    sync_s: float
+    switch_s: float
+    tokens_per_s: float
+    overhead_s: float = 0.0
+
+
+def step_time(
+    mode: str,
+    work: Workload,
+    rollout: RolloutTime,
+    train_s: float,
+    teacher_s: float,
+    sync_s: float,
+    switch: float,
+    overhead_s: float = 0.0,
+) -> StepTime:
+    """Combine the phases.
+
+    Disaggregated with staleness > 0 (AReaL-style asynchrony): rollout runs while the trainer works, so
+    step ≈ max(rollout, teachers, train) + sync, the rollout streamed without a tail (`rollout_time`).
+    Staleness 0 serialises them: rollout (waiting for the batch's long tail) + teachers + train + sync.
+    Colocated: rollout + teachers + train + sync + switch. Every step also pays
+    the target's fixed `step_overhead_s` (controller bookkeeping, rewards, Python).
+    """
+    if mode == "disaggregated" and work.staleness > 0:
+        r = rollout.async_s
+        step = max(r, teacher_s, train_s) + sync_s
+    else:
+        r = rollout.sync_s
+        step = r + teacher_s + train_s + sync_s + (switch if mode == "colocated" else 0.0)
+    step += overhead_s
+    if mode != "colocated":
+        switch = 0.0
+    return StepTime(step, r, train_s, teacher_s, sync_s, switch, work.trained_tokens / step, overhead_s)
