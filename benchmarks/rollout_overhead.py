@@ -211,7 +211,7 @@ class Bench:
         resource = load_target(self.plan.target).ray_resource
         tp = self.plan.roles_of("rollout")[0].parallel.tp
 
-        def make_engine(index: int, *_: Any) -> Any:  # as launch.build_roles, without the placement group
+        def make_engine(index: int, *_: Any) -> Any:  # as role_actors.build_roles, without the placement group
             cls = rollout_engine_actor(
                 name=f"bench-rollout-{index}",
                 num_cpus=0,

@@ -1,7 +1,7 @@
 """The vLLM engine arguments every rlc engine runs with, stated in each plan's engine roles.
 
 The plan states an engine's arguments in full and the runtime passes them to vLLM as they are, so these are the
-compiler's to write (`planner.engine_args`); tests and benchmarks that build an engine by hand spread them in.
+compiler's to write (`engine_config.engine_args`); tests and benchmarks that build an engine by hand spread them in.
 """
 
 from __future__ import annotations

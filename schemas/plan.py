@@ -120,12 +120,12 @@ class Schedule(PlanModel):
     weight_update: Literal["interrupt", "wait"] = Field(
         "interrupt",
         description="What a weight update does to samples in flight: continue them under the new weights, or let "
-        "them finish first (`planner.weight_update`).",
+        "them finish first (`search_context.weight_update`).",
     )
     sync_check_max_gap: float = Field(
         1e-3,
         description="Largest mean |log-prob difference| between each engine and the trainer on a probe scored "
-        "after every weight sync; above it the run stops (`planner.sync_check_max_gap`).",
+        "after every weight sync; above it the run stops (`schedule.sync_check_max_gap`).",
     )
     offload: list[OffloadStep] = Field(default_factory=list, description="Colocated phase transitions.")
     checkpoint_every: int
@@ -134,7 +134,7 @@ class Schedule(PlanModel):
         1800.0,
         description="Longest the run waits with work in flight and nothing finishing (no generate request, agent "
         "episode or train step) before it stops and names what stalled; the compiler sets it from the step-time "
-        "estimate (`planner.stall_timeout_s`).",
+        "estimate (`schedule.stall_timeout_s`).",
     )
 
     @model_validator(mode="after")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlc.runtime.launch_request import VISIBLE_DEVICES_ENV, launch_request
+from rlc.runtime.launch_request import launch_request
 from rlc.schemas.plan import NodeDevices, Plan
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -73,7 +73,12 @@ def test_cpu_plans_bind_nothing(tmp_path: Path) -> None:
     assert all(not a.devices and not a.device_env(plan.platform) for a in launch_request(plan).actors)
 
 
-def test_the_visible_devices_names_match_the_runtime_platforms() -> None:
+def test_the_runtime_platforms_are_the_one_platform_table() -> None:
+    """The launch request (dry run) and the runtime's devices read the same facts: Ascend's mask is
+    ASCEND_RT_VISIBLE_DEVICES, CUDA's CUDA_VISIBLE_DEVICES, and cpu workers are processes with none."""
     from rlc.runtime.platform import PLATFORMS
+    from rlc.schemas.platforms import PLATFORM_FACTS
 
-    assert {k: p.visible_devices_env for k, p in PLATFORMS.items() if p.visible_devices_env} == VISIBLE_DEVICES_ENV
+    assert {k: vars(p) for k, p in PLATFORMS.items()} == {k: vars(f) for k, f in PLATFORM_FACTS.items()}
+    masks = {k: f.visible_devices_env for k, f in PLATFORM_FACTS.items()}
+    assert masks == {"cpu": None, "cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}

@@ -193,7 +193,7 @@ def test_a_full_disk_during_a_trainer_checkpoint_is_named_not_a_traceback(tmp_pa
         raise _ray_error(OSError(errno.ENOSPC, "No space left on device", str(staged / "hf" / "model.safetensors")))
 
     with pytest.raises(RunError) as caught:
-        launch._run_controller(checkpoint, run)
+        launch.run_controller(checkpoint, run)
     message = str(caught.value)
     assert f"no space left on the device holding {run / 'checkpoints'}" in message
     assert "the previous checkpoint step-000002 is intact" in message
@@ -215,7 +215,7 @@ def test_a_full_disk_in_the_controllers_checkpoint_code_without_a_file_name(tmp_
         raise OSError(errno.EDQUOT, "Disk quota exceeded")
 
     with pytest.raises(RunError) as caught:
-        launch._run_controller(_checkpoint, run)
+        launch.run_controller(_checkpoint, run)
     message = str(caught.value)
     assert "the disk quota is exceeded on the device holding" in message
     assert "no checkpoint was completed before it" in message and "--overwrite" in message
@@ -232,7 +232,7 @@ def test_a_full_disk_outside_a_checkpoint_names_the_file(tmp_path: Path) -> None
         raise OSError(errno.ENOSPC, "No space left on device", str(run / "metrics.jsonl"))
 
     with pytest.raises(RunError) as caught:
-        launch._run_controller(step, run)
+        launch.run_controller(step, run)
     message = str(caught.value)
     assert message.startswith(f"writing the run's files failed: No space left on device ({run / 'metrics.jsonl'})")
     assert f"free space on the device holding {run}" in message and "step-000002" in message
@@ -246,7 +246,7 @@ def test_another_failed_write_from_an_actor_is_one_line(tmp_path: Path) -> None:
         raise _ray_error(PermissionError(errno.EACCES, "Permission denied", "/mnt/ro/checkpoints"))
 
     with pytest.raises(RunError) as caught:
-        launch._run_controller(denied, tmp_path)
+        launch.run_controller(denied, tmp_path)
     assert str(caught.value).startswith("writing the run's files failed: Permission denied (/mnt/ro/checkpoints)")
     assert "Traceback" not in str(caught.value)
 
@@ -254,4 +254,4 @@ def test_another_failed_write_from_an_actor_is_one_line(tmp_path: Path) -> None:
         raise KeyError("not a write")
 
     with pytest.raises(KeyError):  # everything else goes on as before
-        launch._run_controller(other, tmp_path)
+        launch.run_controller(other, tmp_path)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from plan_fixtures import cpu_plan
 
-from rlc.runtime import launch
+from rlc.runtime import launch, ray_start
 from rlc.runtime.errors import RunError, RunUsageError
 
 
@@ -19,7 +19,7 @@ def test_a_wait_past_its_bound_is_not_reported_as_a_failed_write(tmp_path: Path)
         raise GetTimeoutError("Get timed out: some object(s) not ready.")
 
     with pytest.raises(RunError, match="stopped answering") as caught:
-        launch._run_controller(stalled, tmp_path)
+        launch.run_controller(stalled, tmp_path)
     assert "writing the run's files" not in str(caught.value)
     assert "no checkpoint was completed" in str(caught.value)
 
@@ -29,24 +29,24 @@ def test_a_failed_write_is_still_named_as_one(tmp_path: Path) -> None:
         raise OSError(28, "No space left on device", str(tmp_path / "metrics.jsonl"))
 
     with pytest.raises(RunError, match="writing the run's files failed: No space left on device"):
-        launch._run_controller(full, tmp_path)
+        launch.run_controller(full, tmp_path)
 
 
 def test_a_ray_address_nobody_listens_on_is_named_at_once() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening: connections are refused
-        why = launch.ray_address_unreachable(f"127.0.0.1:{port}")
+        why = ray_start.ray_address_unreachable(f"127.0.0.1:{port}")
     assert why.startswith(f"nothing answers on 127.0.0.1:{port}")
-    assert launch.ray_address_unreachable("auto") == ""  # Ray resolves these itself, and fails fast when it cannot
-    assert launch.ray_address_unreachable("ray://") == ""
+    assert ray_start.ray_address_unreachable("auto") == ""  # Ray resolves these itself, and fails fast when it cannot
+    assert ray_start.ray_address_unreachable("ray://") == ""
 
 
 def test_a_ray_address_that_listens_passes() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        assert launch.ray_address_unreachable(f"127.0.0.1:{s.getsockname()[1]}") == ""
+        assert ray_start.ray_address_unreachable(f"127.0.0.1:{s.getsockname()[1]}") == ""
 
 
 def test_a_plan_edited_to_lose_its_rollout_role_is_a_usage_error(tmp_path: Path) -> None:
@@ -68,4 +68,4 @@ def test_a_multi_node_plan_without_a_cluster_is_refused_not_run_on_one_machine(
     plan.cluster.nodes = 2
     plan.platform = "npu"  # accelerators are real devices; on cpu, nodes are logical and run locally
     with pytest.raises(RunUsageError, match=r"spans 2 nodes.*launch\.sh head"):
-        launch.start_ray(plan, print)
+        ray_start.start_ray(plan, print)

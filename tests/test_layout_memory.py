@@ -110,7 +110,7 @@ def test_moe_trainer_peak_is_within_a_quarter_of_the_plan(name: str, moe_model: 
 
 
 def _assert_peak_as_planned(name: str, plan, model_dir: Path, budget: int) -> None:  # type: ignore[no-untyped-def]
-    from rlc.runtime.launch import train_config
+    from rlc.runtime.role_actors import train_config
     from rlc.runtime.train.group import TrainerGroup
 
     role = plan.role("actor")

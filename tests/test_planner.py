@@ -56,7 +56,7 @@ def test_cpu_engines_name_their_executor() -> None:
 def test_cpu_heap_reuse_only_where_the_memory_plan_has_room() -> None:
     """cpu engines always reuse freed heap; a trainer only where its estimate is at most half its device, since the
     heap it keeps is outside the estimate; accelerator roles never get glibc settings."""
-    from rlc.compiler.planner import CPU_HEAP_REUSE_ENV, HEAP_REUSE_MAX_SHARE
+    from rlc.compiler.engine_config import CPU_HEAP_REUSE_ENV, HEAP_REUSE_MAX_SHARE
 
     roomy, _ = plan_for(TINY + "mode: disaggregated\n", "cpu")
     assert roomy is not None
@@ -346,7 +346,7 @@ def test_prefix_caching_only_where_a_prompt_can_fill_a_kv_block() -> None:
     """vLLM caches full KV blocks only: engines whose prompts stay under one block would pay for hashing and
     lookups that can never hit. An agent's later turns resend the conversation, so there the whole context counts;
     teachers follow the same rule as the rollout engines."""
-    from rlc.compiler.planner import ENGINE_BLOCK_TOKENS
+    from rlc.compiler.engine_config import ENGINE_BLOCK_TOKENS
 
     short, _ = plan_for(TINY, "cpu")
     long, _ = plan_for(

@@ -114,14 +114,14 @@ def test_deterministic_false_on_cpu_turns_the_switches_and_the_seeds_off() -> No
 
 
 def test_replay_refuses_a_plan_without_seeds(tmp_path: Path) -> None:
-    from rlc.runtime.launch import _replay_schedule
+    from rlc.runtime.launch import replay_schedule
 
     plan = plan_for(TINY + "algorithm: {max_staleness: 0, deterministic: false}\nmode: disaggregated\n")
     recorded = tmp_path / "run"
     recorded.mkdir()
     (recorded / "plan.json").write_text(json.dumps({"spec_hash": plan.spec_hash}))
     with pytest.raises(RunError, match=r"does not seed its sampling.*deterministic is false"):
-        _replay_schedule(plan, recorded, tmp_path / "replay", resume=False)
+        replay_schedule(plan, recorded, tmp_path / "replay", resume=False)
 
 
 def test_summary_and_explain_show_the_verdict() -> None:

@@ -75,10 +75,10 @@ def test_the_report_replaces_its_own_files(tmp_path: Path) -> None:
 
 
 def test_rlc_run_s_report_warns_instead_of_failing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from rlc.runtime.launch import _write_report
+    from rlc.runtime.run_outputs import write_run_report
 
     run, site = _run_dir(tmp_path), _site(tmp_path)
     (run / "report").symlink_to(site)
-    _write_report(run, print)
+    write_run_report(run, print)
     assert "warning: the report could not be written" in capsys.readouterr().out
     assert (site / "index.html").read_text() == FOREIGN

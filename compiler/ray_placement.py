@@ -1,0 +1,67 @@
+"""Ray placement of the plan's roles: which devices of which node each bundle holds."""
+
+from __future__ import annotations
+
+from rlc.compiler import search
+from rlc.compiler.resolve import Problem
+from rlc.compiler.rounding import r4
+from rlc.schemas.plan import NodeDevices, RayPlacement
+
+
+def placement_ids(start: int, count: int, dpn: int) -> list[NodeDevices]:
+    """Global device range [start, start+count) as local ids per node."""
+    by_node: dict[int, list[int]] = {}
+    for g in range(start, start + count):
+        by_node.setdefault(g // dpn, []).append(g % dpn)
+    return [NodeDevices(node=n, local_ids=ids) for n, ids in sorted(by_node.items())]
+
+
+def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPlacement]:
+    """Each role's placement group, bundles and per-actor resource shares, by role name.
+
+    Disaggregated: one group per role; a trainer device is one bundle, an engine (or teacher engine) one bundle
+    of its TP/EP devices. Colocated: one group of device bundles shared by every role; each role's actor takes
+    an equal share of a device (the trainer's share is halved again when a separate KL reference rank sits
+    beside it), and engine i is anchored on the bundle of its first device.
+    """
+    res = problem.target.ray_resource
+    colocated = best.mode == "colocated"
+    tl, rl = best.train.layout, best.rollout.layout
+    reference = problem.spec.algorithm.kl_coef > 0 and problem.spec.lora is None
+    engines = [("rollout", rl)] + [(f"teacher-{t.name}", t.layout) for t in best.teachers]
+    out: dict[str, RayPlacement] = {}
+    if colocated:
+        bundles = [{res: 1.0}] * tl.world_size
+        share = r4(1.0 / len(["actor", *engines]))
+        trainer = r4(share / 2) if reference else share
+        out["actor"] = RayPlacement(
+            placement_group="rlc-colocated",
+            bundles=bundles,
+            bundle_indices=list(range(tl.world_size)),
+            actor_resources={res: trainer},
+            reference_resources={res: trainer} if reference else None,
+        )
+        for name, lay in engines:
+            out[name] = RayPlacement(
+                placement_group="rlc-colocated",
+                bundles=bundles,
+                bundle_indices=[i * lay.engine_devices for i in range(lay.replicas)],
+                actor_resources={res: share},
+            )
+        return out
+    out["actor"] = RayPlacement(
+        placement_group="rlc-actor",
+        bundles=[{res: 1.0}] * tl.world_size,
+        bundle_indices=list(range(tl.world_size)),
+        actor_resources={res: 0.5 if reference else 1.0},
+        reference_resources={res: 0.5} if reference else None,
+    )
+    for name, lay in engines:
+        width = float(lay.engine_devices)
+        out[name] = RayPlacement(
+            placement_group=f"rlc-{name}",
+            bundles=[{res: width}] * lay.replicas,
+            bundle_indices=list(range(lay.replicas)),
+            actor_resources={res: width},
+        )
+    return out

@@ -1,0 +1,158 @@
+"""How a run ends early: Ctrl-C and SIGTERM (`RunStopped`), a dead actor, a full disk, each one clear message that
+names the newest checkpoint to resume from."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from rlc.messages import first_line
+from rlc.runtime.errors import RunError
+
+T = TypeVar("T")
+
+
+#: Signals that stop a run cleanly, as Ctrl-C does: SIGTERM is what `kill`, schedulers (Slurm, Kubernetes) and
+#: `ray job stop` send first.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RunStopped(RunError):
+    """A signal stopped the run before its last step: it finished the step in progress and checkpointed it, and
+    `rlc run` exits non-zero (a partial run is not a finished one)."""
+
+    def __init__(self, step: int, total: int, signal_name: str, run_dir: Path) -> None:
+        self.step, self.total = step, total
+        by = f" ({signal_name})" if signal_name else ""
+        super().__init__(f"stopped at step {step} of {total}{by}; {_last_checkpoint(run_dir)}")
+
+
+def _last_checkpoint(run_dir: Path) -> str:
+    """Where a stopped run's newest checkpoint is, and how to continue from it."""
+    from rlc.runtime.checkpoint import CheckpointError, latest_checkpoint
+
+    try:
+        found = latest_checkpoint(run_dir)
+    except CheckpointError:
+        found = None
+    if found is None:
+        return _resumable(run_dir)
+    return f"the last checkpoint is {found[0]} (step {found[1].step}): continue with `rlc run PLANDIR --resume`"
+
+
+def _resumable(run_dir: Path) -> str:
+    from rlc.runtime.checkpoint import CheckpointError, latest_checkpoint
+
+    try:
+        found = latest_checkpoint(run_dir)
+    except CheckpointError as exc:
+        return f"the newest checkpoint cannot be resumed ({exc})"
+    if found is None:
+        return "no checkpoint was completed, so a new run starts from the beginning (pass --overwrite)"
+    return f"the newest complete checkpoint is {found[0].name}: continue with `rlc run PLANDIR --resume`"
+
+
+def actor_death(exc: Exception) -> str:
+    """One line for a dead actor: its class and the error that killed it (the last line of the remote traceback,
+    e.g. ``ValueError: ...``), else the first line Ray printed."""
+    text = str(exc).strip()
+    named = re.search(r"class_name: (\S+)", text) or re.search(r"ray::[\w.-]+:(\w+)\.__init__", text)
+    who = f"{named.group(1)}: " if named else ""
+    raised = [line.strip() for line in text.splitlines() if re.match(r"\s*\w+(\.\w+)*(Error|Exception): ", line)]
+    cause = raised[-1] if raised else (text.splitlines()[0] if text else type(exc).__name__)
+    return who + cause
+
+
+def run_controller(work: Callable[[], T], run_dir: Path) -> T:
+    """The training loop (or the resume's first sync), with a dead actor, a wait past its bound, a full disk or
+    a failed write turned into a resumable message."""
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    from rlc.runtime.checkpoint import disk_full
+    from rlc.runtime.stall import StallError
+
+    try:
+        return work()
+    except StallError as exc:
+        raise RunError(f"{exc}. The run stopped: {_resumable(run_dir)}") from None
+    except GetTimeoutError as exc:  # a TimeoutError, hence an OSError: not a failed write
+        stopped = f"the run stopped: {_resumable(run_dir)}"
+        raise RunError(
+            f"a role of the run stopped answering ({first_line(exc, 'no answer in time')}); {stopped}"
+        ) from None
+    except RayActorError as exc:
+        death = actor_death(exc)
+        raise RunError(f"a Ray actor of the run died ({death}); the run stopped: {_resumable(run_dir)}") from None
+    except RunError:  # already says what happened
+        raise
+    except Exception as exc:  # a trainer's OSError comes inside a RayTaskError, whose own errno is None
+        full = disk_full(exc)
+        if full is not None:
+            raise RunError(_disk_full_message(full, exc, run_dir)) from None
+        cause = vars(exc).get("cause", exc)
+        if not isinstance(cause, OSError):
+            raise
+        where = f" ({cause.filename})" if cause.filename else ""
+        why = cause.strerror or first_line(cause, type(cause).__name__)
+        raise RunError(
+            f"writing the run's files failed: {why}{where}; the run stopped: {_resumable(run_dir)}"
+        ) from None
+
+
+def _disk_full_message(full: OSError, exc: BaseException, run_dir: Path) -> str:
+    """What to do about a full disk: during a checkpoint, that the previous one is intact (the half-written one
+    is removed, which also gives back its space); elsewhere, which file could not be written."""
+    import errno
+    import shutil
+
+    from rlc.runtime.checkpoint import CheckpointError, checkpoints_dir, latest_checkpoint, staging_dirs
+
+    quota = full.errno == errno.EDQUOT
+    what = "the disk quota is exceeded on" if quota else "no space left on"
+    free = "free space (or raise the quota)" if quota else "free space"
+    if not _during_checkpoint(full, exc, run_dir):
+        where = f" ({full.filename})" if full.filename else ""
+        return (
+            f"writing the run's files failed: {full.strerror or 'No space left on device'}{where}; the run "
+            f"stopped: {free} on the device holding {run_dir}, then {_resumable(run_dir)}"
+        )
+    partial = staging_dirs(run_dir)
+    for folder in partial:  # never trusted by --resume, and the space is what the next try needs
+        shutil.rmtree(folder, ignore_errors=True)
+    removed = f" (the partial {', '.join(p.name for p in partial)} was removed)" if partial else ""
+    head = f"{what} the device holding {checkpoints_dir(run_dir)} while writing a checkpoint{removed}"
+    try:
+        found = latest_checkpoint(run_dir)
+    except CheckpointError as bad:
+        return f"{head}; the previous checkpoint cannot be resumed ({bad}); {free} and start again with --overwrite"
+    if found is None:
+        return f"{head}; no checkpoint was completed before it: {free} and start again with --overwrite"
+    return f"{head}; the previous checkpoint {found[0].name} is intact: {free} and `rlc run PLANDIR --resume`"
+
+
+def _during_checkpoint(full: OSError, exc: BaseException, run_dir: Path) -> bool:
+    """Whether a full disk stopped a checkpoint: the failed file is under RUN/checkpoints, or the error came
+    through the checkpoint's code (`Controller._checkpoint`, the trainer's `save_checkpoint`, `finalize`)."""
+    import traceback
+
+    from rlc.runtime.checkpoint import checkpoints_dir
+
+    if full.filename:
+        try:
+            Path(os.fsdecode(full.filename)).resolve().relative_to(checkpoints_dir(run_dir).resolve())
+            return True
+        except (ValueError, OSError, RuntimeError):
+            pass
+    names = {"_checkpoint", "save_checkpoint", "finalize", "staging_dir"}
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and not any(current is s for s in seen):
+        seen.append(current)
+        if any(frame.f_code.co_name in names for frame, _ in traceback.walk_tb(current.__traceback__)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
