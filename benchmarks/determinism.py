@@ -78,8 +78,8 @@ def interleaved(variants: dict[str, Any], reps: int) -> dict[str, float]:
 def rollout(plan: Any, model: Path, reps: int) -> dict[str, dict[str, float]]:
     from in_process import InProcessEngine
 
-    from rlc.runtime.launch import load_inputs
     from rlc.runtime.prompts import PromptStream
+    from rlc.runtime.run_inputs import load_inputs
     from rlc.runtime.seeds import request_seed
 
     tokenizer, _ = load_inputs(plan, model)

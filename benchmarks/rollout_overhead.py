@@ -120,7 +120,7 @@ class Bench:
     """Both engines (plain vLLM in this process, rlc's engine actor with the controller) and the timed paths."""
 
     def __init__(self, plan: Any, work: Path, reps: int, batches: int) -> None:
-        from rlc.runtime.launch import load_inputs, prepare_model
+        from rlc.runtime.run_inputs import load_inputs, prepare_model
 
         self.plan = plan
         self.work = work
@@ -323,7 +323,7 @@ def main() -> None:
 
     import ray
 
-    from rlc.runtime.launch import start_ray
+    from rlc.runtime.ray_start import start_ray
 
     with tempfile.TemporaryDirectory(prefix="rlc-bench-rollout-") as tmp:
         work = Path(tmp)

@@ -404,7 +404,7 @@ def check_ray() -> list[Check]:
         return [Check("ray cluster", "ok", "none running here; `rlc run` starts a local one")]
     address = os.environ.get("RAY_ADDRESS", "")
     if address:
-        from rlc.runtime.launch import ray_address_unreachable
+        from rlc.runtime.ray_start import ray_address_unreachable
 
         unreachable = ray_address_unreachable(address)
         if unreachable:  # the probe would wait its whole timeout for a port that refuses at once
