@@ -241,6 +241,7 @@ def run_workload(plan: Plan, prompt_tokens: float, response_tokens: float) -> co
         mtp_tokens=int(spec.get("num_speculative_tokens", 0)),
         minibatches=algo.minibatches,
         agent=_agent_work(plan),
+        oversample=algo.dynamic_sampling.expected_generated_per_kept if algo.dynamic_sampling else 1.0,
     )
     return replace(base, prompt_tokens=prompt_tokens, response_tokens=response_tokens)
 

@@ -576,7 +576,16 @@ def check_backend_choices(ctx: RuleContext) -> Iterator[Diagnostic]:
 @rule("RLC216", "group_size 1 leaves GRPO nothing to learn from unless a teacher distils")
 def check_group_size(ctx: RuleContext) -> Iterator[Diagnostic]:
     spec = ctx.problem.spec
-    if spec.algorithm.group_size != 1:
+    if spec.algorithm.group_size != 1 or spec.algorithm.name == "reinforce_pp":  # its baseline is the batch
+        return
+    if spec.algorithm.name in ("rloo", "reinforce_pp_baseline"):
+        yield ctx.diag(
+            "RLC216",
+            "algorithm.group_size",
+            f"group_size 1 with {spec.algorithm.name}: its baseline is the other samples of the prompt's group, and "
+            "a group of one has none",
+            "use group_size >= 2, or name: reinforce_pp (a batch baseline, which works with one sample per prompt)",
+        )
         return
     if spec.distill is None:
         yield ctx.diag(
@@ -683,4 +692,4 @@ def check_deterministic(ctx: RuleContext) -> Iterator[Diagnostic]:
 
 
 # Rules of their own modules register on import (after everything above exists).
-from rlc.compiler import agent_rules  # noqa: E402,F401
+from rlc.compiler import agent_rules, algorithm_rules  # noqa: E402,F401
