@@ -82,3 +82,40 @@ def test_the_plans_estimator_makes_the_advantages() -> None:
     wf = _workflow(name="rloo")  # groups of two: 3 − 1 and 1 − 3 (GRPO would give ±1)
     batch, _, _ = wf.build_batch([_group(0, [3.0, 1.0]), _group(1, [2.0, 2.0])])
     assert batch["advantages"] == pytest.approx([2.0, -2.0, 0.0, 0.0])
+
+
+def test_explain_and_calibrate_show_the_measured_over_sampling(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A DAPO plan states its expected over-sampling; a run's measured generated-per-kept is shown beside it by
+    `rlc explain RUN --measured`, prices the calibration's workload, and the calibration record names the keep rate."""
+    from typer.testing import CliRunner
+
+    from rlc.cli import app
+    from rlc.compiler import calibrate
+    from rlc.compiler.pipeline import compile_text
+    from rlc.schemas.registry import load_target
+    from tests.test_calibrate import write_run_dir
+
+    spec = """name: ds
+target: cpu
+model: {name: rlc-tiny}
+mode: disaggregated
+algorithm: {group_size: 8, batch_prompts: 16, max_staleness: 0, dynamic_sampling: {expected_keep_rate: 0.5}}
+data: {train: arithmetic, digits: 1}
+reward: {fn: exact_match}
+rollout: {max_prompt_len: 8, max_response_len: 4}
+"""
+    plan = compile_text(spec, "ds.yaml").plan
+    assert plan is not None and plan.algorithm.dynamic_sampling is not None
+    assert plan.algorithm.dynamic_sampling.expected_generated_per_kept == 2.0
+    truth = {"rollout": 0.1, "train": 0.05, "sync": 0.02, "step": 0.2}
+    extra = {"rollout/generated_per_kept": 1.25, "response_len/mean": 2.0}
+    run = write_run_dir(tmp_path / "run", plan, truth, 7.0 * 128, 12, **extra)
+    loaded = calibrate.load_run(run)
+    assert loaded.generated_per_kept == 1.25 and loaded.work.oversample == 1.25
+    assert calibrate.measured_phases(run)["generated per kept (x)"] == 1.25
+    fitted = calibrate.calibrate(load_target("cpu"), [loaded])
+    assert "expected_keep_rate 0.8 for this task" in fitted.calibration["run.run.dynamic_sampling"]
+    result = CliRunner().invoke(app, ["explain", str(run)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    (line,) = [ln for ln in result.output.splitlines() if "generated per kept" in ln]
+    assert "2" in line and "1.25" in line
