@@ -53,6 +53,9 @@ def test_groups_without_signal_are_dropped_and_give_their_slots_back() -> None:
     _, stats, _ = wf.build_batch(groups)
     assert stats["rollout/generated_per_kept"] == pytest.approx(30 / 20)
     assert stats["rollout/dropped_groups"] == 10 and stats["rollout/zero_signal_kept"] == 3
+    # Trained: 3 all-zero groups and 17 half-right ones; dropped: 1 all-one group and 9 all-zero ones.
+    assert stats["reward/mean"] == pytest.approx(17 / 40)
+    assert stats["reward/generated_mean"] == pytest.approx((17 + 2) / 60)
 
 
 def test_without_dynamic_sampling_every_group_is_kept() -> None:

@@ -83,7 +83,9 @@ class GenerateWorkflow:
         self.max_drops = int((ds.max_draws - 1.0) * self.batch_prompts + 1e-9) if ds is not None else None
         self.dropped = 0
         self.zero_signal_kept = 0
-        self._batch_draws: list[tuple[int, int]] = []  # (dropped, zero-signal kept) of each batch taken, in order
+        self.dropped_rewards: list[float] = []
+        # (dropped, zero-signal kept, the dropped groups' rewards) of each batch taken, in order
+        self._batch_draws: list[tuple[int, int, list[float]]] = []
 
     # ------------------------------------------------------------------ admission
 
@@ -226,6 +228,7 @@ class GenerateWorkflow:
         if self.max_drops is not None and len(set(group.rewards)) <= 1:
             if self.dropped < self.max_drops:
                 self.dropped += 1
+                self.dropped_rewards += group.rewards
                 self.loop.gate.retract(len(group.output_ids))
                 return
             self.zero_signal_kept += 1
@@ -244,8 +247,9 @@ class GenerateWorkflow:
         self.finished.sort(key=lambda g: (g.item.cursor, g.request))
         groups, self.finished = self.finished[: self.batch_prompts], self.finished[self.batch_prompts :]
         if self.max_drops is not None:
-            self._batch_draws.append((self.dropped, self.zero_signal_kept))
+            self._batch_draws.append((self.dropped, self.zero_signal_kept, self.dropped_rewards))
             self.dropped = self.zero_signal_kept = 0
+            self.dropped_rewards = []
         return groups
 
     def batch_record(self, groups: list[Group]) -> list[tuple[int, int]]:
@@ -313,7 +317,10 @@ class GenerateWorkflow:
             stats["reward/shaped_mean"] = float(shaped.mean())
             stats["rollout/filtered_truncated"] = float(sum(truncated)) if masked else 0.0
         if self.max_drops is not None and self._batch_draws:
-            dropped, zero_kept = self._batch_draws.pop(0)
+            dropped, zero_kept, dropped_rewards = self._batch_draws.pop(0)
+            # reward/mean is over the trained groups, which dynamic sampling biases towards 0.5; this is over every
+            # group generated for the step (the policy's own success rate).
+            stats["reward/generated_mean"] = statistics.fmean(flat + dropped_rewards)
             # Groups generated per group trained this step: 1 when every group carried signal.
             stats["rollout/generated_per_kept"] = (len(groups) + dropped) / max(len(groups), 1)
             stats["rollout/dropped_groups"] = float(dropped)
