@@ -75,6 +75,8 @@ class Run:
     measured: dict[str, float]
     work: cost.Workload
     steps: int
+    #: Dynamic sampling: groups the run generated per group it trained (the mean over its steps), or None.
+    generated_per_kept: float | None = None
 
 
 def _median(rows: list[dict], key: str) -> float | None:
@@ -122,7 +124,12 @@ def load_run(run_dir: Path) -> Run:
                 "calibrate agent rollouts"
             )
         work = replace(work, agent=replace(work.agent, turns=turns, turn_tokens=response / turns))
-    return Run(run_dir.name, plan, measured, work, len(rows))
+    # Dynamic sampling: the engines generated this many samples per trained one (a mean: it is a count per step).
+    draws = [float(r["rollout/generated_per_kept"]) for r in rows if "rollout/generated_per_kept" in r]
+    generated = statistics.fmean(draws) if draws else None
+    if generated is not None:
+        work = replace(work, oversample=generated)
+    return Run(run_dir.name, plan, measured, work, len(rows), generated)
 
 
 def run_workload(plan: Plan, prompt_tokens: float, response_tokens: float) -> cost.Workload:
@@ -142,6 +149,7 @@ def run_workload(plan: Plan, prompt_tokens: float, response_tokens: float) -> co
         mtp_tokens=int(spec.get("num_speculative_tokens", 0)),
         minibatches=algo.minibatches,
         agent=_agent_work(plan),
+        oversample=algo.dynamic_sampling.expected_generated_per_kept if algo.dynamic_sampling else 1.0,
     )
     return replace(base, prompt_tokens=prompt_tokens, response_tokens=response_tokens)
 
@@ -321,6 +329,13 @@ def calibrate(base: TargetProfile, runs: list[Run]) -> TargetProfile:
             for phase in ("step", "rollout", "train", "sync")
             if phase in run.measured
         )
+        ds = run.plan.algorithm.dynamic_sampling
+        if run.generated_per_kept is not None and ds is not None:
+            record[f"run.{run.name}.dynamic_sampling"] = (
+                f"generated {run.generated_per_kept:.3g} groups per kept one (planned "
+                f"{ds.expected_generated_per_kept:.3g}): algorithm.dynamic_sampling.expected_keep_rate "
+                f"{1 / run.generated_per_kept:.3g} for this task"
+            )
     spread = max(abs(log(r)) for r in ratios)
     uncertainty = round(max(MIN_UNCERTAINTY, exp(2 * spread)), 3)
     sources = dict(target.sources)
@@ -341,7 +356,13 @@ def _distinct_names(runs: list[Run]) -> list[Run]:
 
 
 def measured_phases(run_dir: Path) -> dict[str, float]:
-    """A run's medians per phase, named as `rlc explain` names them."""
+    """A run's medians per phase, named as `rlc explain` names them (and, with dynamic sampling, the groups it
+    generated per kept one)."""
     run = load_run(run_dir)
     names = {"rollout": "rollout", "train": "train", "sync": "weight sync", "step": "step"}
-    return {names[k]: v for k, v in run.measured.items()}
+    out = {names[k]: v for k, v in run.measured.items()}
+    if run.generated_per_kept is not None:
+        from rlc.compiler.explain import GENERATED_PER_KEPT
+
+        out[GENERATED_PER_KEPT] = run.generated_per_kept
+    return out

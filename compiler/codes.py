@@ -45,6 +45,7 @@ CODES: dict[str, str] = {
     "RLC219": "algorithm.deterministic: true asks for more than the plan can repeat",
     "RLC220": "Agent rollouts need settings that fit each other and the rollout budget",
     "RLC221": "algorithm.minibatches must give every optimizer step samples",
+    "RLC222": "Algorithm settings must fit the estimator and each other",
     "RLC301": "A role does not fit device memory, or cannot be placed, on this cluster",
     "RLC302": "A pinned vLLM memory share above the planner's cap with long contexts",
     "RLC303": "The runtime cannot execute this plan yet",

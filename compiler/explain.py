@@ -15,6 +15,9 @@ from rich.table import Table
 
 from rlc.schemas.plan import Plan
 
+#: The row of the time table that compares dynamic sampling's over-sampling with the plan's.
+GENERATED_PER_KEPT = "generated per kept (x)"
+
 BAR_WIDTH = 30
 
 
@@ -88,7 +91,11 @@ def time_table(plan: Plan, measured: dict[str, float] | None = None) -> Table:
     table = Table(title=title)
     for col in ("phase", "seconds", *(("measured",) if measured else ())):
         table.add_column(col)
-    for name, value in [*phases(plan), ("step", e.step_time_s)]:
+    rows = [*phases(plan), ("step", e.step_time_s)]
+    ds = plan.algorithm.dynamic_sampling
+    if ds is not None:  # not seconds: the groups generated per trained one, which the rollout time includes
+        rows.append((GENERATED_PER_KEPT, ds.expected_generated_per_kept))
+    for name, value in rows:
         row = [name, f"{value:.3g}"]
         if measured:
             got = measured.get(name)

@@ -29,12 +29,15 @@ from rlc.schemas.plan import (
     Cluster,
     DataSettings,
     DistillSettings,
+    DynamicSamplingSettings,
     Estimates,
     LoraSettings,
+    OverlongSettings,
     Plan,
     Sampling,
 )
 from rlc.schemas.profiles import profile_record
+from rlc.schemas.spec import Spec
 
 PLATFORM_OF_KIND = {"npu": "npu", "gpu": "cuda", "cpu": "cpu"}
 
@@ -78,6 +81,52 @@ def build_plan(
     return assemble(problem, ctx, result, diags), diags
 
 
+def algorithm_settings(spec: Spec) -> AlgorithmSettings:
+    """The plan's algorithm section: every loss and sampling choice with its default resolved."""
+    algo = spec.algorithm
+    low, high = algo.clip_range
+    sequence = algo.importance_ratio == "sequence"
+    seq_low, seq_high = algo.sequence_clip_range if sequence else (None, None)
+    agg = algo.aggregation
+    ds, overlong = algo.dynamic_sampling, algo.overlong
+    return AlgorithmSettings(
+        name=algo.name,
+        minibatches=algo.minibatches,
+        decoupled_loss=algo.decoupled_loss,
+        clip=low,
+        clip_high=high,
+        dual_clip=algo.dual_clip,
+        importance_ratio=algo.importance_ratio,
+        sequence_clip_low=seq_low,
+        sequence_clip_high=seq_high,
+        behave_imp_weight_cap=algo.behave_imp_weight_cap,
+        behave_correction=algo.behave_correction,
+        loss_agg=agg,  # type: ignore[arg-type]
+        loss_norm_tokens=(algo.loss_norm_tokens or spec.rollout.max_response_len)
+        if agg == "seq-mean-token-sum-norm"
+        else None,
+        kl_coef=algo.kl_coef,
+        kl_estimator=algo.kl_estimator,
+        normalize_std=algo.normalize_std,
+        dynamic_sampling=None
+        if ds is None
+        else DynamicSamplingSettings(
+            expected_keep_rate=ds.expected_keep_rate,
+            max_draws=ds.max_draws,
+            expected_generated_per_kept=round(algo.expected_oversample, 6),
+        ),
+        overlong=None
+        if overlong is None
+        else OverlongSettings(
+            buffer_len=overlong.buffer_len, penalty=overlong.penalty, filter_truncated=overlong.filter_truncated
+        ),
+        lr=algo.lr,
+        weight_decay=algo.weight_decay,
+        grad_clip=algo.grad_clip,
+        seed=algo.seed,
+    )
+
+
 def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
     """What `rlc run` cannot execute about this plan: the trainer layout's gaps (`layout.runtime_gaps`, which
     knows MoE and hybrid models), a hybrid model's rollout on cpu, and an engine wider than a node (its Ray
@@ -92,6 +141,15 @@ def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
         moe=problem.arch.is_moe,
         colocated=best.mode == "colocated",
     )
+    algo = problem.spec.algorithm
+    sequence_level = algo.importance_ratio == "sequence" or (
+        algo.decoupled_loss and algo.behave_correction.startswith("sequence")
+    )
+    if sequence_level and best.train.layout.cp > 1:
+        gaps.append(
+            f"a sequence-level ratio or correction with context parallelism {best.train.layout.cp}: the trainer "
+            "computes sequence ratios over whole sequences, which CP splits across ranks"
+        )
     if problem.arch.attention.kind == "mla":
         gaps.append(
             f"{problem.arch.id} uses multi-head latent attention (DeepSeek's MLA), which rlc's trainer and "
@@ -166,7 +224,6 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
     roles += [environments] if environments else []
     schedule = build_schedule(problem, ctx, best)
     repro = reproducibility(spec, target, schedule.mode, schedule.max_staleness, schedule.weight_update)
-    algo = spec.algorithm
     step = best.step
     runners = runners_up(result)
     return Plan(
@@ -185,20 +242,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
         model=model,
         roles=roles,
         schedule=schedule,
-        algorithm=AlgorithmSettings(
-            name=algo.name,
-            minibatches=algo.minibatches,
-            decoupled_loss=algo.decoupled_loss,
-            clip=algo.clip,
-            behave_imp_weight_cap=algo.behave_imp_weight_cap,
-            kl_coef=algo.kl_coef,
-            kl_estimator=algo.kl_estimator,
-            normalize_std=algo.normalize_std,
-            lr=algo.lr,
-            weight_decay=algo.weight_decay,
-            grad_clip=algo.grad_clip,
-            seed=algo.seed,
-        ),
+        algorithm=algorithm_settings(spec),
         sampling=Sampling(
             max_prompt_len=spec.rollout.max_prompt_len,
             max_response_len=spec.rollout.max_response_len,

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from pydantic import BaseModel
+
 from rlc.compiler import codes
 from rlc.compiler.diagnostics import Diagnostic, Severity
 from rlc.compiler.load import LineMap
@@ -50,3 +52,8 @@ def rule(code: str, summary: str) -> Callable[[RuleFn], RuleFn]:
         return fn
 
     return register
+
+
+def set_off_default(model: BaseModel, name: str) -> bool:
+    """Whether the spec set `name` to something other than its default (not merely spelled the default out)."""
+    return name in model.model_fields_set and getattr(model, name) != type(model).model_fields[name].default

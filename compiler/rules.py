@@ -9,20 +9,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-from pydantic import BaseModel
-
 from rlc.compiler.diagnostics import Diagnostic
-from rlc.compiler.rule_registry import RuleContext, rule
+from rlc.compiler.rule_registry import RuleContext, rule, set_off_default
 from rlc.compiler.search_context import lora_rollout_mode
 from rlc.schemas import layout
 from rlc.schemas.spec import BUILTIN_REWARDS, BUILTIN_TASKS
 
 GIB = 1024**3
-
-
-def _set_off_default(model: BaseModel, name: str) -> bool:
-    """Whether the spec set `name` to something other than its default (not merely spelled the default out)."""
-    return name in model.model_fields_set and getattr(model, name) != type(model).model_fields[name].default
 
 
 @rule("RLC201", "MTP speculative decoding needs a model with MTP layers")
@@ -338,7 +331,7 @@ def check_kl_reference(ctx: RuleContext) -> Iterator[Diagnostic]:
             "set kl_coef: 0 to train without a reference",
             "info",
         )
-    elif _set_off_default(algo, "kl_estimator"):
+    elif set_off_default(algo, "kl_estimator"):
         # The default spelled out (as spec.resolved.yaml does) changes nothing, so it is no mistake.
         yield ctx.diag(
             "RLC209",
@@ -526,7 +519,16 @@ def check_backend_choices(ctx: RuleContext) -> Iterator[Diagnostic]:
 @rule("RLC216", "group_size 1 leaves GRPO nothing to learn from unless a teacher distils")
 def check_group_size(ctx: RuleContext) -> Iterator[Diagnostic]:
     spec = ctx.problem.spec
-    if spec.algorithm.group_size != 1:
+    if spec.algorithm.group_size != 1 or spec.algorithm.name == "reinforce_pp":  # its baseline is the batch
+        return
+    if spec.algorithm.name in ("rloo", "reinforce_pp_baseline"):
+        yield ctx.diag(
+            "RLC216",
+            "algorithm.group_size",
+            f"group_size 1 with {spec.algorithm.name}: its baseline is the other samples of the prompt's group, and "
+            "a group of one has none",
+            "use group_size >= 2, or name: reinforce_pp (a batch baseline, which works with one sample per prompt)",
+        )
         return
     if spec.distill is None:
         yield ctx.diag(

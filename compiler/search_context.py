@@ -125,6 +125,7 @@ def make_context(problem: Problem, exhaustive: bool = False) -> Context:
         minibatches=spec.algorithm.minibatches,
         agent=agent_work(problem),
         interrupt=weight_update(problem) == "interrupt",
+        oversample=spec.algorithm.expected_oversample,
     )
     return Context(
         problem=problem,

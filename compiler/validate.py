@@ -6,13 +6,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlc.compiler import agent_rules, rules
+from rlc.compiler import agent_rules, algorithm_rules, rules
 from rlc.compiler.diagnostics import Diagnostic, Report
 from rlc.compiler.load import LineMap, LoadResult, load_spec_file, load_spec_text
 from rlc.compiler.resolve import Problem, resolve
 from rlc.compiler.rule_registry import RULES, RuleContext
 
-RULE_MODULES = (rules, agent_rules)  # importing them registers their rules
+RULE_MODULES = (rules, agent_rules, algorithm_rules)  # importing them registers their rules
 
 
 @dataclass

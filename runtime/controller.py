@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from rlc.runtime.algo.policy import PolicyLoss
 from rlc.runtime.checkpoint import ControllerState, finalize, staging_dir
 from rlc.runtime.colocate import PhaseSwitcher
 from rlc.runtime.distill import teacher_metrics
@@ -171,11 +172,7 @@ class Controller:
         # Teachers score on their own devices while the trainer works. The trainer computes the proximal
         # log-probs of the decoupled loss itself (`TrainerWorker.train_step`).
         scoring = self.teachers.score(batch["input_ids"], domains) if self.teachers is not None else None
-        loss_cfg = {
-            "clip": algo.clip,
-            "behave_imp_weight_cap": algo.behave_imp_weight_cap,
-            "decoupled": algo.decoupled_loss,
-        }
+        loss_cfg: dict[str, Any] = {"policy": PolicyLoss.from_plan(algo, self.plan.sampling.max_response_len)}
         if algo.kl_coef > 0:
             if self.plan.lora is not None:  # the base model with adapters disabled: no second copy
                 batch["ref_logprobs"] = self.trainer.compute_logprobs(batch, adapters=False)
@@ -234,6 +231,10 @@ class Controller:
                 "behave_imp_weight/mean": result.get("behave_imp_weight_mean", 1.0),
                 "behave_imp_weight/max": result.get("behave_imp_weight_max", 1.0),
                 "clip_fraction": result.get("clip_fraction", 0.0),
+                "dual_clip_fraction": result.get("dual_clip_fraction", 0.0),
+                # Share of trained tokens the off-policy correction dropped (masked) or down-weighted (truncated).
+                "off_policy/masked_tokens": result.get("behave_masked_fraction", 0.0),
+                "off_policy/truncated_tokens": result.get("behave_truncated_fraction", 0.0),
                 # k3 KL of the trained policy from the proximal one (the behaviour policy without the decoupled
                 # loss), token mean over the step. With the decoupled loss and one minibatch it is 0 (each token
                 # trains before the only update); with several it shows how far the earlier updates moved the

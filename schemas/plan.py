@@ -144,15 +144,47 @@ class Schedule(PlanModel):
         return self
 
 
+class DynamicSamplingSettings(PlanModel):
+    """DAPO's dynamic sampling: groups whose rewards are all equal are dropped and more generated."""
+
+    expected_keep_rate: float = Field(gt=0, le=1, description="Share of groups the planner expects to keep.")
+    max_draws: float = Field(ge=1, description="At most this many groups generated per trained group in a step.")
+    expected_generated_per_kept: float = Field(
+        ge=1, description="Groups generated per trained group that the rollout estimate prices: min(1/keep, max_draws)."
+    )
+
+
+class OverlongSettings(PlanModel):
+    """DAPO's soft overlong punishment (buffer_len > 0) and filtering of truncated responses."""
+
+    buffer_len: int = Field(ge=0, description="Tokens before max_response_len where the punishment starts.")
+    penalty: float = Field(gt=0, description="Reward lost at max_response_len.")
+    filter_truncated: bool = Field(description="Truncated responses train with their loss masked.")
+
+
 class AlgorithmSettings(PlanModel):
-    name: str
+    name: str = Field(description="Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline.")
     minibatches: int = Field(1, ge=1, le=4096, description="Optimizer steps per training step.")
     decoupled_loss: bool
-    clip: float
+    clip: float = Field(description="ε_low of the token ratio.")
+    clip_high: float | None = Field(None, description="ε_high of the token ratio (None, in older plans: clip).")
+    dual_clip: float | None = Field(None, description="Dual-clip bound c on negative-advantage losses.")
+    importance_ratio: Literal["token", "sequence"] = Field("token", description="token (PPO) or sequence (GSPO).")
+    sequence_clip_low: float | None = Field(None, description="GSPO: ε_low of the sequence ratio.")
+    sequence_clip_high: float | None = Field(None, description="GSPO: ε_high of the sequence ratio.")
     behave_imp_weight_cap: float
+    behave_correction: Literal["token_mask", "token_truncate", "sequence_truncate", "sequence_mask"] = Field(
+        "token_mask", description="What happens to behaviour weights above behave_imp_weight_cap."
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="Loss aggregation over the minibatch's tokens and sequences."
+    )
+    loss_norm_tokens: int | None = Field(None, description="seq-mean-token-sum-norm: the constant normaliser.")
     kl_coef: float
     kl_estimator: str
     normalize_std: bool
+    dynamic_sampling: DynamicSamplingSettings | None = Field(None, description="DAPO dynamic sampling; None: off.")
+    overlong: OverlongSettings | None = Field(None, description="DAPO overlong shaping/filtering; None: off.")
     lr: float
     weight_decay: float
     grad_clip: float

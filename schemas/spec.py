@@ -127,8 +127,56 @@ class ModelRef(StrictModel):
         return self
 
 
+class DynamicSampling(StrictModel):
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476 §3.2): a group whose rewards are all equal has
+    zero advantage and no gradient, so it is dropped and more prompts are generated until the step's batch is
+    full of groups that carry signal."""
+
+    expected_keep_rate: Fraction = Field(
+        0.5,
+        description="Share of groups expected to have unequal rewards. Used only by the planner: a step generates "
+        "about 1 / expected_keep_rate groups per kept one (at most max_draws), which the rollout estimate prices. "
+        "`rlc calibrate RUN` reports the measured rate (rollout/generated_per_kept).",
+    )
+    max_draws: float = Field(
+        3.0,
+        ge=1.0,
+        le=64.0,
+        description="Bound on extra generation: at most this many groups are generated per group a step trains "
+        "on (verl's max_num_gen_batches, as a ratio). Past it, groups without signal are trained as they are "
+        "(advantage 0) rather than generating more; rollout/zero_signal_kept counts them.",
+    )
+
+
+class Overlong(StrictModel):
+    """DAPO's overlong reward shaping and filtering (Yu et al. 2025, arXiv 2503.14476 §3.4)."""
+
+    buffer_len: int = Field(
+        0,
+        ge=0,
+        le=MAX_TOKENS,
+        description="Soft overlong punishment: a response longer than max_response_len − buffer_len loses "
+        "penalty × (its length − (max_response_len − buffer_len)) / buffer_len of reward, growing linearly to "
+        "the full penalty at max_response_len (DAPO used 4096 of 20480). 0: no punishment.",
+    )
+    penalty: float = Field(1.0, gt=0.0, le=1e3, description="Reward a response at max_response_len loses.")
+    filter_truncated: bool = Field(
+        False,
+        description="Overlong filtering: samples cut off at max_response_len (no end-of-sequence token) keep their "
+        "place in the group's baseline but train with their loss masked.",
+    )
+
+
 class Algorithm(StrictModel):
-    name: Literal["grpo"] = Field("grpo", description="RL algorithm. GRPO: group-normalised advantages, no critic.")
+    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "grpo",
+        description="Advantage estimator (no critic in any). grpo: (reward − group mean) / group std (Shao et al. "
+        "2024, DeepSeekMath; the std only with normalize_std). dr_grpo: reward − group mean, and the loss summed "
+        "per sequence over a constant normaliser (Liu et al. 2025, Dr. GRPO, arXiv 2503.20783). rloo: reward − "
+        "the mean of the group's other samples (Ahmadian et al. 2024, arXiv 2402.14740). reinforce_pp: reward "
+        "normalised over the batch's tokens, no group baseline (Hu et al. 2025, REINFORCE++, arXiv 2501.03262). "
+        "reinforce_pp_baseline: reward − group mean, then normalised over the batch (ibid.).",
+    )
     group_size: Annotated[int, Field(ge=1, le=1024)] = Field(
         8,
         description="Samples per prompt (the GRPO group). 1 only with distill: a single sample has no group "
@@ -152,15 +200,94 @@ class Algorithm(StrictModel):
     decoupled_loss: bool = Field(
         True, description="Decoupled PPO: clip against a recomputed proximal policy, reweight by behaviour."
     )
-    clip: float = Field(0.2, gt=0.0, lt=1.0, description="PPO ratio clip epsilon.")
+    clip: float = Field(0.2, gt=0.0, lt=1.0, description="PPO ratio clip epsilon (both sides unless clip_high).")
+    clip_low: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="ε_low of the token ratio's trust region [1 − ε_low, 1 + ε_high] (default: clip). Give clip or "
+        "clip_low, not both.",
+    )
+    clip_high: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="ε_high of the token ratio (default: ε_low). Above ε_low it is DAPO's clip-higher (Yu et al. "
+        "2025, arXiv 2503.14476: 0.28 with ε_low 0.2), which keeps low-probability tokens able to grow.",
+    )
+    dual_clip: float | None = Field(
+        None,
+        gt=1.0,
+        le=1e3,
+        description="Dual clip c: a negative-advantage token's loss is at most −c·A however large its ratio (Ye et "
+        "al. 2020, arXiv 1912.09729; verl's clip_ratio_c, 3.0). Default: none.",
+    )
+    importance_ratio: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: each token's ratio π_θ/π_prox, clipped per token (PPO). sequence: GSPO (Zheng et al. "
+        "2025, arXiv 2507.18071): every token of a response uses the response's length-normalised ratio "
+        "exp(mean log(π_θ/π_prox)), clipped per sequence to [1 − sequence_clip_low, 1 + sequence_clip_high]; the "
+        "behaviour weight of the decoupled loss stays per token, as AReaL composes them (TRL's "
+        "importance_sampling_level).",
+    )
+    sequence_clip_low: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="importance_ratio sequence only: ε_low of the sequence ratio (default 3e-4, the GSPO paper's).",
+    )
+    sequence_clip_high: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="importance_ratio sequence only: ε_high of the sequence ratio (default 4e-4, the GSPO paper's).",
+    )
     behave_imp_weight_cap: float = Field(
-        5.0, gt=1.0, le=1e6, description="Tokens whose behaviour importance weight exceeds this are masked out."
+        5.0,
+        gt=1.0,
+        le=1e6,
+        description="The bound C on the decoupled loss' behaviour importance weight w = π_prox/π_behave; what "
+        "happens above it is behave_correction's choice.",
+    )
+    behave_correction: Literal["token_mask", "token_truncate", "sequence_truncate", "sequence_mask"] = Field(
+        "token_mask",
+        description="Off-policy correction of the behaviour weight above behave_imp_weight_cap C. token_mask: the "
+        "token is dropped from the loss (AReaL). token_truncate: truncated importance sampling, w ← min(w, C) (Yao "
+        "et al. 2025, 'Your efficient RL framework secretly brings you off-policy RL training'; verl rollout_is "
+        "token). sequence_truncate: every token weighted by min(Π w, C) over its response (verl rollout_is "
+        "sequence). sequence_mask: masked importance sampling, a response with Π w > C is dropped (Liu et al. "
+        "2025, 'When speed kills stability'; verl rollout_rs). Needs decoupled_loss.",
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = (
+        Field(
+            None,
+            description="How per-token losses make the step's loss (verl's loss_agg_mode), exactly over the whole "
+            "minibatch whatever its split into micro-batches and ranks. token-mean: over all tokens (DAPO). "
+            "seq-mean-token-sum: per-response sums, averaged over responses. seq-mean-token-mean: per-response "
+            "means, averaged (the GRPO paper, GSPO). seq-mean-token-sum-norm: per-response sums over a constant "
+            "(loss_norm_tokens) and the response count (Dr. GRPO; TRL's dr_grpo). Default: seq-mean-token-sum-norm "
+            "for dr_grpo, seq-mean-token-mean for importance_ratio sequence, else token-mean.",
+        )
+    )
+    loss_norm_tokens: Tokens | None = Field(
+        None,
+        description="loss_agg seq-mean-token-sum-norm only: the constant normaliser in tokens (default: "
+        "rollout.max_response_len, Dr. GRPO's generation budget).",
+    )
+    dynamic_sampling: DynamicSampling | None = Field(
+        None, description="DAPO's dynamic sampling: drop groups whose rewards are all equal and generate more."
+    )
+    overlong: Overlong | None = Field(
+        None, description="DAPO's soft overlong punishment and overlong filtering of truncated responses."
     )
     kl_coef: float = Field(
         0.0, ge=0.0, le=1e3, description="Weight of the KL penalty to the reference policy (0 = none)."
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the penalty.")
-    normalize_std: bool = Field(True, description="Divide group-centred rewards by the group's std.")
+    normalize_std: bool = Field(
+        True,
+        description="name grpo only: divide group-centred rewards by the group's std (false: Dr. GRPO's baseline).",
+    )
     lr: float = Field(1.0e-6, gt=0.0, le=1.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, le=10.0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0.0, le=1e6, description="Global gradient-norm clip.")
@@ -180,6 +307,33 @@ class Algorithm(StrictModel):
     def batch_samples(self) -> int:
         """Samples per training step: batch_prompts × group_size."""
         return self.batch_prompts * self.group_size
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """The token ratio's (ε_low, ε_high)."""
+        low = self.clip if self.clip_low is None else self.clip_low
+        return low, low if self.clip_high is None else self.clip_high
+
+    @property
+    def sequence_clip_range(self) -> tuple[float, float]:
+        """GSPO's (ε_low, ε_high) of the sequence ratio."""
+        low = 3e-4 if self.sequence_clip_low is None else self.sequence_clip_low
+        return low, 4e-4 if self.sequence_clip_high is None else self.sequence_clip_high
+
+    @property
+    def aggregation(self) -> str:
+        """loss_agg with its default resolved."""
+        if self.loss_agg is not None:
+            return self.loss_agg
+        if self.name == "dr_grpo":
+            return "seq-mean-token-sum-norm"
+        return "seq-mean-token-mean" if self.importance_ratio == "sequence" else "token-mean"
+
+    @property
+    def expected_oversample(self) -> float:
+        """Groups generated per trained group that the planner prices (1 without dynamic sampling)."""
+        ds = self.dynamic_sampling
+        return 1.0 if ds is None else min(1.0 / ds.expected_keep_rate, ds.max_draws)
 
     @field_validator("deterministic", mode="before")
     @classmethod

@@ -60,7 +60,11 @@ def _loop(**extra):  # type: ignore[no-untyped-def]
         group_size=2, batch_prompts=20, rollout_chunk_prompts=8, rollout_chunks_per_engine=3
     )
     base = {
-        "plan": types.SimpleNamespace(schedule=schedule, algorithm=types.SimpleNamespace(normalize_std=True)),
+        "plan": types.SimpleNamespace(
+            schedule=schedule,
+            algorithm=types.SimpleNamespace(name="grpo", normalize_std=True, dynamic_sampling=None, overlong=None),
+            sampling=types.SimpleNamespace(max_response_len=64),
+        ),
         "tokenizer": types.SimpleNamespace(eos_token_id=1),
         "version": 0,
         "warming": set(),

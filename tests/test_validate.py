@@ -453,3 +453,13 @@ def test_deterministic_takes_true_false_or_auto() -> None:
     d = only(report, "RLC104")
     assert d.path == "algorithm.deterministic" and "true, false or auto" in d.message and d.line == 6
     assert len([x for x in report.diagnostics if x.path.startswith("algorithm.deterministic")]) == 1
+
+
+def test_algorithm_settings_that_contradict_each_other() -> None:
+    """RLC222 (more in test_algorithm_spec.py): GSPO's sequence ratio refuses the token clip keys, at their line."""
+    base = "name: t\ntarget: a2\nmodel: {name: qwen3-8b, path: /m}\ndata: {train: arithmetic}\n"
+    report = check(base + "algorithm: {importance_ratio: sequence, clip_high: 0.28}\n")
+    (d,) = [d for d in report.diagnostics if d.code == "RLC222"]
+    assert d.severity == "error" and d.path == "algorithm.clip_high" and d.line == 5
+    assert "sequence_clip_high" in d.hint and not report.ok
+    assert "RLC222" not in codes(check(base + "algorithm: {importance_ratio: sequence}\n"))

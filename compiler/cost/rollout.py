@@ -191,10 +191,12 @@ def rollout_time(
         first, the tail of the longest of c running samples (their remaining lengths are exponential with the
         same mean: memoryless).
     Prefill: 2 · active params · a rank's prompt tokens / (its devices · peak · prefill MFU) (Kaplan et al. 2020
-    forward FLOPs), plus one engine step per sequence.
+    forward FLOPs), plus one engine step per sequence. With dynamic sampling the engines generate
+    `generated_samples` (the trained ones times the expected over-sampling) for each step.
     """
     ranks = layout.replicas * layout.attention_dp
-    per_rank = ceil(work.samples / ranks)
+    generated = work.generated_samples
+    per_rank = ceil(generated / ranks)
     requests = engine_inflight_requests(max_seqs, work.group_size, layout.attention_dp)
     fed = ceil(requests * work.group_size / layout.attention_dp)
     c_sync = max(1, min(max_seqs, per_rank, fed))
@@ -210,7 +212,7 @@ def rollout_time(
     mean_steps = work.response_tokens / tau
     tail_c = max(1, int(c_sync * TAIL_CONCURRENCY_FRACTION))
     tail_step = step_at(tail_c, work.prompt_tokens + work.response_tokens)
-    longest = expected_longest_response(work.response_tokens, work.max_response, work.samples)
+    longest = expected_longest_response(work.response_tokens, work.max_response, generated)
     tail = max(0.0, longest - work.response_tokens) / tau * tail_step
     # Each attention rank prefills its own samples on its share of the engine's devices.
     rank_devices = layout.engine_devices / layout.attention_dp
@@ -236,11 +238,11 @@ def rollout_time(
                 work.agent, per_rank, engine_share, work.samples, c_agent, agent_step, tail_step, tau, target
             )
         async_s = max(busy + prefill, sync_s / (work.staleness + 1))
-        generated = work.samples * work.agent.turns * work.agent.turn_tokens
-        return RolloutTime(sync_s, async_s, prefill, step, c_sync, generated / async_s)
+        agent_tokens = work.samples * work.agent.turns * work.agent.turn_tokens
+        return RolloutTime(sync_s, async_s, prefill, step, c_sync, agent_tokens / async_s)
     sync = per_rank / c_sync * mean_steps * step + tail + prefill
     if work.staleness == 0:
-        return RolloutTime(sync, sync, prefill, step, c_sync, work.samples * work.response_tokens / sync)
+        return RolloutTime(sync, sync, prefill, step, c_sync, generated * work.response_tokens / sync)
     async_step = step_at(c_async, ctx)
     if work.interrupt:
         update = interrupt_s(sizes, layout, target, c_async, ctx)
@@ -249,7 +251,7 @@ def rollout_time(
         drain = expected_longest_response(work.response_tokens, work.max_response, c_async) - work.response_tokens
         update = max(0.0, drain) / tau * step_at(drain_c, work.prompt_tokens + work.response_tokens)
     stream = per_rank / c_async * mean_steps * async_step + update + prefill
-    return RolloutTime(sync, stream, prefill, async_step, c_async, work.samples * work.response_tokens / stream)
+    return RolloutTime(sync, stream, prefill, async_step, c_async, generated * work.response_tokens / stream)
 
 
 def decoding_share(agent: AgentWork, step: float, tau: float) -> float:

@@ -88,6 +88,14 @@ class Workload:
     #: Weight updates interrupt running samples (re-prefilled under the new weights) rather than wait for them
     #: (`plan.schedule.weight_update`).
     interrupt: bool = True
+    #: Samples generated per trained sample: DAPO's dynamic sampling drops groups without signal and generates
+    #: more (`Algorithm.expected_oversample`); 1 without it.
+    oversample: float = 1.0
+
+    @property
+    def generated_samples(self) -> int:
+        """Samples the engines generate per step (the trained ones and those dynamic sampling drops)."""
+        return ceil(self.samples * self.oversample - 1e-9)
 
     @property
     def proximal_forwards(self) -> int:
@@ -146,6 +154,7 @@ def workload(
     minibatches: int = 1,
     agent: AgentWork | None = None,
     interrupt: bool = True,
+    oversample: float = 1.0,
 ) -> Workload:
     """Build a Workload with the documented mean-length assumptions."""
     return Workload(
@@ -165,6 +174,7 @@ def workload(
         minibatches=minibatches,
         agent=agent,
         interrupt=interrupt,
+        oversample=oversample,
     )
 
 

@@ -276,12 +276,13 @@ class AgentWorkflow:
     def build_batch(self, groups: list[Any]) -> tuple[dict[str, Any], dict[str, float], list[str | None]]:
         import torch
 
-        from rlc.runtime.algo.advantages import group_advantages
+        from rlc.runtime.algo.advantages import advantages as estimate
 
+        algo = self.loop.plan.algorithm
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-        advantages = group_advantages(
-            rewards.flatten(), self.group_size, scale_by_std=self.loop.plan.algorithm.normalize_std
-        ).reshape(rewards.shape)
+        advantages = estimate(algo.name, rewards.flatten(), self.group_size, normalize_std=algo.normalize_std).reshape(
+            rewards.shape
+        )
         batch: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "behaviour_logprobs": [], "advantages": []}
         domains: list[str | None] = []
         lags: list[int] = []

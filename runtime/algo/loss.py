@@ -1,9 +1,11 @@
-"""Policy losses over per-token tensors: AReaL's decoupled PPO, KL estimators, reverse-KL distillation.
+"""Policy losses over per-token tensors: the clipped policy gradient (AReaL's decoupled PPO and its DAPO, GSPO
+and off-policy-correction variants), KL estimators, reverse-KL distillation.
 
 All inputs are per-token tensors of one shape (packed ``[T]`` or padded ``[B, S]``) plus a mask that
-selects the generated tokens the loss is about. Aggregation is a token mean: the sum over masked
-tokens divided by the masked-token count, or by ``token_count`` when the caller accumulates several
-micro-batches and wants the mean over the whole batch (pass the global count to every micro-batch).
+selects the generated tokens the loss is about. `policy_loss` takes each token's aggregation weight from the
+caller (`policy.aggregation_weights`), which fixes the denominators over the whole minibatch; the other losses
+are token means: the sum over masked tokens divided by the masked-token count, or by ``token_count`` when the
+caller accumulates several micro-batches (pass the global count to every micro-batch).
 Stats are detached 0-dim tensors so callers decide when to synchronise (``.item()`` stalls an NPU).
 """
 
@@ -14,12 +16,14 @@ from typing import Literal
 import torch
 
 from .logprobs import entropy_from_logits
+from .policy import PolicyLoss
 
 __all__ = [
     "decoupled_ppo_loss",
     "entropy_from_logits",
     "kl_penalty",
     "masked_mean",
+    "policy_loss",
     "reverse_kl_distill",
 ]
 
@@ -49,75 +53,153 @@ def decoupled_ppo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AReaL's decoupled PPO objective (Fu et al., 2025, "AReaL"), token-mean over ``mask``.
 
-    Asynchronous rollout means the tokens were sampled by a stale *behaviour* policy. The decoupled
-    objective clips against a recent *proximal* policy instead (trust region around what we are
-    updating from) and corrects the distribution shift with the importance weight
-    ``w = exp(proximal − behaviour)``:
-
-        loss_t = w_t · max(−A_t·r_t, −A_t·clip(r_t, 1−ε, 1+ε_high)),   r_t = exp(logπ_θ − logπ_prox)
-
-    Tokens whose ``w_t`` exceeds ``behave_imp_weight_cap`` are too off-policy to trust and are masked
-    out (AReaL's token-level ``mask`` rejection; ``None`` disables it). As in AReaL the denominator
-    stays the original masked-token count, so dropping tokens does not re-weight the survivors.
-
-    With ``decoupled=False`` this is plain PPO against the behaviour policy (``proximal_logprobs`` is
-    ignored, no importance weight). ``dual_clip`` (> 1) bounds the loss of negative-advantage tokens
-    whose ratio explodes (Ye et al., 2020). Only ``logprobs`` should carry gradient.
+    The token-level, token-mean case of `policy_loss`, with the denominator the masked-token count (or
+    ``token_count`` when the caller accumulates several micro-batches and passes the global count).
     """
-    if clip <= 0:
-        raise ValueError(f"clip must be > 0, got {clip}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    cfg = PolicyLoss(
+        clip_low=clip,
+        clip_high=clip_higher,
+        dual_clip=dual_clip,
+        decoupled=decoupled,
+        behave_imp_weight_cap=behave_imp_weight_cap,
+    )
+    mask = mask.bool()
+    denom = float(mask.sum()) if token_count is None else float(token_count)
+    weights = mask.to(torch.float32) / max(denom, 1.0)
+    return policy_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask, cfg, weights)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: PolicyLoss,
+    weights: torch.Tensor,
+    seq_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped policy-gradient loss ``Σ_t weights_t · keep_t · w_t · pg_t`` and its statistics.
+
+    Asynchronous rollout means the tokens were sampled by a stale *behaviour* policy. The decoupled objective
+    (AReaL, Fu et al. 2025) clips against a recent *proximal* policy and corrects the shift with the behaviour
+    importance weight ``w_t = π_prox/π_behave``:
+
+        pg_t = max(−A_t·r_t, −A_t·clip(r_t, 1−ε_low, 1+ε_high)),   r_t = π_θ(y_t)/π_prox(y_t)
+
+    ``cfg.clip_high`` above ``clip_low`` is DAPO's clip-higher (Yu et al. 2025). ``cfg.dual_clip`` = c bounds
+    a negative-advantage token's loss at −c·A (Ye et al. 2020, "Mastering Complex Control in MOBA Games").
+    ``cfg.ratio == "sequence"`` is GSPO (Zheng et al. 2025): every token of sequence i uses the length-normalised
+    sequence ratio ``s_i = exp(mean_{t∈i} log r_t)`` (gradient through the mean), clipped to its own, much
+    narrower range; the behaviour weight stays per token, as AReaL composes GSPO with the decoupled loss.
+
+    The behaviour weight above ``cfg.behave_imp_weight_cap`` = C (``cfg.behave_correction``):
+      token_mask         the token is dropped (AReaL's default); the denominators still count it
+      token_truncate     w_t ← min(w_t, C): truncated IS (Yao et al. 2025, "Your efficient RL framework
+                         secretly brings you off-policy RL training"; verl rollout_is: token)
+      sequence_truncate  every token of i weighted by min(Π_{t∈i} w_t, C) (verl rollout_is: sequence)
+      sequence_mask      masked IS: sequence i dropped when Π_{t∈i} w_t > C, else weighted by it (Liu et al. 2025,
+                         "When speed kills stability"; verl rollout_rs)
+    With ``cfg.decoupled`` False this is plain PPO against the behaviour policy (no weight, no correction).
+
+    ``weights`` is each token's aggregation weight (`policy.aggregation_weights`, zero off the mask): the caller
+    fixes the denominators over the whole minibatch, so any split into micro-batches and ranks sums to the same
+    loss. ``seq_ids`` (needed when ``cfg.needs_sequences``) numbers each token's sequence, 1.. per sequence,
+    0 for positions that belong to none; a sequence must be whole in the tensor. Only ``logprobs`` carries grad.
+    """
     mask = mask.bool()
     advantages = advantages.detach().to(torch.float32)
     behaviour = behaviour_logprobs.detach().to(torch.float32)
-    proximal = proximal_logprobs.detach().to(torch.float32) if decoupled else behaviour
+    proximal = proximal_logprobs.detach().to(torch.float32) if cfg.decoupled else behaviour
     logp = logprobs.to(torch.float32)
+    if cfg.needs_sequences and seq_ids is None:
+        raise ValueError(f"a {cfg.ratio}-level ratio with {cfg.behave_correction} correction needs seq_ids")
 
     # Zero the log-ratio off the mask so padding garbage cannot overflow exp().
     log_ratio = torch.where(mask, logp - proximal, torch.zeros_like(logp))
+    if cfg.ratio == "sequence":
+        assert seq_ids is not None
+        log_ratio = torch.where(mask, _segment_mean(log_ratio, mask, seq_ids), torch.zeros_like(logp))
     ratio = torch.exp(log_ratio)
-    high = clip if clip_higher is None else clip_higher
     surr_unclipped = -advantages * ratio
-    surr_clipped = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + high)
+    surr_clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.high)
     pg = torch.maximum(surr_unclipped, surr_clipped)
     clipped = surr_clipped > surr_unclipped
-    if dual_clip is not None:
-        bound = -advantages * dual_clip  # positive for negative advantages
+    if cfg.dual_clip is not None:
+        bound = -advantages * cfg.dual_clip  # positive for negative advantages
         dual = (advantages < 0) & (pg > bound)
         pg = torch.where(advantages < 0, torch.minimum(pg, bound), pg)
     else:
         dual = torch.zeros_like(mask)
 
-    if decoupled:
-        weight = torch.exp(torch.where(mask, proximal - behaviour, torch.zeros_like(proximal)))
-        weight = torch.where(torch.isfinite(weight), weight, torch.zeros_like(weight))
-    else:
-        weight = torch.ones_like(pg)
-    keep = mask
-    if decoupled and behave_imp_weight_cap is not None:
-        keep = mask & (weight <= behave_imp_weight_cap)
+    raw_weight, weight, keep, truncated = behaviour_weight(proximal, behaviour, mask, cfg, seq_ids)
     pg = pg * weight.detach()
-
-    denom_mask = mask  # original count, as AReaL does
-    loss = masked_mean(torch.where(keep, pg, torch.zeros_like(pg)), denom_mask, token_count)
+    loss = (torch.where(keep, pg, torch.zeros_like(pg)) * weights.to(pg.dtype)).sum()
 
     with torch.no_grad():
         n_keep = keep.sum().clamp(min=1).to(torch.float32)
         n_mask = mask.sum().clamp(min=1).to(torch.float32)
-        masked_w = torch.where(mask, weight, torch.zeros_like(weight))
+        masked_w = torch.where(mask, raw_weight, torch.zeros_like(raw_weight))
+        dropped = mask & ~keep
         stats = {
             "clip_fraction": (clipped & keep).sum().to(torch.float32) / n_keep,
             "dual_clip_fraction": (dual & keep).sum().to(torch.float32) / n_keep,
             "behave_imp_weight_mean": masked_w.sum() / n_mask,
             "behave_imp_weight_max": masked_w.max() if mask.any() else torch.zeros(()),
-            "behave_capped_fraction": (mask & ~keep).sum().to(torch.float32) / n_mask,
+            "behave_capped_fraction": (dropped | truncated).sum().to(torch.float32) / n_mask,
+            "behave_masked_fraction": dropped.sum().to(torch.float32) / n_mask,
+            "behave_truncated_fraction": truncated.sum().to(torch.float32) / n_mask,
             # k3 estimate of KL(π_prox ‖ π_θ): non-negative and low-variance.
             "approx_kl": masked_mean(kl_penalty(logp.detach(), proximal, kind="k3"), mask),
             "ratio_mean": masked_mean(ratio.detach(), mask),
             "n_tokens": mask.sum().to(torch.float32),
         }
     return loss, stats
+
+
+def behaviour_weight(
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: PolicyLoss,
+    seq_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(raw weight, corrected weight, tokens kept, tokens whose weight was truncated) per `cfg.behave_correction`.
+
+    The raw weight is per token (``π_prox/π_behave``) or, for the sequence corrections, the product over the
+    sequence's tokens; a non-finite weight (a token the proximal policy finds impossible) is 0.
+    """
+    none = torch.zeros_like(mask)
+    if not cfg.decoupled:
+        return torch.ones_like(proximal), torch.ones_like(proximal), mask, none
+    log_w = torch.where(mask, proximal - behaviour, torch.zeros_like(proximal))
+    sequence = cfg.behave_correction.startswith("sequence")
+    if sequence:
+        assert seq_ids is not None
+        log_w = torch.where(mask, _segment_sum(log_w, mask, seq_ids), torch.zeros_like(log_w))
+    raw = torch.exp(log_w.clamp(max=80.0))
+    raw = torch.where(torch.isfinite(raw), raw, torch.zeros_like(raw))
+    cap = cfg.behave_imp_weight_cap
+    if cap is None:
+        return raw, raw, mask, none
+    over = mask & (raw > cap)
+    if cfg.behave_correction.endswith("mask"):
+        return raw, raw, mask & ~over, none
+    return raw, torch.clamp(raw, max=cap), mask, over
+
+
+def _segment_sum(values: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's sequence total of ``values`` over ``mask`` (differentiable in ``values``)."""
+    ids = seq_ids.reshape(-1).long()
+    flat = torch.where(mask, values, torch.zeros_like(values)).reshape(-1)
+    totals = torch.zeros(int(ids.max()) + 1 if ids.numel() else 1, dtype=flat.dtype, device=flat.device)
+    return totals.index_add(0, ids, flat)[ids].view_as(values)
+
+
+def _segment_mean(values: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's sequence mean of ``values`` over ``mask`` (differentiable in ``values``)."""
+    counts = _segment_sum(torch.ones_like(values), mask, seq_ids)
+    return _segment_sum(values, mask, seq_ids) / counts.clamp(min=1.0)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind = "k3") -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from rlc.schemas.layout import TrainLayout
 
+from ..algo.policy import PolicyLoss, aggregation_weights
 from ..packing import padded_micro_batches
 from ..platform import Platform, get_platform
 from ..rollout.weight_sync import SyncSender, preload_sync_group
@@ -368,21 +369,24 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         the step starts from, so later minibatches are clipped against the policy before the step (AReaL's
         recompute_logprob); with one, the train forward's own log-probs are the proximal ones (no extra pass).
         ``loss_fn_cfg``: ``kind`` ("ppo", default, AReaL's decoupled PPO; or "distill", reverse-KL
-        to ``teacher_logprobs``), ``clip``, ``behave_imp_weight_cap``, ``clip_higher``,
-        ``dual_clip``, ``decoupled``, ``kl_coef`` (penalty to ``ref_logprobs``),
+        to ``teacher_logprobs``), ``policy`` (a `PolicyLoss`: ratio, clipping, off-policy correction and loss
+        aggregation; or its older keys ``clip``, ``behave_imp_weight_cap``, ``clip_higher``,
+        ``dual_clip``, ``decoupled``), ``kl_coef`` (penalty to ``ref_logprobs``),
         ``kl_estimator`` (its estimator: "k1", "k2" or "k3", the plan's `algorithm.kl_estimator`),
         ``entropy_coef``, ``distill_coef`` (a "ppo" step then adds ``distill_coef`` × the reverse-KL
         distillation term to ``teacher_logprobs`` on the tokens of sequences whose ``distill_weights``
-        is non-zero; on-policy distillation next to the RL loss). The loss is a token mean over each
-        minibatch's masked tokens across the group; the returned loss and grad_norm are means over minibatches,
-        the other statistics token-weighted over the whole step.
+        is non-zero; on-policy distillation next to the RL loss). The loss aggregates each minibatch's masked
+        tokens across the group (``policy.agg``, token mean by default); the returned loss and grad_norm are means
+        over minibatches, the other statistics token-weighted over the whole step.
         """
         cfg = dict(loss_fn_cfg or {})
         minibatches = [batch] if isinstance(batch, Mapping) else list(batch)
         if not minibatches:
             raise ValueError("a train step needs at least one minibatch")
         t0 = time.perf_counter()
-        recompute = len(minibatches) > 1 and cfg.get("kind", "ppo") == "ppo" and bool(cfg.get("decoupled", True))
+        policy = cfg.get("policy")
+        decoupled = policy.decoupled if isinstance(policy, PolicyLoss) else bool(cfg.get("decoupled", True))
+        recompute = len(minibatches) > 1 and cfg.get("kind", "ppo") == "ppo" and decoupled
         if self.routing is not None:
             self.routing.forget()
         if recompute:  # every minibatch's proximal log-probs under the weights before this step's first update
@@ -459,13 +463,25 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         kl_estimator = cfg.pop("kl_estimator", "k3")
         entropy_coef = float(cfg.pop("entropy_coef", 0.0))
         distill_coef = float(cfg.pop("distill_coef", 0.0))
+        policy = PolicyLoss.from_cfg(cfg)
+        if cfg:
+            raise ValueError(f"unknown loss settings {sorted(cfg)}")
+        if policy.needs_sequences and self.layout.cp > 1:
+            raise ValueError(
+                "a sequence-level ratio or correction needs whole sequences; context parallelism splits them"
+            )
         seqs = batch["input_ids"]
         masks = batch["loss_mask"]
-        # Statistics and the token count are sums over the dp·cp ranks: TP peers hold the same tokens.
-        local_tokens = sum(sum(1 for m in row[1:] if m) for row in masks) if self.mesh.coords["cp"] == 0 else 0
-        total = torch.tensor([float(local_tokens)])
+        # Statistics and the counts are sums over the dp·cp ranks: TP peers hold the same tokens.
+        counts = [sum(1 for m in row[1:] if m) for row in masks]
+        lead = self.mesh.coords["cp"] == 0
+        local = [float(sum(counts)), float(sum(1 for n in counts if n))] if lead else [0.0, 0.0]
+        total = torch.tensor(local, dtype=torch.float64)
         dist.all_reduce(total, group=self.mesh.shard_group)
-        global_tokens = max(float(total.item()), 1.0)
+        global_tokens, global_seqs = max(float(total[0].item()), 1.0), max(float(total[1].item()), 1.0)
+        # Each sequence's token weight fixes the aggregation's denominators over the whole minibatch, so every split
+        # into micro-batches and ranks sums to the same loss (`policy.aggregation_weights`).
+        seq_weight = aggregation_weights(counts, policy.agg, global_tokens, global_seqs, policy.agg_norm_tokens)
         # FSDP2 averages gradients over its dp·cp ranks; scaling by their number turns that into a global sum,
         # so the gradient is that of the token mean over every rank's tokens.
         scale = float(self.layout.shard_group)
@@ -481,18 +497,18 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             # Entry 0 of each sequence has no prediction; a dummy micro-batch masks everything.
             mask = mb.local([[0.0, *masks[i][1:]] for i in idx] if real else [[0.0] * len(self._dummy)]) > 0
             tok = {k: mb.local(self._per_token(batch, k, idx, mb.seqs)) for k in _PER_TOKEN_KEYS if k in batch}
+            weights = mb.local([[seq_weight[i]] * len(seqs[i]) for i in idx] if real else [[0.0] * len(self._dummy)])
+            weights = torch.where(mask, weights, torch.zeros_like(weights))
             # Until this step's first update the weights are the proximal policy, so a single minibatch's forward
             # gives the proximal log-probs itself (no second pass over the batch).
             before = tok["proximal_logprobs"] if "proximal_logprobs" in tok else lp.detach()
             if kind == "ppo":
-                loss, stats = L.decoupled_ppo_loss(
-                    lp,
-                    before,
-                    tok["behaviour_logprobs"],
-                    tok["advantages"],
-                    mask,
-                    token_count=global_tokens,
-                    **cfg,
+                seq_ids = None
+                if policy.needs_sequences:  # 1.. per sequence of this micro-batch, 0 where none (padding)
+                    rows = [[float(n + 1)] * len(seqs[i]) for n, i in enumerate(idx)] if real else [[0.0, 0.0]]
+                    seq_ids = mb.local(rows).long()
+                loss, stats = L.policy_loss(
+                    lp, before, tok["behaviour_logprobs"], tok["advantages"], mask, policy, weights, seq_ids
                 )
             elif kind == "distill":
                 loss, stats = L.reverse_kl_distill(lp, tok["teacher_logprobs"], mask, token_count=global_tokens)
@@ -508,12 +524,13 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
                 d_loss, d_stats = L.reverse_kl_distill(lp, tok["teacher_logprobs"], routed, token_count=global_tokens)
                 loss = loss + distill_coef * d_loss
                 stats["distill_reverse_kl"] = d_stats["reverse_kl"] * routed.sum() / mask.sum().clamp(min=1)
+            # The KL and entropy terms use the policy term's aggregation (token-mean: the mean over global tokens).
             if kl_coef and "ref_logprobs" in tok:
                 kl_tok = L.kl_penalty(lp, tok["ref_logprobs"], kl_estimator)
-                loss = loss + kl_coef * L.masked_mean(kl_tok, mask, global_tokens)
+                loss = loss + kl_coef * (torch.where(mask, kl_tok, torch.zeros_like(kl_tok)) * weights).sum()
                 stats["kl_ref"] = L.masked_mean(kl_tok.detach(), mask)
             if entropy_coef:
-                loss = loss - entropy_coef * L.masked_mean(ent, mask, global_tokens)
+                loss = loss - entropy_coef * (torch.where(mask, ent, torch.zeros_like(ent)) * weights).sum()
             aux = self.routing.aux_loss() if self.routing is not None else None
             if aux is not None:  # each rank's share of the micro-batch's global load-balancing loss, averaged over
                 loss = loss + aux / len(micro)  # the minibatch's micro-batches (as Megatron averages its aux loss)
@@ -548,7 +565,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         else:
             grad_norm = clip_grad_norm(self._trainable(), float(self.cfg["max_grad_norm"]))
         self.optimizer.step()
-        return float(total.item()), float(grad_norm)
+        return float(total[0].item()), float(grad_norm)
 
     # ---------------------------------------------------------------- pipeline parallelism
 

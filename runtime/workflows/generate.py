@@ -76,6 +76,14 @@ class GenerateWorkflow:
         self._results = ResultFutures()  # the in-flight requests' results, waited on with the trainer's step
         self._reissue: list[list[PromptItem]] = []
         self.eos_ids = [i for i in [loop.tokenizer.eos_token_id] if i is not None]
+        # DAPO dynamic sampling: groups without signal dropped since the last batch, and the bound on them.
+        ds = loop.plan.algorithm.dynamic_sampling
+        self.max_drops = int((ds.max_draws - 1.0) * self.batch_prompts + 1e-9) if ds is not None else None
+        self.dropped = 0
+        self.zero_signal_kept = 0
+        self.dropped_rewards: list[float] = []
+        # (dropped, zero-signal kept, the dropped groups' rewards) of each batch taken, in order
+        self._batch_draws: list[tuple[int, int, list[float]]] = []
 
     # ------------------------------------------------------------------ admission
 
@@ -206,11 +214,23 @@ class GenerateWorkflow:
 
     def keep(self, group: Group) -> None:
         """File a finished group for a batch; one older than the staleness bound allows (e.g. from a restarted
-        engine) is generated again instead."""
-        if min(group.versions) >= self.loop.version - self.loop.staleness:
-            self.finished.append(group)
-        else:
+        engine) is generated again instead.
+
+        With dynamic sampling a group whose rewards are all equal (zero advantage, no gradient) is dropped and
+        gives its samples' slots back to the staleness gate, so replacements are admitted, generated and
+        counted under the same bound; past the plan's `max_draws` for this batch such groups are kept instead.
+        """
+        if min(group.versions) < self.loop.version - self.loop.staleness:
             self._reissue.append([group.item])
+            return
+        if self.max_drops is not None and len(set(group.rewards)) <= 1:
+            if self.dropped < self.max_drops:
+                self.dropped += 1
+                self.dropped_rewards += group.rewards
+                self.loop.gate.retract(len(group.output_ids))
+                return
+            self.zero_signal_kept += 1
+        self.finished.append(group)
 
     # ------------------------------------------------------------------ batches
 
@@ -224,6 +244,10 @@ class GenerateWorkflow:
             return None
         self.finished.sort(key=lambda g: (g.item.cursor, g.request))
         groups, self.finished = self.finished[: self.batch_prompts], self.finished[self.batch_prompts :]
+        if self.max_drops is not None:
+            self._batch_draws.append((self.dropped, self.zero_signal_kept, self.dropped_rewards))
+            self.dropped = self.zero_signal_kept = 0
+            self.dropped_rewards = []
         return groups
 
     def batch_record(self, groups: list[Group]) -> list[tuple[int, int]]:
@@ -234,19 +258,35 @@ class GenerateWorkflow:
         the group-normalised advantage."""
         import torch
 
-        from rlc.runtime.algo.advantages import group_advantages
+        from rlc.runtime.algo.advantages import advantages as estimate
+        from rlc.runtime.algo.overlong import is_truncated, overlong_penalty
 
+        plan = self.loop.plan
+        algo, max_len = plan.algorithm, plan.sampling.max_response_len
         version = self.loop.version
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-        advantages = group_advantages(
-            rewards.flatten(), self.group_size, scale_by_std=self.loop.plan.algorithm.normalize_std
+        lengths_all = [len(out) for g in groups for out in g.output_ids]
+        truncated = [is_truncated(out, max_len, self.eos_ids) for g in groups for out in g.output_ids]
+        shaped = rewards.flatten()
+        overlong = algo.overlong
+        if overlong is not None and overlong.buffer_len > 0:  # DAPO's soft overlong punishment
+            shaped = shaped + torch.tensor(
+                [overlong_penalty(n, max_len, overlong.buffer_len, overlong.penalty) for n in lengths_all]
+            )
+        advantages = estimate(
+            algo.name, shaped, self.group_size, normalize_std=algo.normalize_std, lengths=lengths_all
         ).reshape(rewards.shape)
+        masked = overlong is not None and overlong.filter_truncated
         input_ids, loss_mask, behaviour, adv, lags, lengths = [], [], [], [], [], []
+        sample = 0
         for g_index, group in enumerate(groups):
             prompt = list(group.item.prompt_ids)
             for s_index, (out, lps) in enumerate(zip(group.output_ids, group.logprobs, strict=True)):
                 input_ids.append(prompt + out)
-                loss_mask.append([0] * len(prompt) + [1] * len(out))
+                # Overlong filtering: a truncated response keeps its place in the baseline but trains nothing.
+                trained = 0 if masked and truncated[sample] else 1
+                sample += 1
+                loss_mask.append([0] * len(prompt) + [trained] * len(out))
                 # Each token's behaviour log-prob is the one the version that sampled it produced: an interrupted
                 # sample's tokens before the update carry the old policy's, those after the new one's.
                 behaviour.append([0.0] * len(prompt) + list(lps))
@@ -269,7 +309,20 @@ class GenerateWorkflow:
             "staleness/max": float(max(lags, default=0)),
             "response_len/mean": statistics.fmean(lengths),
             "train/tokens": float(sum(len(x) for x in input_ids)),
+            "rollout/truncated": sum(truncated) / max(len(truncated), 1),
         }
+        if overlong is not None:
+            stats["reward/shaped_mean"] = float(shaped.mean())
+            stats["rollout/filtered_truncated"] = float(sum(truncated)) if masked else 0.0
+        if self.max_drops is not None and self._batch_draws:
+            dropped, zero_kept, dropped_rewards = self._batch_draws.pop(0)
+            # reward/mean is over the trained groups, which dynamic sampling biases towards 0.5; this is over every
+            # group generated for the step (the policy's own success rate).
+            stats["reward/generated_mean"] = statistics.fmean(flat + dropped_rewards)
+            # Groups generated per group trained this step: 1 when every group carried signal.
+            stats["rollout/generated_per_kept"] = (len(groups) + dropped) / max(len(groups), 1)
+            stats["rollout/dropped_groups"] = float(dropped)
+            stats["rollout/zero_signal_kept"] = float(zero_kept)
         return batch, stats, domains
 
     # ------------------------------------------------------------------ state

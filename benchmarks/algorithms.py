@@ -1,0 +1,123 @@
+"""Each algorithm rlc's spec selects, learning the quickstart task: the reward curve of every estimator and of the
+DAPO and GSPO examples against GRPO, on the same seeds.
+
+What: for each variant, one `rlc run` of the quickstart (tiny Qwen3, one-digit addition, 16 prompts × 8 samples,
+lr 5e-4, max_staleness 0) with one algorithm choice changed, and the mean reward of the first and the last fifth of
+its steps. The reward is the policy's own success rate: `reward/generated_mean` where dynamic sampling drops
+groups (its `reward/mean` is over the trained groups only, which it biases towards half right), else
+`reward/mean`. Also the median step time, and for DAPO the mean groups generated per trained group.
+
+Variants: grpo (quickstart.yaml as shipped), dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline (quickstart.yaml with
+`algorithm.name` set), dapo (examples/cpu-dapo.yaml), gspo (examples/cpu-gspo.yaml). Every run uses the same seed,
+so the prompts and the model's warm-up are the same; the samples differ once the policies do.
+
+Run: python benchmarks/algorithms.py [--steps 600] [--seed 0] [--only grpo,dapo] [--json out.json] [--work DIR]
+(600 steps: about 3-4 minutes per variant on 2 cores; ``--steps 20`` for a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+
+#: name → (spec file, --set overrides)
+VARIANTS: dict[str, tuple[Path, dict[str, str]]] = {
+    "grpo": (QUICKSTART, {}),
+    "dr_grpo": (QUICKSTART, {"algorithm.name": "dr_grpo"}),
+    "rloo": (QUICKSTART, {"algorithm.name": "rloo"}),
+    "reinforce_pp": (QUICKSTART, {"algorithm.name": "reinforce_pp"}),
+    "reinforce_pp_baseline": (QUICKSTART, {"algorithm.name": "reinforce_pp_baseline"}),
+    "dapo": (ROOT / "examples" / "cpu-dapo.yaml", {}),
+    "gspo": (ROOT / "examples" / "cpu-gspo.yaml", {}),
+}
+
+
+def run_variant(name: str, work: Path, steps: int, seed: int) -> dict[str, float | str]:
+    """Compile and run one variant; its reward curve's ends and its step time."""
+    spec, sets = VARIANTS[name]
+    out, run_dir = work / name / "plan", work / name / "run"
+    sets = {
+        **sets,
+        "algorithm.steps": str(steps),
+        "algorithm.seed": str(seed),
+        "output.dir": str(run_dir),
+        "output.checkpoint_every": str(steps),
+    }
+    cmd = [sys.executable, "-m", "rlc", "compile", str(spec), "-o", str(out)]
+    for key, value in sets.items():
+        cmd += ["--set", f"{key}={value}"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    t0 = time.perf_counter()
+    with (work / name / "run.log").open("w") as log:
+        subprocess.run([sys.executable, "-m", "rlc", "run", str(out)], check=True, stdout=log, stderr=log, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r.get("reward/generated_mean", r["reward/mean"]) for r in rows]
+    fifth = max(1, len(rows) // 5)
+    first, last = statistics.fmean(rewards[:fifth]), statistics.fmean(rewards[-fifth:])
+    result: dict[str, float | str] = {
+        "variant": name,
+        "steps": float(len(rows)),
+        "reward_first_fifth": first,
+        "reward_last_fifth": last,
+        "gain": last - first,
+        "step_s": statistics.median(r["time/step_s"] for r in rows[fifth:] or rows),
+        "wall_s": wall,
+    }
+    draws = [r["rollout/generated_per_kept"] for r in rows if "rollout/generated_per_kept" in r]
+    if draws:
+        result["generated_per_kept"] = statistics.fmean(draws)
+    return result
+
+
+def table(results: list[dict[str, float | str]]) -> str:
+    """The README's markdown table."""
+    grpo = next((r for r in results if r["variant"] == "grpo"), None)
+    lines = [
+        "| algorithm | reward, first fifth | reward, last fifth | gain | vs GRPO | s/step | generated per kept |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        vs = f"{float(r['gain']) - float(grpo['gain']):+.3f}" if grpo is not None and r is not grpo else ""
+        draws = f"{float(r['generated_per_kept']):.2f}" if "generated_per_kept" in r else ""
+        lines.append(
+            f"| {r['variant']} | {float(r['reward_first_fifth']):.3f} | {float(r['reward_last_fifth']):.3f} | "
+            f"{float(r['gain']):+.3f} | {vs} | {float(r['step_s']):.3f} | {draws} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", default="", help="comma-separated variants (default: all)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--work", type=Path, help="keep plans and runs here (default: a temporary folder)")
+    args = parser.parse_args()
+    names = [n for n in args.only.split(",") if n] or list(VARIANTS)
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    work = args.work or Path(tempfile.mkdtemp(prefix="rlc-algorithms-"))
+    results = []
+    for name in names:
+        result = run_variant(name, work, args.steps, args.seed)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
