@@ -32,6 +32,17 @@ RAY_PORTS: dict[str, int] = {
     "max-worker-port": 19999,
 }
 
+#: On a cluster of several nodes, node k declares `rlc_node_n<k>` (NODE_RESOURCE_UNITS of it) and every placement
+#: bundle of the plan's node k asks for one unit, so Ray puts each role on the node the plan gives it.
+NODE_RESOURCE_PREFIX = "rlc_node_n"
+NODE_RESOURCE_UNITS = 1000
+
+
+def node_resource(node: int) -> str:
+    """The custom Ray resource that marks plan node `node` (`rlc_node_n1`)."""
+    return f"{NODE_RESOURCE_PREFIX}{node}"
+
+
 #: Each role gets its own block of ports for its process groups (torch.distributed rendezvous, weight sync).
 ROLE_PORT_BASE = 29500
 ROLE_PORT_SPAN = 100
