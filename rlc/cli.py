@@ -463,7 +463,8 @@ def run(
         typer.echo(f"rlc run: error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
     except RunError as exc:
-        typer.echo(f"rlc run: error: {exc}", err=True)
+        again = f"{plan_dir} --run-dir {target_dir}" if run_dir or replay else str(plan_dir)
+        typer.echo(f"rlc run: error: {str(exc).replace('PLANDIR', again)}", err=True)
         raise typer.Exit(EXIT_FINDINGS) from None
 
 

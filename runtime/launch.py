@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rlc.compiler.diagnostics import first_line
-from rlc.runtime.errors import RunError, RuntimeGapError, RunUsageError
+from rlc.compiler.node_setup import NODE_RESOURCE_UNITS, node_resource
+from rlc.runtime.errors import RunError, RuntimeGapError, RunUsageError, resume_command
 from rlc.runtime.host_moves import HostMovesError
 from rlc.runtime.launch_request import ActorRequest, LaunchRequest, launch_request
 from rlc.runtime.model_family import check_model_family
@@ -98,13 +99,22 @@ def _check_resources(plan: Plan) -> None:
     import ray
 
     resource = plan.cluster.ray_resource
-    have = ray.cluster_resources().get(resource, 0)
+    offered = ray.cluster_resources()
+    have = offered.get(resource, 0)
     need = plan.cluster.total_devices
     if have < need:
         raise RunError(
             f"the Ray cluster offers {have:g} `{resource}` but the plan needs {need}: start every node with "
             f"`launch.sh` (or `ray start --resources='{{\"{resource}\": N}}'`), or run in a fresh process"
         )
+    if plan.cluster.nodes > 1:  # the placement bundles ask for them (`launch_request`)
+        missing = [k for k in range(plan.cluster.nodes) if offered.get(node_resource(k), 0) < 1]
+        if missing:
+            raise RunError(
+                f"no node of the Ray cluster is the plan's node {', '.join(f'n{k}' for k in missing)} (it declares "
+                f"`{node_resource(missing[0])}`): start each worker with the plan's launch.sh, "
+                f"`RLC_NODE_RANK={missing[0]} launch.sh worker` for n{missing[0]}"
+            )
 
 
 #: The embedded local Ray keeps no idle worker processes: the run's actors have workers of their own and its only
@@ -158,13 +168,15 @@ def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
         )
     devices = plan.cluster.total_devices
     cpus = max(os.cpu_count() or 1, devices + 2)
+    # A cpu plan of several logical nodes runs here: this one Ray stands for all of them.
+    nodes = {node_resource(k): NODE_RESOURCE_UNITS for k in range(plan.cluster.nodes)} if plan.cluster.nodes > 1 else {}
     log(f"starting a local Ray with {devices} logical `{resource}` device(s)")
     # "local": a new instance even where `ray start` left a cluster on this machine (Ray would otherwise join
     # the one named in its temp dir's ray_current_cluster and then refuse the sizes given here).
     ray.init(
         address="local",
         num_cpus=cpus,
-        resources={resource: devices},
+        resources={resource: devices, **nodes},
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": dict(plan.env)},
@@ -483,7 +495,7 @@ def _last_checkpoint(run_dir: Path) -> str:
         found = None
     if found is None:
         return _resumable(run_dir)
-    return f"the last checkpoint is {found[0]} (step {found[1].step}): continue with `rlc run PLANDIR --resume`"
+    return f"the last checkpoint is {found[0]} (step {found[1].step}): continue with `{resume_command()}`"
 
 
 def _resumable(run_dir: Path) -> str:
@@ -495,7 +507,7 @@ def _resumable(run_dir: Path) -> str:
         return f"the newest checkpoint cannot be resumed ({exc})"
     if found is None:
         return "no checkpoint was completed, so a new run starts from the beginning (pass --overwrite)"
-    return f"the newest complete checkpoint is {found[0].name}: continue with `rlc run PLANDIR --resume`"
+    return f"the newest complete checkpoint is {found[0].name}: continue with `{resume_command()}`"
 
 
 def _actor_death(exc: Exception) -> str:
@@ -573,7 +585,7 @@ def _disk_full_message(full: OSError, exc: BaseException, run_dir: Path) -> str:
         return f"{head}; the previous checkpoint cannot be resumed ({bad}); {free} and start again with --overwrite"
     if found is None:
         return f"{head}; no checkpoint was completed before it: {free} and start again with --overwrite"
-    return f"{head}; the previous checkpoint {found[0].name} is intact: {free} and `rlc run PLANDIR --resume`"
+    return f"{head}; the previous checkpoint {found[0].name} is intact: {free} and `{resume_command()}`"
 
 
 def _during_checkpoint(full: OSError, exc: BaseException, run_dir: Path) -> bool:
@@ -600,9 +612,17 @@ def _during_checkpoint(full: OSError, exc: BaseException, run_dir: Path) -> bool
     return False
 
 
-def _write_run_record(run_dir: Path, plan: Plan, trainer: Any, pool: Any, replay: Path | None, log) -> None:  # type: ignore[no-untyped-def]
-    """RUN/reproducibility.json; a run never fails for want of it."""
+def _write_run_record(
+    run_dir: Path, plan: Plan, trainer: Any, pool: Any, reference: Any, replay: Path | None, log
+) -> None:  # type: ignore[no-untyped-def]
+    """RUN/reproducibility.json and RUN/nodes.json; a run never fails for want of them."""
+    from rlc.runtime.nodes import record_nodes
     from rlc.runtime.run_record import gather_processes, write_record
+
+    try:
+        record_nodes(run_dir, launch_request(plan), actor_nodes(plan, trainer, pool, reference), log)
+    except Exception as exc:  # an actor that cannot answer
+        log(f"warning: which node runs which actor could not be recorded: {first_line(exc)}")
 
     try:
         processes = gather_processes(trainer, pool.engines)
@@ -611,6 +631,20 @@ def _write_run_record(run_dir: Path, plan: Plan, trainer: Any, pool: Any, replay
     write_record(run_dir, plan, processes, replay)
     if not plan.reproducibility.deterministic:
         log("runs of this plan may differ: " + "; ".join(plan.reproducibility.reasons))
+
+
+def actor_nodes(plan: Plan, trainer: Any, pool: Any, reference: Any) -> dict[str, str]:
+    """Each started actor's name → the Ray node id it runs on (trainer and reference ranks, rollout engines)."""
+    import ray
+
+    train = plan.roles_of("train")[0].name
+    rollout = plan.roles_of("rollout")[0].name
+    where = {f"rlc-{train}-rank{h['rank']}": h["node_id"] for h in trainer.hosts_info()}
+    if reference is not None:
+        where.update({f"rlc-reference-rank{h['rank']}": h["node_id"] for h in reference.hosts_info()})
+    engines = ray.get([e.node_id() for e in pool.engines], timeout=60)
+    where.update({f"rlc-{rollout}-{i}": node for i, node in enumerate(engines)})
+    return where
 
 
 def _finish_run_record(run_dir: Path, replay: Path | None, log) -> None:  # type: ignore[no-untyped-def]
@@ -686,12 +720,15 @@ def run_plan(
     made), the recorded requests and batches are fed back (`runtime/workflows/replay.py`) into `run_dir`, by default
     `RUN.replay`.
     """
+    from rlc.runtime.nodes import absolute_paths
     from rlc.runtime.run_dir import lock_run_dir
 
     refuse_gaps(plan)
     if replay is not None and run_dir is None:
         run_dir = Path(f"{Path(replay)}.replay")
-    run_dir = Path(run_dir or plan.run_dir)
+    # Every node must read the same files: relative paths are taken from here, once, before any actor starts.
+    plan = absolute_paths(plan)
+    run_dir = Path(os.path.abspath(run_dir or plan.run_dir))
     log = lambda text: print(f"rlc: {text}", flush=True)  # noqa: E731
     schedule = _replay_schedule(plan, Path(replay), run_dir, resume) if replay is not None else None
     if resume and overwrite:  # before the lock, which would create the run directory
@@ -745,6 +782,10 @@ def _run_locked(  # type: ignore[no-untyped-def]
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     stopped_by: list[str] = []
     try:
+        if not started_ray:  # a cluster: every node must see what the roles read, and reach the others
+            from rlc.runtime.nodes import check_nodes
+
+            check_nodes(plan, run_dir, log)
         log("starting trainer and rollout engines")
         try:
             trainer, pool, reference, teachers = build_roles(
@@ -757,7 +798,7 @@ def _run_locked(  # type: ignore[no-untyped-def]
             raise RunError("the trainer did not build the plan's layout: " + "; ".join(mismatches))
         write_layout_record(run_dir, plan, trainer.built_layouts())
         log(f"trainer layout as planned: {plan.roles_of('train')[0].layout.summary()}")  # type: ignore[union-attr]
-        _write_run_record(run_dir, plan, trainer, pool, replay, log)
+        _write_run_record(run_dir, plan, trainer, pool, reference, replay, log)
         workflow: Any = None  # generate-and-score
         if plan.agent is not None:
             from rlc.runtime.agent.launch import build_runners
