@@ -31,9 +31,15 @@ from rlc.compiler.manifest import (
     read_manifest,
     sha256_bytes,
 )
-from rlc.compiler.node_setup import RAY_PORTS, NodeSetup, PlanEmitError, node_setup
+from rlc.compiler.node_setup import (
+    RAY_PORTS,
+    NodeSetup,
+    PlanEmitError,
+    node_setup,
+)
 from rlc.compiler.rayjob import render_rayjob
 from rlc.compiler.resolved_spec import render_resolved_spec
+from rlc.schemas.cluster_nodes import NODE_RESOURCE_PREFIX, NODE_RESOURCE_UNITS
 from rlc.schemas.plan import Plan, Role
 from rlc.schemas.spec import Spec
 
@@ -167,9 +173,8 @@ def render_launch(plan: Plan, setup: NodeSetup, *, plan_hash: str, version: str 
     for teacher in plan.distill.teachers if plan.distill else []:
         if teacher.model.path:
             required.append(teacher.model.path)
-    resource_arg = (
-        f"--num-gpus={setup.devices_per_node}" if setup.uses_num_gpus else f"--resources={setup.resources_json}"
-    )
+    resource_args = [f"--num-gpus={setup.devices_per_node}"] if setup.uses_num_gpus else []
+    device_entry = "" if setup.uses_num_gpus else f"{json.dumps(setup.ray_resource)}: {setup.devices_per_node}"
     context = {
         "version": version,
         "plan_hash": plan_hash,
@@ -179,7 +184,10 @@ def render_launch(plan: Plan, setup: NodeSetup, *, plan_hash: str, version: str 
         "devices_per_node": setup.devices_per_node,
         "total_devices": setup.total_devices,
         "ray_resource": setup.ray_resource,
-        "resource_arg": resource_arg,
+        "resource_args": resource_args,
+        "device_resource_entry": device_entry,
+        "node_resource_prefix": NODE_RESOURCE_PREFIX,
+        "node_resource_units": NODE_RESOURCE_UNITS,
         "preflight_modules": PREFLIGHT_MODULES[setup.kind],
         "required_paths": list(dict.fromkeys(required)),
         "run_dir": plan.run_dir,

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from rlc.compiler.node_setup import K8S_DEVICE_RESOURCE, RAY_PORTS, NodeSetup
+from rlc.schemas.cluster_nodes import NODE_RESOURCE_UNITS, node_resource
 from rlc.schemas.plan import Plan
 
 PLAN_MOUNT = "/rlc/plan"
@@ -42,16 +43,21 @@ def configmap_name(plan: Plan, plan_hash: str) -> str:
     return k8s_name("rlc-plan", plan.name, plan_hash[:10])
 
 
-def ray_start_resources(setup: NodeSetup) -> dict[str, str]:
-    """rayStartParams that declare the node's devices explicitly.
+def ray_start_resources(setup: NodeSetup, node: int = 0) -> dict[str, str]:
+    """rayStartParams that declare the node's devices explicitly and, on several nodes, which node of the plan
+    it is (`rlc_node_n<k>`, what the plan's placement bundles ask for, as launch.sh declares it).
 
     KubeRay splices the value into a shell command line, so the JSON must arrive double-quoted with its inner
     quotes escaped: resources: '"{\\"NPU\\": 16}"' (kuberay#1984 shows what happens otherwise).
     """
-    if setup.uses_num_gpus:
-        return {"num-gpus": str(setup.devices_per_node)}
-    inner = setup.resources_json.replace("\\", "\\\\").replace('"', '\\"')
-    return {"resources": f'"{inner}"'}
+    params = {"num-gpus": str(setup.devices_per_node)} if setup.uses_num_gpus else {}
+    resources = {} if setup.uses_num_gpus else {setup.ray_resource: setup.devices_per_node}
+    if setup.nodes > 1:
+        resources[node_resource(node)] = NODE_RESOURCE_UNITS
+    if resources:
+        inner = json.dumps(resources, sort_keys=True).replace("\\", "\\\\").replace('"', '\\"')
+        params["resources"] = f'"{inner}"'
+    return params
 
 
 def _container(name: str, plan: Plan, setup: NodeSetup, image: str) -> dict[str, Any]:
@@ -94,14 +100,14 @@ def _pod_template(name: str, plan: Plan, setup: NodeSetup, image: str, files: li
 
 
 def build_rayjob(plan: Plan, setup: NodeSetup, *, plan_hash: str, files: list[str], version: str) -> dict[str, Any]:
-    """The RayJob object: one head pod plus nodes−1 workers, each holding one node's devices.
+    """The RayJob object: one head pod (plan node n0) plus a worker group of one pod for each other node of the
+    plan (n1, n2, ...), each holding one node's devices and declaring which node it is.
 
     `files` are the plan directory's relative paths (manifest included) that the ConfigMap must carry.
     """
     image = IMAGE_PLACEHOLDER.format(version=version, kind=setup.kind)
     cm = configmap_name(plan, plan_hash)
-    common = ray_start_resources(setup)
-    head_params = {"dashboard-host": "0.0.0.0", "disable-usage-stats": "true", **common}
+    head_params = {"dashboard-host": "0.0.0.0", "disable-usage-stats": "true", **ray_start_resources(setup, 0)}
     cluster: dict[str, Any] = {
         # KubeRay (>= 1.5.1) creates a random token in a Secret and sets RAY_AUTH_MODE / RAY_AUTH_TOKEN in every
         # pod and in the job submitter, so only holders of that Secret reach the dashboard, job API or GCS.
@@ -113,15 +119,14 @@ def build_rayjob(plan: Plan, setup: NodeSetup, *, plan_hash: str, files: list[st
         },
         "workerGroupSpecs": [],
     }
-    workers = setup.nodes - 1
-    if workers > 0:
+    for node in range(1, setup.nodes):
         cluster["workerGroupSpecs"].append(
             {
-                "groupName": "workers",
-                "replicas": workers,
-                "minReplicas": workers,
-                "maxReplicas": workers,
-                "rayStartParams": {"disable-usage-stats": "true", **common},
+                "groupName": f"n{node}",
+                "replicas": 1,
+                "minReplicas": 1,
+                "maxReplicas": 1,
+                "rayStartParams": {"disable-usage-stats": "true", **ray_start_resources(setup, node)},
                 "template": _pod_template("ray-worker", plan, setup, image, files, cm),
             }
         )
@@ -164,6 +169,9 @@ def render_rayjob(plan: Plan, setup: NodeSetup, *, plan_hash: str, files: list[s
         f"# The plan directory is mounted read-only at {PLAN_MOUNT} from a ConfigMap. From the plan directory:",
         f"#   {configmap_command(plan, plan_hash, files)}",
         "#   kubectl apply -f rayjob.yaml",
+        f"# A stopped run continues from its newest checkpoint with the entrypoint `rlc run {PLAN_MOUNT} --resume`",
+        "# (edit spec.entrypoint, delete the finished RayJob, apply again); the run directory must be on a volume",
+        "# every pod mounts at the same path (`rlc run` checks each node before it starts).",
         f"# Replace the image {json.dumps(image_of(job))} with your rlc runtime image "
         f"(torch_npu/vLLM-Ascend matching CANN on npu; Ray {RAY_VERSION}).",
         "# Ray token authentication is on (authOptions, KubeRay >= 1.5.1): the operator keeps the token in a Secret",

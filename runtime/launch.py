@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import signal
 import sys
 from pathlib import Path
@@ -74,12 +75,15 @@ def run_plan(
     made), the recorded requests and batches are fed back (`runtime/workflows/replay.py`) into `run_dir`, by default
     `RUN.replay`.
     """
+    from rlc.runtime.nodes import absolute_paths
     from rlc.runtime.run_dir import lock_run_dir
 
     refuse_gaps(plan)
     if replay is not None and run_dir is None:
         run_dir = Path(f"{Path(replay)}.replay")
-    run_dir = Path(run_dir or plan.run_dir)
+    # Every node must read the same files: relative paths are taken from here, once, before any actor starts.
+    plan = absolute_paths(plan)
+    run_dir = Path(os.path.abspath(run_dir or plan.run_dir))
     log = lambda text: print(f"rlc: {text}", flush=True)  # noqa: E731
     schedule = replay_schedule(plan, Path(replay), run_dir, resume) if replay is not None else None
     if resume and overwrite:  # before the lock, which would create the run directory
@@ -133,6 +137,10 @@ def _run_locked(  # type: ignore[no-untyped-def]
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     stopped_by: list[str] = []
     try:
+        if not started_ray:  # a cluster: every node must see what the roles read, and reach the others
+            from rlc.runtime.nodes import check_nodes
+
+            check_nodes(plan, run_dir, log)
         log("starting trainer and rollout engines")
         try:
             trainer, pool, reference, teachers = build_roles(
@@ -145,7 +153,7 @@ def _run_locked(  # type: ignore[no-untyped-def]
             raise RunError("the trainer did not build the plan's layout: " + "; ".join(mismatches))
         write_layout_record(run_dir, plan, trainer.built_layouts())
         log(f"trainer layout as planned: {plan.roles_of('train')[0].layout.summary()}")  # type: ignore[union-attr]
-        write_run_record(run_dir, plan, trainer, pool, replay, log)
+        write_run_record(run_dir, plan, trainer, pool, reference, replay, log)
         workflow: Any = None  # generate-and-score
         if plan.agent is not None:
             from rlc.runtime.agent.launch import build_runners

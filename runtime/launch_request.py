@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rlc.schemas.cluster_nodes import node_resource
 from rlc.schemas.layout import LINEAR_KERNELS, TORCH_EXPERT_KERNEL_NAME, TrainLayout, runtime_gaps, split_layers
 from rlc.schemas.plan import ExpertLayers, Plan, Role
 from rlc.schemas.platforms import PLATFORM_FACTS
@@ -41,6 +42,8 @@ class ActorRequest:
     detail: dict[str, Any] = field(default_factory=dict)
     #: The plan's device ids (one node's numbering) that this actor binds; empty on cpu and for environments.
     devices: tuple[int, ...] = ()
+    #: The plan node this actor runs on (its bundle's node; environments: -1, anywhere).
+    node: int = 0
 
     def device_env(self, platform: str) -> dict[str, str]:
         """The env that binds this actor to its planned devices: the visible-devices mask, and Ray's opt-out
@@ -84,13 +87,38 @@ def _placement(role: Role) -> Any:
     return role.ray
 
 
+def bundle_nodes(role: Role) -> list[int]:
+    """The plan node of each bundle of the role's placement group: bundles split the role's devices (node by node,
+    in order) into equal consecutive slices, and a bundle sits on the node of its slice's first device."""
+    ray = _placement(role)
+    flat = [p.node for p in role.placement for _ in p.local_ids] or [0]
+    width = max(1, len(flat) // max(1, len(ray.bundles)))
+    return [flat[min(b * width, len(flat) - 1)] for b in range(len(ray.bundles))]
+
+
+def _pinned(plan: Plan, role: Role) -> list[dict[str, float]]:
+    """The role's bundles; on several nodes, each also asks for one unit of its node's resource (which
+    `launch.sh` declares per node), so Ray puts it where the plan says rather than where it likes."""
+    bundles = [dict(b) for b in _placement(role).bundles]
+    if plan.cluster.nodes > 1:
+        for bundle, node in zip(bundles, bundle_nodes(role), strict=True):
+            bundle[node_resource(node)] = 1.0
+    return bundles
+
+
 def _groups(plan: Plan) -> list[PlacementGroupRequest]:
     out: dict[str, PlacementGroupRequest] = {}
+    owners: dict[str, Role] = {}
     for role in plan.roles:
         ray = _placement(role)
         if not ray.bundles:  # nothing to reserve (environment workers of an agent with its own sandbox)
             continue
-        group = PlacementGroupRequest(ray.placement_group, ray.strategy, [dict(b) for b in ray.bundles])
+        # Roles sharing a group (colocated) read its nodes off its first role, the one that defines it.
+        owner = owners.setdefault(ray.placement_group, role)
+        bundles = _pinned(plan, owner) if owner is role else out[ray.placement_group].bundles
+        if owner is not role and [dict(b) for b in ray.bundles] != [dict(b) for b in owner.ray.bundles]:  # type: ignore[union-attr]
+            raise ValueError(f"roles disagree about placement group {ray.placement_group}'s bundles")
+        group = PlacementGroupRequest(ray.placement_group, ray.strategy, bundles)
         held = out.setdefault(ray.placement_group, group)
         if held != group:
             raise ValueError(f"roles disagree about placement group {ray.placement_group}'s bundles")
@@ -161,6 +189,15 @@ def launch_request(plan: Plan) -> LaunchRequest:
             raise ValueError(f"a plan has exactly one {kind} role; this one has {found}: recompile it")
     actors: list[ActorRequest] = []
     refusals = list(plan.runtime_gaps)
+    group_nodes: dict[str, list[int]] = {}
+    for role in plan.roles:
+        if _placement(role).bundles:
+            group_nodes.setdefault(_placement(role).placement_group, bundle_nodes(role))
+
+    def node_of(group: str, bundle: int) -> int:
+        nodes = group_nodes.get(group, [])
+        return nodes[bundle] if 0 <= bundle < len(nodes) else -1
+
     for role in plan.roles:
         ray = _placement(role)
         if role.kind == "train":
@@ -178,6 +215,7 @@ def launch_request(plan: Plan) -> LaunchRequest:
                         dict(ray.actor_resources),
                         {"rank": rank, "mesh": layout.coordinates(rank), "layout": layout.summary()},
                         devices[rank],
+                        node_of(ray.placement_group, bundle),
                     )
                 )
                 if ray.reference_resources is not None:
@@ -191,6 +229,7 @@ def launch_request(plan: Plan) -> LaunchRequest:
                             dict(ray.reference_resources),
                             {"rank": rank, "mesh": layout.coordinates(rank), "forward_only": True},
                             devices[rank],
+                            node_of(ray.placement_group, bundle),
                         )
                     )
         elif role.kind == "environments":
@@ -205,6 +244,7 @@ def launch_request(plan: Plan) -> LaunchRequest:
                         bundle,
                         dict(ray.actor_resources),
                         {"agent": plan.agent.run if plan.agent else ""},
+                        node=node_of(ray.placement_group, bundle),
                     )
                 )
         else:
@@ -213,8 +253,11 @@ def launch_request(plan: Plan) -> LaunchRequest:
             for index, bundle in enumerate(ray.bundle_indices):
                 name = f"rlc-{role.name}-{index}"
                 resources = dict(ray.actor_resources)
+                node = node_of(ray.placement_group, bundle)
                 actors.append(
-                    ActorRequest(name, role.name, kind, ray.placement_group, bundle, resources, {}, devices[index])
+                    ActorRequest(
+                        name, role.name, kind, ray.placement_group, bundle, resources, {}, devices[index], node
+                    )
                 )
     linear = plan.model.linear_attention
     hybrid_heads = (linear.key_heads, linear.value_heads) if linear else None
@@ -347,6 +390,8 @@ def render_request(req: LaunchRequest) -> str:
             extra = f"  runs {a.detail['agent']}"
         if a.devices:
             extra += f"  devices {','.join(map(str, a.devices))}"
+        if len({b.node for b in req.actors}) > 1 and a.node >= 0:
+            extra += f"  node n{a.node}"
         lines.append(f"  {a.name:<24} {a.kind:<9} {where}  {_resources(a.resources)}{extra}")
     trainers = req.trainer_ranks()
     if trainers:

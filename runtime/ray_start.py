@@ -7,6 +7,7 @@ import os
 
 from rlc.messages import first_line
 from rlc.runtime.errors import RunError, RunUsageError
+from rlc.schemas.cluster_nodes import NODE_RESOURCE_UNITS, node_resource
 from rlc.schemas.plan import Plan
 
 
@@ -15,13 +16,22 @@ def _check_resources(plan: Plan) -> None:
     import ray
 
     resource = plan.cluster.ray_resource
-    have = ray.cluster_resources().get(resource, 0)
+    offered = ray.cluster_resources()
+    have = offered.get(resource, 0)
     need = plan.cluster.total_devices
     if have < need:
         raise RunError(
             f"the Ray cluster offers {have:g} `{resource}` but the plan needs {need}: start every node with "
             f"`launch.sh` (or `ray start --resources='{{\"{resource}\": N}}'`), or run in a fresh process"
         )
+    if plan.cluster.nodes > 1:  # the placement bundles ask for them (`launch_request`)
+        missing = [k for k in range(plan.cluster.nodes) if offered.get(node_resource(k), 0) < 1]
+        if missing:
+            raise RunError(
+                f"no node of the Ray cluster is the plan's node {', '.join(f'n{k}' for k in missing)} (it declares "
+                f"`{node_resource(missing[0])}`): start each worker with the plan's launch.sh, "
+                f"`RLC_NODE_RANK={missing[0]} launch.sh worker` for n{missing[0]}"
+            )
 
 
 #: The embedded local Ray keeps no idle worker processes: the run's actors have workers of their own and its only
@@ -75,13 +85,15 @@ def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
         )
     devices = plan.cluster.total_devices
     cpus = max(os.cpu_count() or 1, devices + 2)
+    # A cpu plan of several logical nodes runs here: this one Ray stands for all of them.
+    nodes = {node_resource(k): NODE_RESOURCE_UNITS for k in range(plan.cluster.nodes)} if plan.cluster.nodes > 1 else {}
     log(f"starting a local Ray with {devices} logical `{resource}` device(s)")
     # "local": a new instance even where `ray start` left a cluster on this machine (Ray would otherwise join
     # the one named in its temp dir's ray_current_cluster and then refuse the sizes given here).
     ray.init(
         address="local",
         num_cpus=cpus,
-        resources={resource: devices},
+        resources={resource: devices, **nodes},
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": dict(plan.env)},

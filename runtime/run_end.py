@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from rlc.messages import first_line
-from rlc.runtime.errors import RunError
+from rlc.runtime.errors import RunError, resume_command
 
 T = TypeVar("T")
 
@@ -41,7 +41,7 @@ def _last_checkpoint(run_dir: Path) -> str:
         found = None
     if found is None:
         return _resumable(run_dir)
-    return f"the last checkpoint is {found[0]} (step {found[1].step}): continue with `rlc run PLANDIR --resume`"
+    return f"the last checkpoint is {found[0]} (step {found[1].step}): continue with `{resume_command()}`"
 
 
 def _resumable(run_dir: Path) -> str:
@@ -53,7 +53,7 @@ def _resumable(run_dir: Path) -> str:
         return f"the newest checkpoint cannot be resumed ({exc})"
     if found is None:
         return "no checkpoint was completed, so a new run starts from the beginning (pass --overwrite)"
-    return f"the newest complete checkpoint is {found[0].name}: continue with `rlc run PLANDIR --resume`"
+    return f"the newest complete checkpoint is {found[0].name}: continue with `{resume_command()}`"
 
 
 def actor_death(exc: Exception) -> str:
@@ -131,7 +131,7 @@ def _disk_full_message(full: OSError, exc: BaseException, run_dir: Path) -> str:
         return f"{head}; the previous checkpoint cannot be resumed ({bad}); {free} and start again with --overwrite"
     if found is None:
         return f"{head}; no checkpoint was completed before it: {free} and start again with --overwrite"
-    return f"{head}; the previous checkpoint {found[0].name} is intact: {free} and `rlc run PLANDIR --resume`"
+    return f"{head}; the previous checkpoint {found[0].name} is intact: {free} and `{resume_command()}`"
 
 
 def _during_checkpoint(full: OSError, exc: BaseException, run_dir: Path) -> bool:

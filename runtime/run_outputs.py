@@ -7,13 +7,23 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlc.messages import first_line
 from rlc.runtime.errors import RunError, RunUsageError
+from rlc.runtime.launch_request import launch_request
 from rlc.schemas.plan import Plan
 
 
-def write_run_record(run_dir: Path, plan: Plan, trainer: Any, pool: Any, replay: Path | None, log) -> None:  # type: ignore[no-untyped-def]
-    """RUN/reproducibility.json; a run never fails for want of it."""
+def write_run_record(
+    run_dir: Path, plan: Plan, trainer: Any, pool: Any, reference: Any, replay: Path | None, log
+) -> None:  # type: ignore[no-untyped-def]
+    """RUN/reproducibility.json and RUN/nodes.json; a run never fails for want of them."""
+    from rlc.runtime.nodes import record_nodes
     from rlc.runtime.run_record import gather_processes, write_record
+
+    try:
+        record_nodes(run_dir, launch_request(plan), actor_nodes(plan, trainer, pool, reference), log)
+    except Exception as exc:  # an actor that cannot answer
+        log(f"warning: which node runs which actor could not be recorded: {first_line(exc)}")
 
     try:
         processes = gather_processes(trainer, pool.engines)
@@ -22,6 +32,20 @@ def write_run_record(run_dir: Path, plan: Plan, trainer: Any, pool: Any, replay:
     write_record(run_dir, plan, processes, replay)
     if not plan.reproducibility.deterministic:
         log("runs of this plan may differ: " + "; ".join(plan.reproducibility.reasons))
+
+
+def actor_nodes(plan: Plan, trainer: Any, pool: Any, reference: Any) -> dict[str, str]:
+    """Each started actor's name → the Ray node id it runs on (trainer and reference ranks, rollout engines)."""
+    import ray
+
+    train = plan.roles_of("train")[0].name
+    rollout = plan.roles_of("rollout")[0].name
+    where = {f"rlc-{train}-rank{h['rank']}": h["node_id"] for h in trainer.hosts_info()}
+    if reference is not None:
+        where.update({f"rlc-reference-rank{h['rank']}": h["node_id"] for h in reference.hosts_info()})
+    engines = ray.get([e.node_id() for e in pool.engines], timeout=60)
+    where.update({f"rlc-{rollout}-{i}": node for i, node in enumerate(engines)})
+    return where
 
 
 def finish_run_record(run_dir: Path, replay: Path | None, log) -> None:  # type: ignore[no-untyped-def]

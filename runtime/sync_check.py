@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rlc.runtime.errors import RunError
+from rlc.runtime.errors import RunError, resume_command
 
 __all__ = ["PROBE_SEQUENCES", "PROBE_TOKENS", "SyncCheck", "probe_of"]
 
@@ -79,7 +79,7 @@ class SyncCheck:
             except GetTimeoutError:
                 raise RunError(
                     f"engine {index} did not score the post-sync probe within {CHECK_TIMEOUT_S} s; the run stopped: "
-                    "`rlc run PLAN --resume` continues from the last checkpoint"
+                    f"`{resume_command('PLAN')}` continues from the last checkpoint"
                 ) from None
             if held != version:
                 continue
@@ -89,7 +89,7 @@ class SyncCheck:
                     f"after the weight sync to version {version}, engine {index} scores the trainer's tokens "
                     f"{gap:.3g} nats apart on average (bound {self.max_gap:g}, `schedule.sync_check_max_gap`): it "
                     "serves other weights than the trainer's, so its samples would train on another policy. The "
-                    "run stopped; `rlc run PLAN --resume` restarts the engines from the last checkpoint"
+                    f"run stopped; `{resume_command('PLAN')}` restarts the engines from the last checkpoint"
                 )
             worst = gap if worst != worst else max(worst, gap)  # NaN until the first engine answers
         return worst

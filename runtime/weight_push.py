@@ -10,22 +10,30 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from rlc.runtime.errors import RunError
+from rlc.runtime.errors import RunError, resume_command
 from rlc.runtime.host_moves import HostMoves, plan_host_moves, weight_bytes
 from rlc.runtime.rollout.pool import RolloutPool
 from rlc.schemas.plan import Plan
 
 __all__ = ["SYNC_TIMEOUT_S", "WeightPush"]
 
-#: Seconds one weight sync may take before the run stops with a resumable message (a hung collective or
-#: engine would otherwise stall the run with no word).
+#: Seconds one weight sync may take, its retries included, before the run stops with a resumable message (a hung
+#: collective or engine would otherwise stall the run with no word).
 SYNC_TIMEOUT_S = 1800
+#: What gloo, HCCL and NCCL say when a peer's address cannot be reached: a network problem (often a loopback or
+#: wrong interface on a cluster of several nodes), which a restart of healthy engines cannot mend.
+NETWORK_ERROR = re.compile(
+    r"connection refused|connect(ion)? timed out|no route to host|network is unreachable|connectFullMesh|"
+    r"cannot assign requested address|ECONNREFUSED|EHOSTUNREACH|hccl\w*.*(socket|connect)|nccl\w*.*(socket|connect)",
+    re.IGNORECASE,
+)
 #: Seconds between health checks of the engines while a sync waits: an engine whose vLLM core died mid-sync (its
 #: collective RPC into the dead core may never return) is named and restarted within about this long.
 HEALTH_EVERY_S = 15.0
@@ -81,25 +89,63 @@ class WeightPush:
 
     def sync(self, version: int, restarted: Callable[[int], None], attempts: int = 3) -> None:
         """Move the trainer's weights into every engine; an engine lost mid-sync is restarted (`restarted` tells
-        the controller, which forgets its work and calls `forget`) and the sync redone."""
+        the controller, which forgets its work and calls `forget`) and the sync redone, all within one bound.
+
+        Live engines whose calls had not returned are restarted too (one stuck joining a group that never forms
+        would otherwise hold the retry up); a connection error while every engine is healthy is a network problem
+        and stops the run at once with what to set, rather than being retried as an engine death."""
         from ray.exceptions import RayActorError, RayTaskError
 
+        deadline = time.monotonic() + SYNC_TIMEOUT_S
         for attempt in range(1, attempts + 1):
+            self._calls = {}
             try:
-                self._sync_once(version)
+                self._sync_once(version, deadline)
                 self.synced_version = version
                 return
             except (RayActorError, RayTaskError, EngineLost) as exc:
-                if attempt == attempts:
-                    raise
                 cause = getattr(exc, "cause", None) or exc
                 why = next((line for line in str(cause).splitlines() if line.strip()), "")
+                if isinstance(exc, RayTaskError) and NETWORK_ERROR.search(f"{exc}\n{cause}") and not self._any_dead():
+                    raise RunError(self._network_message(why)) from None
+                if attempt == attempts:
+                    raise
                 self.message(f"weight sync failed ({type(cause).__name__}: {why[:200]}); reviving engines and retrying")
+                stuck = self._stuck()
                 self._group = None
                 with contextlib.suppress(Exception):  # the sender's group may already be broken
                     self.trainer.close_weight_sync()
-                for index in self.rollout.revive():
+                revived = self.rollout.revive()
+                stuck = [i for i in stuck if i not in revived]
+                if stuck:
+                    self.message(f"restarting engine(s) {', '.join(map(str, stuck))}, alive but stuck in the sync")
+                    revived += self.rollout.revive(stuck, force=True)
+                for index in revived:
                     restarted(index)
+
+    def _network_message(self, why: str) -> str:
+        backend = getattr(self.rollout, "sync_backend", "collective")
+        return (
+            f"the weight-sync group could not connect ({why[:200]}) while every engine is alive: the trainer and the "
+            f"engines cannot reach each other at the addresses the {backend} group binds. On several nodes, start "
+            "every node with RLC_SOCKET_IFNAME set to the interface that connects them (launch.sh takes the route to "
+            f"the head's when it is unset); the run stopped: `{resume_command('PLAN')}` continues from the last "
+            "checkpoint"
+        )
+
+    def _any_dead(self) -> bool:
+        return bool(_dead(dict(enumerate(self.rollout.engines))))
+
+    def _stuck(self) -> list[int]:
+        """The engines whose calls of the failed attempt have not returned."""
+        import ray
+
+        stuck = []
+        for index, refs in sorted(getattr(self, "_calls", {}).items()):
+            with contextlib.suppress(Exception):
+                if ray.wait(list(refs), num_returns=len(refs), timeout=0)[1]:
+                    stuck.append(index)
+        return stuck
 
     def method(self) -> str:
         """adapter (LoRA served by vLLM), or the plan's broadcast, disk or inplace (see `host_moves`)."""
@@ -146,7 +192,7 @@ class WeightPush:
         refs = [e.update_weights_from_path(f, version) for e, f in zip(engines, folders, strict=True)]
         _bounded(refs, dict(zip(indices, engines, strict=True)))
 
-    def _sync_once(self, version: int) -> None:
+    def _sync_once(self, version: int, deadline: float | None = None) -> None:
         import ray
 
         engines = self.rollout.engines
@@ -166,22 +212,26 @@ class WeightPush:
                 e.init_sync_group(host, port, 1 + i * self.rollout.tp, world, self.rollout.sync_backend)
                 for i, e in enumerate(engines)
             ]
+            self._calls = {i: [ref] for i, ref in enumerate(refs)}
             self._in_group = set(range(len(engines)))
         host, port = self._group
-        refs += [e.update_weights_broadcast(meta, version) for e in engines]
+        updates = [e.update_weights_broadcast(meta, version) for e in engines]
+        for i, ref in enumerate(updates):
+            self._calls.setdefault(i, []).append(ref)
+        refs += updates
         refs += self.trainer.sync_weights_broadcast_async(host, port, world, meta)
         # A dead engine's side of the broadcast may never return; the trainer's side then waits out its collective
         # timeout (`rollout.weight_sync.SYNC_TIMEOUT_S`) before the retry's calls reach it.
-        _bounded(refs, dict(enumerate(engines)))
+        _bounded(refs, dict(enumerate(engines)), deadline)
 
 
-def _bounded(refs: list[Any], engines: Mapping[int, Any] | None = None) -> list[Any]:
-    """`ray.get` of a sync's calls within SYNC_TIMEOUT_S, or a clear stop (the last checkpoint resumes the run);
-    every HEALTH_EVERY_S it waits, `engines` are checked, and EngineLost names the dead ones (a call that failed
-    raises its own error first)."""
+def _bounded(refs: list[Any], engines: Mapping[int, Any] | None = None, deadline: float | None = None) -> list[Any]:
+    """`ray.get` of a sync's calls by `deadline` (default: SYNC_TIMEOUT_S from now), or a clear stop (the last
+    checkpoint resumes the run); every HEALTH_EVERY_S it waits, `engines` are checked, and EngineLost names the dead
+    ones (a call that failed raises its own error first)."""
     import ray
 
-    deadline = time.monotonic() + SYNC_TIMEOUT_S
+    deadline = time.monotonic() + SYNC_TIMEOUT_S if deadline is None else deadline
     while True:
         wait_s = max(0.0, min(HEALTH_EVERY_S, deadline - time.monotonic()))
         ready, waiting = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
@@ -194,7 +244,7 @@ def _bounded(refs: list[Any], engines: Mapping[int, Any] | None = None) -> list[
         if time.monotonic() >= deadline:
             raise RunError(
                 f"a weight sync did not finish within {SYNC_TIMEOUT_S} s (an engine or the trainer is stuck); "
-                "the run stopped: `rlc run PLAN --resume` continues from the last checkpoint"
+                f"the run stopped: `{resume_command('PLAN')}` continues from the last checkpoint"
             )
 
 

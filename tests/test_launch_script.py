@@ -41,11 +41,17 @@ case "$name" in
       count_file="$RLC_SHIM_LOG.joins"
       count=$(( $(cat "$count_file" 2>/dev/null || echo 0) + 1 ))
       echo "$count" >"$count_file"
-      if (( count <= RLC_SHIM_FAIL_JOINS )); then exit 1; fi
+      if (( count <= RLC_SHIM_FAIL_JOINS )); then echo "${RLC_SHIM_JOIN_ERROR:-}" >&2; exit 1; fi
     fi
     ;;
 esac
 exit 0
+"""
+
+
+#: `ip` answers with a canned route (the machine's own routes must not decide what the tests see).
+IP_SHIM = """#!/usr/bin/env bash
+if [[ -n "${RLC_SHIM_ROUTE:-}" ]]; then printf '%s\\n' "$RLC_SHIM_ROUTE"; fi
 """
 
 
@@ -89,9 +95,9 @@ def _exported(printed: str, name: str, cwd: Path) -> str:
 def shims(tmp_path: Path) -> tuple[Path, Path]:
     folder = tmp_path / "shims"
     folder.mkdir()
-    for name in ("ray", "rlc", "npu-smi", "python3"):
+    for name in ("ray", "rlc", "npu-smi", "python3", "ip"):
         path = folder / name
-        path.write_text(SHIM)
+        path.write_text(IP_SHIM if name == "ip" else SHIM)
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return folder, tmp_path / "calls.log"
 
@@ -143,7 +149,7 @@ def test_hostile_strings_shellcheck_clean(tmp_path: Path) -> None:
 def test_help_and_usage_errors(tmp_path: Path, shims) -> None:
     emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
     shown = _run_script(tmp_path / "plan", ["--help"], shims, tmp_path)
-    assert shown.returncode == 0 and "launch.sh head|worker [--dry-run]" in shown.stdout
+    assert shown.returncode == 0 and "launch.sh head|worker [stop] [--dry-run]" in shown.stdout
     assert _run_script(tmp_path / "plan", [], shims, tmp_path).returncode == 2
     bad = _run_script(tmp_path / "plan", ["head", "--bogus"], shims, tmp_path)
     assert bad.returncode == 2 and "unknown argument" in bad.stderr
@@ -161,9 +167,12 @@ def test_dry_run_prints_hostile_strings_literally_and_runs_nothing(tmp_path: Pat
     words = [word for argv in commands for word in argv]
     for value in (hostile["model"], hostile["data"], hostile["teacher"], hostile["run_dir"]):
         assert value in words, f"{value!r} did not reach a command literally"
-    assert ["ray", "stop"] in commands
+    assert ["ray", "stop"] not in commands  # Ray's own stop ends every Ray process on the machine
+    stop = commands[-1]
+    assert stop[:2] == ["python3", "-c"] and "RLC_CLUSTER_MARK" in stop[2] and stop[3].endswith("-head-0")
     submit = next(argv for argv in commands if argv[:3] == ["ray", "job", "submit"])
-    assert submit[-4:] == ["--", "rlc", "run", str(plan_dir.resolve())]
+    run_dir = str(tmp_path / hostile["run_dir"])  # relative: taken from where launch.sh runs
+    assert submit[-6:] == ["--", "rlc", "run", str(plan_dir.resolve()), "--run-dir", run_dir]
 
 
 def test_dry_run_npu_plan_with_hostile_teacher_paths(tmp_path: Path, shims) -> None:
@@ -181,7 +190,8 @@ def test_dry_run_npu_plan_with_hostile_teacher_paths(tmp_path: Path, shims) -> N
     assert all(t in words for t in teachers)
     assert ["npu-smi", "info", "-l"] in commands
     join = next(argv for argv in commands if argv[:2] == ["ray", "start"])
-    assert '--resources={"NPU": 16}' in join and "--address=<RLC_HEAD_ADDR>:6379" in join
+    # a3 spans two nodes: the worker is n1 and declares it, so the plan's n1 roles land here
+    assert '--resources={"NPU": 16, "rlc_node_n1": 1000}' in join and "--address=<RLC_HEAD_ADDR>:6379" in join
     assert _exported(result.stdout, "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES", tmp_path) == "1"
     assert _exported(result.stdout, "ASCEND_RT_VISIBLE_DEVICES", tmp_path) == ",".join(str(i) for i in range(16))
 
@@ -193,7 +203,7 @@ def test_real_run_on_cpu_passes_hostile_strings_as_argv(tmp_path: Path, shims) -
     assert _canaries(tmp_path) == []
     calls = _calls(shims[1])
     names = [c[0] for c in calls]
-    assert names == ["python3", "ray", "python3", "ray", "ray"], calls
+    assert names == ["python3", "ray", "python3", "ray", "python3"], calls
     preflight = calls[0]
     assert preflight[2:] == [
         preflight[2],
@@ -208,11 +218,11 @@ def test_real_run_on_cpu_passes_hostile_strings_as_argv(tmp_path: Path, shims) -
     assert '--resources={"rlc_device": 2}' in head and "--port=6379" in head
     submit = calls[3]
     assert submit[1:3] == ["job", "submit"]
-    assert submit[-4:] == ["--", "rlc", "run", str(plan_dir.resolve())]
+    assert submit[-6:] == ["--", "rlc", "run", str(plan_dir.resolve()), "--run-dir", str(tmp_path / hostile["run_dir"])]
     metadata = next(a for a in submit if a.startswith("--metadata-json="))
     manifest = read_manifest(plan_dir)
     assert manifest is not None and manifest["plan_hash"] in metadata
-    assert calls[4][1:] == ["stop"]
+    assert calls[4][1] == "-c" and "RLC_CLUSTER_MARK" in calls[4][2]  # stops only what it started
 
 
 def test_npu_preflight_refuses_a_node_without_devices(tmp_path: Path, shims) -> None:
@@ -274,7 +284,7 @@ def _auth_env(log: Path) -> list[list[str]]:
     return [line.split(" ") for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_head_generates_a_fresh_private_token_per_start_and_uses_it(tmp_path: Path, shims) -> None:
+def test_head_generates_a_private_token_reuses_it_and_uses_it(tmp_path: Path, shims) -> None:
     emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
     result = _run_script(tmp_path / "plan", ["head"], shims, tmp_path)
     assert result.returncode == 0, result.stderr
@@ -285,14 +295,20 @@ def test_head_generates_a_fresh_private_token_per_start_and_uses_it(tmp_path: Pa
     assert len(first) == 64 and int(first, 16) >= 0  # 256 random bits, hex
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     assert f"this run's token is in {token_file}" in result.stderr and "RLC_RAY_TOKEN_FILE" in result.stderr
+    assert f"scp {token_file} <worker>:{token_file}" in result.stderr
     # Every Ray command (start, the readiness probe, job submit, stop) ran with token auth and that file.
     seen = _auth_env(shims[1])
-    assert [name for name, _, _ in seen] == ["python3", "ray", "python3", "ray", "ray"]
+    assert [name for name, _, _ in seen] == ["python3", "ray", "python3", "ray", "python3"]
     assert all(mode == "token" and path == str(token_file) for _, mode, path in seen), seen
     head = _calls(shims[1])[1]
     assert "--dashboard-host=127.0.0.1" in head
+    # A restart reuses the token the workers already have; --new-token replaces it.
     again = _run_script(tmp_path / "plan", ["head"], shims, tmp_path)
-    assert again.returncode == 0 and token_file.read_text() != first
+    assert again.returncode == 0 and token_file.read_text() == first
+    assert "reusing the token" in again.stderr
+    fresh = _run_script(tmp_path / "plan", ["head", "--new-token"], shims, tmp_path)
+    assert fresh.returncode == 0 and token_file.read_text() != first
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
 
 
 def test_given_token_file_is_used_and_workers_need_one(tmp_path: Path, shims) -> None:
@@ -346,3 +362,136 @@ def test_dry_run_shows_auth_without_writing_a_token(tmp_path: Path, shims) -> No
     worker = _run_script(tmp_path / "plan", ["worker", "--dry-run"], shims, tmp_path)
     assert worker.returncode == 0
     assert _exported(worker.stdout, "RAY_AUTH_TOKEN_PATH", tmp_path) == "<RLC_RAY_TOKEN_FILE>"
+
+
+# ----------------------------------------------------------------------------------------- what a stop ends
+
+
+def _sleeper(**env: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["sleep", "300"], env={"PATH": "/usr/bin:/bin", **env})
+
+
+@pytest.mark.parametrize("role", ["head", "worker"])
+def test_stop_ends_only_the_processes_this_node_s_launch_started(tmp_path: Path, shims, role: str) -> None:
+    import sys
+
+    plan = cpu_plan()
+    plan.cluster.nodes, plan.cluster.total_devices = 2, 4
+    emit_plan_dir(plan, spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    shown = _run_script(tmp_path / "plan", [role, "stop", "--dry-run"], shims, tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    mark = _argv_lines(shown.stdout, tmp_path)[-1][-2]
+    assert mark.endswith(f"-{role}-{os.getuid()}")
+    ours = _sleeper(RLC_CLUSTER_MARK=mark)
+    other_cluster = _sleeper(RLC_CLUSTER_MARK=mark.replace("rlc-", "rlc-other-"))
+    other_role = _sleeper(RLC_CLUSTER_MARK=mark.replace(f"-{role}-", "-nobody-"))
+    unmarked = _sleeper()
+    try:
+        stopped = _run_script(tmp_path / "plan", [role, "stop"], shims, tmp_path, RLC_PYTHON=sys.executable)
+        assert stopped.returncode == 0, stopped.stderr
+        assert ours.wait(timeout=15) is not None
+        assert "stopped 1 process(es)" in stopped.stderr
+        for bystander in (other_cluster, other_role, unmarked):
+            assert bystander.poll() is None, "a stop ended a process this launch.sh did not start"
+    finally:
+        for process in (ours, other_cluster, other_role, unmarked):
+            process.kill()
+            process.wait()
+
+
+def test_ray_processes_carry_the_mark_and_a_worker_outlives_its_head_briefly(tmp_path: Path, shims) -> None:
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    result = _run_script(tmp_path / "plan", ["worker", "--dry-run"], shims, tmp_path, RLC_HEAD_LOSS_S="7")
+    assert result.returncode == 0, result.stderr
+    assert _exported(result.stdout, "RLC_CLUSTER_MARK", tmp_path).endswith(f"-worker-{os.getuid()}")
+    assert _exported(result.stdout, "RAY_gcs_rpc_server_reconnect_timeout_s", tmp_path) == "7"
+
+
+# ----------------------------------------------------------------------------------------- sockets, nodes
+
+
+def test_socket_interface_follows_the_route_to_the_head(tmp_path: Path, shims) -> None:
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    route = "10.0.0.1 dev eth7 src 10.0.0.2 uid 0 \\    cache"
+    env = {"RLC_HEAD_ADDR": "10.0.0.1", "RLC_SHIM_ROUTE": route}
+    found = _run_script(tmp_path / "plan", ["worker", "--dry-run"], shims, tmp_path, **env)
+    assert found.returncode == 0, found.stderr
+    assert _exported(found.stdout, "GLOO_SOCKET_IFNAME", tmp_path) == "eth7"
+    assert _exported(found.stdout, "TP_SOCKET_IFNAME", tmp_path) == "eth7"
+    assert "use interface eth7" in found.stderr
+    chosen = _run_script(tmp_path / "plan", ["worker", "--dry-run"], shims, tmp_path, RLC_SOCKET_IFNAME="ib0", **env)
+    assert _exported(chosen.stdout, "GLOO_SOCKET_IFNAME", tmp_path) == "ib0"
+    loopback = {**env, "RLC_SHIM_ROUTE": "local 10.0.0.1 dev lo src 10.0.0.1 uid 0"}
+    local = _run_script(tmp_path / "plan", ["worker", "--dry-run"], shims, tmp_path, **loopback)
+    assert local.returncode == 0 and "export GLOO_SOCKET_IFNAME=" not in local.stdout
+    head = _run_script(
+        tmp_path / "plan",
+        ["head", "--dry-run"],
+        shims,
+        tmp_path,
+        RLC_SHIM_ROUTE="default via 10.0.0.254 dev eno1 proto dhcp",
+    )
+    assert _exported(head.stdout, "GLOO_SOCKET_IFNAME", tmp_path) == "eno1"
+
+
+def test_each_node_declares_its_plan_node(tmp_path: Path, shims) -> None:
+    plan = cpu_plan()
+    plan.cluster.nodes, plan.cluster.total_devices = 3, 6
+    emit_plan_dir(plan, spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    head = _argv_lines(_run_script(tmp_path / "plan", ["head", "--dry-run"], shims, tmp_path).stdout, tmp_path)
+    start = next(argv for argv in head if argv[:3] == ["ray", "start", "--head"])
+    assert '--resources={"rlc_device": 2, "rlc_node_n0": 1000}' in start
+    unnamed = _run_script(tmp_path / "plan", ["worker", "--dry-run"], shims, tmp_path)
+    assert unnamed.returncode == 1 and "set RLC_NODE_RANK" in unnamed.stderr  # three nodes: which worker is this?
+    second = _run_script(tmp_path / "plan", ["worker", "--dry-run"], shims, tmp_path, RLC_NODE_RANK="2")
+    join = next(argv for argv in _argv_lines(second.stdout, tmp_path) if argv[:2] == ["ray", "start"])
+    assert '--resources={"rlc_device": 2, "rlc_node_n2": 1000}' in join
+    wrong = _run_script(tmp_path / "plan", ["worker", "--dry-run"], shims, tmp_path, RLC_NODE_RANK="3")
+    assert wrong.returncode == 1 and "expected 1..2" in wrong.stderr
+    single = tmp_path / "single"
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), single, provenance={})
+    one = _argv_lines(_run_script(single, ["head", "--dry-run"], shims, tmp_path).stdout, tmp_path)
+    assert '--resources={"rlc_device": 2}' in next(argv for argv in one if argv[:2] == ["ray", "start"])
+
+
+# ----------------------------------------------------------------------------------------- resume, tokens
+
+
+def test_resume_and_overwrite_reach_rlc_run_with_a_new_submission_each_time(tmp_path: Path, shims) -> None:
+    import json
+
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    ids = []
+    for flag in ("--resume", "--overwrite"):
+        result = _run_script(tmp_path / "plan", ["head", flag], shims, tmp_path)
+        assert result.returncode == 0, result.stderr
+        submit = [c for c in _calls(shims[1]) if c[1:3] == ["job", "submit"]][-1]
+        assert submit[-1] == flag and submit[-6:-3] == ["rlc", "run", str((tmp_path / "plan").resolve())]
+        ids.append(next(a for a in submit if a.startswith("--submission-id=")))
+        env = json.loads(next(a for a in submit if a.startswith("--runtime-env-json=")).split("=", 1)[1])
+        resume = env["env_vars"]["RLC_RESUME_COMMAND"]
+        assert resume == f"{(tmp_path / 'plan').resolve()}/launch.sh head --resume"
+    assert len(set(ids)) == 2, "a submission id was reused (Ray refuses a second job under one id)"
+    both = _run_script(tmp_path / "plan", ["head", "--resume", "--overwrite"], shims, tmp_path)
+    assert both.returncode == 2 and "pass one of them" in both.stderr
+    worker = _run_script(tmp_path / "plan", ["worker", "--resume"], shims, tmp_path)
+    assert worker.returncode == 2 and "for `launch.sh head`" in worker.stderr
+
+
+def test_a_refused_token_stops_the_join_at_once_with_the_copy_command(tmp_path: Path, shims) -> None:
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    token = tmp_path / "token"
+    token.write_text("0" * 64)
+    env = {
+        "RLC_HEAD_ADDR": "10.0.0.1",
+        "RLC_RAY_TOKEN_FILE": str(token),
+        "RLC_JOIN_BACKOFF": "0",
+        "RLC_SHIM_FAIL_JOINS": "99",
+        "RLC_SHIM_JOIN_ERROR": "RuntimeError: Token authentication is enabled but the authentication token is "
+        "invalid or incorrect.",
+    }
+    result = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, **env)
+    assert result.returncode == 1
+    assert len([c for c in _calls(shims[1]) if c[:2] == ["ray", "start"]]) == 1, "a refused token was retried"
+    (default,) = [line for line in result.stderr.splitlines() if "refused this node's Ray token" in line]
+    assert f"scp 10.0.0.1:{tmp_path}/.rlc/ray-token-rlc-quickstart-" in default and f" {token}`" in default

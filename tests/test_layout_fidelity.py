@@ -94,7 +94,11 @@ def test_dry_run_shows_the_plans_layout(name: str, tmp_path: Path) -> None:
     assert {a["detail"]["layout"] for a in ranks} == {layout.summary()}
     groups = {g["name"]: g["bundles"] for g in request["placement_groups"]}
     for role in plan.roles:
-        assert groups[role.ray.placement_group] == role.ray.bundles
+        # on several nodes each bundle also asks for its plan node (`rlc_node_n<k>`)
+        asked = groups[role.ray.placement_group]
+        pins = [[k for k in b if k.startswith("rlc_node_n")] for b in asked]
+        assert all(len(p) == (1 if plan.cluster.nodes > 1 else 0) for p in pins)
+        assert [{k: v for k, v in b.items() if not k.startswith("rlc_node_n")} for b in asked] == role.ray.bundles
         mine = [a for a in request["actors"] if a["role"] == role.name and a["kind"] != "reference"]
         assert [a["bundle_index"] for a in mine] == role.ray.bundle_indices
         assert all(a["resources"] == role.ray.actor_resources for a in mine)

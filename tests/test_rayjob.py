@@ -167,11 +167,12 @@ def test_a3_two_nodes(tmp_path: Path) -> None:
     assert cluster.authOptions.mode == "token"  # KubeRay makes the token Secret and hands it to every pod
     assert tuple(int(x) for x in cluster.rayVersion.split(".")[:2]) >= (2, 52)  # token auth needs Ray 2.52+
     assert shlex.split(job.spec.entrypoint) == ["rlc", "run", PLAN_MOUNT]
-    assert _resources_param(cluster.headGroupSpec.rayStartParams["resources"]) == {"NPU": 16}
-    (workers,) = cluster.workerGroupSpecs
-    assert workers.replicas == workers.minReplicas == workers.maxReplicas == plan.cluster.nodes - 1
-    assert _resources_param(workers.rayStartParams["resources"]) == {"NPU": 16}
-    assert 'resources: \'"{\\"NPU\\": 16}"\'' in text  # the quoting older operators need, verbatim
+    head_resources = _resources_param(cluster.headGroupSpec.rayStartParams["resources"])
+    assert head_resources == {"NPU": 16, "rlc_node_n0": 1000}
+    (workers,) = cluster.workerGroupSpecs  # one group per plan node after the head's: n1
+    assert workers.groupName == "n1" and workers.replicas == workers.minReplicas == workers.maxReplicas == 1
+    assert _resources_param(workers.rayStartParams["resources"]) == {"NPU": 16, "rlc_node_n1": 1000}
+    assert 'resources: \'"{\\"NPU\\": 16, \\"rlc_node_n1\\": 1000}"\'' in text  # quoting older operators need
     for template in (cluster.headGroupSpec.template, workers.template):
         (container,) = template.spec.containers
         assert container.resources is not None
@@ -198,7 +199,7 @@ def test_gpu_uses_num_gpus(tmp_path: Path) -> None:
     plan = _gpu_plan()
     job, _, _ = _emit(tmp_path, plan, A2_SPEC)
     params = job.spec.rayClusterSpec.headGroupSpec.rayStartParams
-    assert params["num-gpus"] == "8" and "resources" not in params
+    assert params["num-gpus"] == "8" and _resources_param(params["resources"]) == {"rlc_node_n0": 1000}
     container = job.spec.rayClusterSpec.workerGroupSpecs[0].template.spec.containers[0]
     assert container.resources is not None and container.resources.limits == {"nvidia.com/gpu": "8"}
 
@@ -208,6 +209,12 @@ def test_replicas_follow_node_count(tmp_path: Path, nodes: int) -> None:
     job, _, _ = _emit(tmp_path, a2_plan(nodes), A2_SPEC)
     groups = job.spec.rayClusterSpec.workerGroupSpecs
     assert sum(g.replicas for g in groups) == nodes - 1
+    # each worker pod declares the plan node it is, so the plan's placement bundles find their node
+    declared = [_resources_param(g.rayStartParams["resources"]) for g in groups]
+    assert [g.groupName for g in groups] == [f"n{k}" for k in range(1, nodes)]
+    assert [next(k for k in d if k.startswith("rlc_node_n")) for d in declared] == [
+        f"rlc_node_n{k}" for k in range(1, nodes)
+    ]
 
 
 def test_header_names_the_configmap_command(tmp_path: Path) -> None:

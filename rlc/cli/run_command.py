@@ -178,7 +178,7 @@ def _execute(plan: Any, run_dir: Path | None, again: str, **how: Any) -> None:
         typer.echo(f"rlc run: error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
     except RunError as exc:
-        typer.echo(f"rlc run: error: {exc}", err=True)
+        typer.echo(f"rlc run: error: {str(exc).replace('PLANDIR', again)}", err=True)
         raise typer.Exit(EXIT_FINDINGS) from None
 
 

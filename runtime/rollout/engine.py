@@ -133,6 +133,9 @@ class RolloutEngine:
         sampling: Mapping[str, Any] | None = None,
     ) -> None:
         """Check the arguments; ``ready`` starts vLLM (tens of seconds). ``env`` is applied before vLLM reads it."""
+        from rlc.runtime.raylet_watch import exit_with_raylet
+
+        exit_with_raylet()  # an engine whose node's Ray is gone must not hold its devices for minutes
         self.platform, args = engine_setup(engine_args, platform, env)
         if args.get("enable_sleep_mode") and not self.platform.supports_sleep_mode:
             raise NotSupported(f"vLLM sleep mode is not supported on {self.platform.name}")

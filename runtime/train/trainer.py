@@ -110,6 +110,10 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         """Join the trainer process group, load the HF model, build the layout, make the optimizer."""
         from transformers import AutoModelForCausalLM
 
+        from rlc.runtime.raylet_watch import exit_with_raylet
+
+        exit_with_raylet()  # a rank whose node's Ray is gone must not hold its devices and peers for minutes
+
         if master_addr is None and world_size != 1:
             raise ValueError(f"rank {rank} of {world_size} needs the group's rendezvous address")
         self.rank, self.world_size = rank, world_size

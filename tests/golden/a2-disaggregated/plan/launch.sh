@@ -8,24 +8,36 @@ set -euo pipefail
 
 usage() {
   cat <<'USAGE'
-Usage: launch.sh head|worker [--dry-run] [--no-submit]
+Usage: launch.sh head|worker [stop] [--dry-run] [--no-submit] [--resume|--overwrite] [--new-token]
 
   head     start the Ray head on this node, wait until every node of the plan has joined,
-           then submit `rlc run <this plan dir>` as a Ray job and wait for it
-  worker   join the head at $RLC_HEAD_ADDR (retries with exponential backoff)
+           then submit `rlc run <this plan dir>` as a Ray job, wait for it, and stop the Ray processes
+           this script started (only those: other Ray clusters on the machine are left alone)
+  worker   join the head at $RLC_HEAD_ADDR (retries with exponential backoff; a refused token stops at once)
+  stop     stop the Ray processes that `launch.sh head` (or `worker`) of this plan started on this node
   --dry-run    print every command instead of running it
   --no-submit  head only: start the cluster, wait for every node, and leave it running (submit by hand)
+  --resume     head only: continue the run from its newest checkpoint (`rlc run --resume`)
+  --overwrite  head only: move an earlier run in the run directory aside and start afresh
+  --new-token  head only: write a new cluster token instead of reusing the one from an earlier start
+
+Relative paths in the plan (model, data, run directory) are taken from the directory `launch.sh head` runs
+in, as `rlc run` takes them from its own; `rlc run` makes them absolute and checks, before the run starts,
+that every node sees each of them.
 
 Security: Ray starts with token authentication (RAY_AUTH_MODE=token), so only holders of the cluster's
-token can submit jobs or join. The head writes a fresh random token on every start to
-$HOME/.rlc/ray-token-<plan> (mode 600) unless RLC_RAY_TOKEN_FILE or RAY_AUTH_TOKEN gives one; copy
-that file to every worker (scp, or a shared home) and point RLC_RAY_TOKEN_FILE at it there. The
+token can submit jobs or join. The head writes a random token on its first start to
+$HOME/.rlc/ray-token-<plan> (mode 600), and reuses it on later starts unless --new-token is given,
+RLC_RAY_TOKEN_FILE or RAY_AUTH_TOKEN gives one; copy that file to every worker (scp, or a shared
+home) and point RLC_RAY_TOKEN_FILE at it there. The
 dashboard and job API listen on 127.0.0.1 only unless RLC_DASHBOARD_HOST says otherwise.
 
 Environment (all optional except RLC_HEAD_ADDR on workers):
   RLC_HEAD_ADDR       head node address (workers)
   RLC_NODE_IP         this node's address for Ray (default: Ray's choice)
-  RLC_SOCKET_IFNAME   network interface for GLOO/TP/HCCL sockets
+  RLC_SOCKET_IFNAME   network interface for GLOO/TP/HCCL sockets (default: the interface of the route to
+                      the head on workers, of RLC_NODE_IP or the default route on the head)
+  RLC_NODE_RANK       worker: which node of the plan this is, 1..nodes-1 (default 1 on two nodes)
   RLC_NNODES          expected node count; refused if it differs from the plan
   RLC_RAY_PORT        Ray GCS port of the head (default 6379)
   RLC_DASHBOARD_PORT  Ray dashboard / job API port (default 8265)
@@ -34,7 +46,8 @@ Environment (all optional except RLC_HEAD_ADDR on workers):
   RLC_JOIN_BACKOFF    seconds before the first retry, doubling up to 60 (default 2)
   RLC_PYTHON          python interpreter for the preflight (default python3)
   RLC_ASCEND_HOME     Ascend install root holding ascend-toolkit/set_env.sh (default /usr/local/Ascend)
-  RLC_SUBMISSION_ID   Ray job submission id (default derived from the plan hash)
+  RLC_SUBMISSION_ID   Ray job submission id (default: the plan's name and hash plus this submission's time)
+  RLC_HEAD_LOSS_S     seconds a worker's Ray waits for a lost head before it exits (default 15)
   RLC_KEEP_CLUSTER=1  leave Ray running on the head after the job ends
   RLC_RAY_TOKEN_FILE  file holding the cluster's Ray token (head: optional, worker: required unless
                       RAY_AUTH_TOKEN is set or the head's default token file is at the same path here)
@@ -51,7 +64,13 @@ NODES=2
 DEVICES_PER_NODE=8
 TOTAL_DEVICES=16
 RAY_RESOURCE=NPU
-RESOURCE_ARGS=('--resources={"NPU": 8}')
+RESOURCE_ARGS=(
+)
+# The device entry of each node's --resources, and the per-node resource the plan's placement bundles ask for,
+# so each role lands on the node the plan gives it.
+DEVICE_RESOURCE_ENTRY='"NPU": 8'
+NODE_RESOURCE_PREFIX=rlc_node_n
+NODE_RESOURCE_UNITS=1000
 PREFLIGHT_MODULES=ray,torch,torch_npu,vllm,vllm_ascend
 # Paths every node must have (model weights, data, teachers); the preflight checks they exist.
 REQUIRED_PATHS=(
@@ -60,7 +79,7 @@ REQUIRED_PATHS=(
 )
 RUN_DIR=runs/qwen3-8b-math
 DEFAULT_SUBMISSION_ID=rlc-qwen3-8b-math-8648be7427a4
-SUBMISSION_ID="${RLC_SUBMISSION_ID:-$DEFAULT_SUBMISSION_ID}"
+SUBMISSION_ID="${RLC_SUBMISSION_ID:-$DEFAULT_SUBMISSION_ID-$(date -u +%Y%m%d-%H%M%S)-$$}"
 METADATA_JSON='{"rlc_plan_hash": "8648be7427a4b7b6b060b3cc5cfdd58fbc1b599effb007dbdcaf3623927e957e", "rlc_plan_name": "qwen3-8b-math", "rlc_version": "0.1.0"}'
 
 RAY_PORT="${RLC_RAY_PORT:-6379}"
@@ -83,16 +102,27 @@ ASCEND_HOME="${RLC_ASCEND_HOME:-/usr/local/Ascend}"
 RAY_AUTH="${RLC_RAY_AUTH:-token}"
 DASHBOARD_HOST="${RLC_DASHBOARD_HOST:-127.0.0.1}"
 DEFAULT_TOKEN_FILE="${HOME:-.}/.rlc/ray-token-$DEFAULT_SUBMISSION_ID"
+HEAD_LOSS_S="${RLC_HEAD_LOSS_S:-15}"
 PLAN_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)"
+# A relative run directory is taken from where this script runs, as `rlc run` takes it from its own directory.
+if [[ "$RUN_DIR" == /* ]]; then ABS_RUN_DIR="$RUN_DIR"; else ABS_RUN_DIR="$PWD/$RUN_DIR"; fi
+# What Ray prints when the head refuses a node's token: joining again with the same token cannot succeed.
+TOKEN_REFUSED='unauthenticated|invalid or missing authentication token|authentication token is invalid|invalid authentication token'
 
 ROLE=""
+ACTION=start
 DRY_RUN=0
 NO_SUBMIT=0
+NEW_TOKEN=0
+RUN_ARGS=()
 for arg in "$@"; do
   case "$arg" in
     head | worker) ROLE="$arg" ;;
+    stop) ACTION=stop ;;
     --dry-run) DRY_RUN=1 ;;
     --no-submit) NO_SUBMIT=1 ;;
+    --new-token) NEW_TOKEN=1 ;;
+    --resume | --overwrite) RUN_ARGS+=("$arg") ;;
     -h | --help)
       usage
       exit 0
@@ -108,6 +138,17 @@ if [[ -z "$ROLE" ]]; then
   usage >&2
   exit 2
 fi
+if [[ ${#RUN_ARGS[@]} -gt 1 ]]; then
+  printf 'launch.sh: --resume continues the earlier run and --overwrite moves it aside: pass one of them\n' >&2
+  exit 2
+fi
+if [[ ${#RUN_ARGS[@]} -gt 0 || "$NEW_TOKEN" == 1 ]] && [[ "$ROLE" != head ]]; then
+  printf 'launch.sh: --resume, --overwrite and --new-token are for `launch.sh head`\n' >&2
+  exit 2
+fi
+# Every Ray process started from here inherits this mark, so `stop` ends this plan's processes on this node and
+# no other Ray cluster's (Ray's own `ray stop` ends every Ray process it can see).
+CLUSTER_MARK="rlc-$DEFAULT_SUBMISSION_ID-$ROLE-$(id -u)"
 
 log() { printf '[rlc] %s\n' "$*" >&2; }
 die() {
@@ -134,7 +175,7 @@ setenv() {
 
 is_count() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
-for value in "$WAIT_TIMEOUT" "$JOIN_ATTEMPTS" "$JOIN_BACKOFF" "$RAY_PORT" "$DASHBOARD_PORT"; do
+for value in "$WAIT_TIMEOUT" "$JOIN_ATTEMPTS" "$JOIN_BACKOFF" "$RAY_PORT" "$DASHBOARD_PORT" "$HEAD_LOSS_S"; do
   is_count "$value" || die "expected a whole number, got $(printf '%q' "$value") (check the RLC_* variables)"
 done
 if [[ -n "${RLC_NNODES:-}" && "${RLC_NNODES}" != "$NODES" ]]; then
@@ -180,14 +221,49 @@ setup_env() {
   setenv TOKENIZERS_PARALLELISM true
   setenv VLLM_ASCEND_ENABLE_NZ 0
   setenv VLLM_USE_V1 1
-  if [[ -n "${RLC_SOCKET_IFNAME:-}" ]]; then
-    setenv GLOO_SOCKET_IFNAME "$RLC_SOCKET_IFNAME"
-    setenv TP_SOCKET_IFNAME "$RLC_SOCKET_IFNAME"
-    if [[ "$TARGET_KIND" == npu ]]; then setenv HCCL_SOCKET_IFNAME "$RLC_SOCKET_IFNAME"; fi
-    if [[ "$TARGET_KIND" == gpu ]]; then setenv NCCL_SOCKET_IFNAME "$RLC_SOCKET_IFNAME"; fi
+  local ifname
+  ifname="$(socket_ifname)"
+  if [[ -n "$ifname" ]]; then
+    setenv GLOO_SOCKET_IFNAME "$ifname"
+    setenv TP_SOCKET_IFNAME "$ifname"
+    if [[ "$TARGET_KIND" == npu ]]; then setenv HCCL_SOCKET_IFNAME "$ifname"; fi
+    if [[ "$TARGET_KIND" == gpu ]]; then setenv NCCL_SOCKET_IFNAME "$ifname"; fi
   fi
+  # A worker whose head is gone exits after this long instead of Ray's default minute.
+  setenv RAY_gcs_rpc_server_reconnect_timeout_s "$HEAD_LOSS_S"
+  setenv RLC_CLUSTER_MARK "$CLUSTER_MARK"
   if [[ -n "${RLC_NODE_IP:-}" && "$TARGET_KIND" == npu ]]; then
     setenv HCCL_IF_IP "$RLC_NODE_IP"
+  fi
+}
+
+# The interface collective sockets (gloo, HCCL, NCCL) use: RLC_SOCKET_IFNAME, else the one the route to the head
+# leaves by (workers), the one holding RLC_NODE_IP or the default route's (head). Left unset when none is found:
+# gloo would then bind what the host name resolves to, often a loopback address, and `rlc run` refuses that on
+# more than one node.
+socket_ifname() {
+  if [[ -n "${RLC_SOCKET_IFNAME:-}" ]]; then
+    printf '%s' "$RLC_SOCKET_IFNAME"
+    return 0
+  fi
+  command -v ip >/dev/null 2>&1 || return 0
+  local found="" address
+  if [[ "$ROLE" == worker && -n "${RLC_HEAD_ADDR:-}" ]]; then
+    address="$RLC_HEAD_ADDR"
+    if [[ ! "$address" =~ ^[0-9.]+$ ]]; then
+      address="$(getent ahostsv4 "$address" 2>/dev/null | awk 'NR == 1 { print $1 }' || true)"
+    fi
+    if [[ -n "$address" ]]; then
+      found="$(ip -o route get "$address" 2>/dev/null | awk '{ for (i = 1; i < NF; i++) if ($i == "dev") { print $(i + 1); exit } }' || true)"
+    fi
+  elif [[ -n "${RLC_NODE_IP:-}" ]]; then
+    found="$(ip -o addr show to "$RLC_NODE_IP" 2>/dev/null | awk 'NR == 1 { print $2 }' || true)"
+  else
+    found="$(ip -o route show default 2>/dev/null | awk '{ for (i = 1; i < NF; i++) if ($i == "dev") { print $(i + 1); exit } }' || true)"
+  fi
+  if [[ -n "$found" && "$found" != lo ]]; then
+    log "collective sockets (gloo/HCCL/NCCL) use interface $found (set RLC_SOCKET_IFNAME to choose another)"
+    printf '%s' "$found"
   fi
 }
 
@@ -265,6 +341,75 @@ alive = sum(1 for node in ray.nodes() if node.get("Alive"))
 print(alive, int(ray.cluster_resources().get(sys.argv[1], 0)))
 '
 
+# Ends the processes that carry this node's cluster mark (argv: mark, seconds before SIGKILL). Reads each
+# process's environment as started; processes of other users are not readable and are never touched.
+STOP_PY='
+import os, signal, sys, time
+mark = ("RLC_CLUSTER_MARK=" + sys.argv[1]).encode()
+def marked():
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if mark in handle.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+pids = marked()
+for pid in pids:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+deadline = time.monotonic() + float(sys.argv[2])
+while marked() and time.monotonic() < deadline:
+    time.sleep(0.2)
+left = marked()
+for pid in left:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+killed = f" ({len(left)} killed)" if left else ""
+print(f"[rlc] stopped {len(pids)} process(es) of this node\N{RIGHT SINGLE QUOTATION MARK}s cluster{killed}", file=sys.stderr)
+'
+
+stop_cluster() {
+  log "stopping the Ray processes launch.sh $ROLE started on this node"
+  run "$PYTHON" -c "$STOP_PY" "$CLUSTER_MARK" 10
+}
+
+# The resources a node declares: its devices and, on a cluster of several nodes, the per-node resource the
+# plan's placement bundles ask for. argv: the node's index in the plan.
+resources_args() {
+  local entries="$DEVICE_RESOURCE_ENTRY"
+  if ((NODES > 1)); then
+    entries+="${entries:+, }\"$NODE_RESOURCE_PREFIX$1\": $NODE_RESOURCE_UNITS"
+  fi
+  NODE_RESOURCE_ARGS=(${RESOURCE_ARGS[@]+"${RESOURCE_ARGS[@]}"})
+  if [[ -n "$entries" ]]; then NODE_RESOURCE_ARGS+=("--resources={$entries}"); fi
+}
+
+worker_rank() {
+  local rank="${RLC_NODE_RANK:-}"
+  if [[ -z "$rank" ]]; then
+    if ((NODES == 2)); then
+      rank=1
+    elif ((NODES > 2)); then
+      die "set RLC_NODE_RANK to this worker's node in the plan (1..$((NODES - 1)), each worker its own; see SUMMARY.md for which roles each node runs)"
+    else
+      rank=0
+    fi
+  fi
+  if ! is_count "$rank" || ((NODES > 1 && (rank < 1 || rank >= NODES))); then
+    die "RLC_NODE_RANK=$(printf '%q' "$rank") is not a worker node of this plan: expected 1..$((NODES - 1))"
+  fi
+  printf '%s' "$rank"
+}
+
 # A fresh 256-bit token, written with mode 600 and renamed into place (never a half-written file).
 new_token() {
   local file="$1"
@@ -300,8 +445,13 @@ setup_auth() {
   local file="${RLC_RAY_TOKEN_FILE:-}"
   if [[ -z "$file" && "$ROLE" == head ]]; then
     file="$DEFAULT_TOKEN_FILE"
-    new_token "$file"
-    log "Ray token authentication: this run's token is in $(printf '%q' "$file") (mode 600); copy it to every worker and start each with RLC_RAY_TOKEN_FILE=<its path there> RLC_HEAD_ADDR=<this node> launch.sh worker"
+    if [[ "$NEW_TOKEN" == 1 || ! -s "$file" ]]; then
+      new_token "$file"
+      log "Ray token authentication: a new token is in $(printf '%q' "$file") (mode 600)"
+    else
+      log "Ray token authentication: reusing the token in $(printf '%q' "$file") (--new-token writes a new one)"
+    fi
+    log "this run's token is in $(printf '%q' "$file"): copy it to every worker (\`scp $(printf '%q' "$file") <worker>:$(printf '%q' "$file")\`) and start each with RLC_RAY_TOKEN_FILE=<its path there> RLC_HEAD_ADDR=<this node> launch.sh worker"
   elif [[ -z "$file" && -s "$DEFAULT_TOKEN_FILE" ]]; then
     file="$DEFAULT_TOKEN_FILE" # a home directory shared with the head
   elif [[ -z "$file" ]]; then
@@ -324,9 +474,10 @@ preflight() {
 }
 
 start_head() {
+  resources_args 0
   local args=(start --head --port="$RAY_PORT" --dashboard-host="$DASHBOARD_HOST" --dashboard-port="$DASHBOARD_PORT"
-    --ray-client-server-port=10001 "${NODE_PORT_ARGS[@]}" "${RESOURCE_ARGS[@]}"
-    --disable-usage-stats)
+    --ray-client-server-port=10001 "${NODE_PORT_ARGS[@]}"
+    ${NODE_RESOURCE_ARGS[@]+"${NODE_RESOURCE_ARGS[@]}"} --disable-usage-stats)
   if [[ -n "${RLC_NODE_IP:-}" ]]; then args+=(--node-ip-address="$RLC_NODE_IP"); fi
   log "starting the Ray head (GCS port $RAY_PORT, dashboard $DASHBOARD_HOST:$DASHBOARD_PORT, auth $RAY_AUTH)"
   run ray "${args[@]}"
@@ -338,15 +489,26 @@ join_cluster() {
     if [[ "$DRY_RUN" != 1 ]]; then die "set RLC_HEAD_ADDR to the head node's address"; fi
     head='<RLC_HEAD_ADDR>'
   fi
-  local args=(start --address="$head:$RAY_PORT" "${NODE_PORT_ARGS[@]}" "${RESOURCE_ARGS[@]}" --disable-usage-stats)
+  local rank
+  rank="$(worker_rank)"
+  resources_args "$rank"
+  local args=(start --address="$head:$RAY_PORT" "${NODE_PORT_ARGS[@]}" ${NODE_RESOURCE_ARGS[@]+"${NODE_RESOURCE_ARGS[@]}"}
+    --disable-usage-stats)
   if [[ -n "${RLC_NODE_IP:-}" ]]; then args+=(--node-ip-address="$RLC_NODE_IP"); fi
   if [[ "$DRY_RUN" == 1 ]]; then
     run ray "${args[@]}"
     return 0
   fi
-  local attempt=1 delay="$JOIN_BACKOFF"
-  until ray "${args[@]}"; do
+  local attempt=1 delay="$JOIN_BACKOFF" output
+  output="$(mktemp)"
+  until ray "${args[@]}" >"$output" 2>&1; do
+    cat -- "$output" >&2
+    if grep -qiE "$TOKEN_REFUSED" "$output"; then
+      rm -f -- "$output"
+      die "the head at $head refused this node's Ray token ($(printf '%q' "${RAY_AUTH_TOKEN_PATH:-RAY_AUTH_TOKEN}")): copy the head's token file here again, e.g. \`scp $(printf '%q' "$head"):$(printf '%q' "$DEFAULT_TOKEN_FILE") $(printf '%q' "${RAY_AUTH_TOKEN_PATH:-$DEFAULT_TOKEN_FILE}")\` (\`launch.sh head\` prints its token file), then start this worker again"
+    fi
     if ((attempt >= JOIN_ATTEMPTS)); then
+      rm -f -- "$output"
       die "could not join the Ray head at $head:$RAY_PORT after $attempt attempts: is \`launch.sh head\` running there and is the port open?"
     fi
     log "join attempt $attempt/$JOIN_ATTEMPTS failed; retrying in ${delay}s"
@@ -354,7 +516,9 @@ join_cluster() {
     attempt=$((attempt + 1))
     delay=$((delay * 2 > 60 ? 60 : delay * 2))
   done
-  log "joined the cluster at $head:$RAY_PORT; this node now serves it (stop with \`ray stop\`)"
+  cat -- "$output" >&2
+  rm -f -- "$output"
+  log "joined the cluster at $head:$RAY_PORT as node n$rank; this node now serves it (stop with \`launch.sh worker stop\`)"
 }
 
 wait_for_cluster() {
@@ -385,12 +549,20 @@ submit_job() {
   if [[ ! "$PLAN_DIR" =~ ^[A-Za-z0-9._/+@:=,-]+$ ]]; then
     die "the plan directory path $(printf '%q' "$PLAN_DIR") has characters Ray's job entrypoint cannot carry safely: move it to a plain path"
   fi
-  log "submitting rlc run on plan $RLC_PLAN_HASH (run dir $(printf '%q' "$RUN_DIR"))"
+  log "submitting rlc run on plan $RLC_PLAN_HASH (run dir $(printf '%q' "$ABS_RUN_DIR"), submission $SUBMISSION_ID)"
+  # The run's own hints (how to resume) name this script, which is how a launch.sh user continues a run.
+  local runtime_env # the plan directory's path needs no JSON escaping (checked above)
+  runtime_env="$(printf '{"env_vars": {"RLC_RESUME_COMMAND": "%s/launch.sh head --resume"}}' "$PLAN_DIR")"
   run ray job submit --address="http://127.0.0.1:$DASHBOARD_PORT" --submission-id="$SUBMISSION_ID" \
-    --metadata-json="$METADATA_JSON" -- rlc run "$PLAN_DIR"
+    --metadata-json="$METADATA_JSON" --runtime-env-json="$runtime_env" -- \
+    rlc run "$PLAN_DIR" --run-dir "$ABS_RUN_DIR" ${RUN_ARGS[@]+"${RUN_ARGS[@]}"}
 }
 
 main() {
+  if [[ "$ACTION" == stop ]]; then
+    stop_cluster
+    return 0
+  fi
   log "rlc $RLC_VERSION plan $RLC_PLAN_HASH: $ROLE"
   setup_env
   setup_auth
@@ -402,13 +574,13 @@ main() {
   start_head
   wait_for_cluster
   if [[ "$NO_SUBMIT" == 1 ]]; then
-    log "the cluster is up and stays up; submit with: ray job submit --address=http://127.0.0.1:$DASHBOARD_PORT -- rlc run $(printf '%q' "$PLAN_DIR") (this shell's RAY_AUTH_* settings are needed), stop with \`ray stop\`"
+    log "the cluster is up and stays up; submit with: ray job submit --address=http://127.0.0.1:$DASHBOARD_PORT -- rlc run $(printf '%q' "$PLAN_DIR") (this shell's RAY_AUTH_* settings are needed), stop with \`$(printf '%q' "$PLAN_DIR")/launch.sh head stop\`"
     return 0
   fi
   local status=0
   submit_job || status=$?
   if [[ "${RLC_KEEP_CLUSTER:-0}" != 1 ]]; then
-    run ray stop
+    stop_cluster
   fi
   return "$status"
 }
