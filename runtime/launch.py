@@ -13,6 +13,7 @@ import functools
 import os
 import signal
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -97,18 +98,9 @@ def _run_locked(  # type: ignore[no-untyped-def]
     plan: Plan, run_dir: Path, resume: bool, overwrite: bool, replay: Path | None, schedule: Any, log
 ) -> int:
     """`run_plan` once this process holds the run directory's lock."""
-    from rlc.runtime.checkpoint import CheckpointError, latest_checkpoint
-
-    start = None
-    if resume and not overwrite:  # before the pre-flight, which would create the run directory and build the model
-        try:
-            found = latest_checkpoint(run_dir)
-        except CheckpointError as exc:
-            raise RunError(f"--resume: {exc}; resume from an earlier checkpoint by moving this one aside") from None
-        if found is None:
-            raise RunError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+    found = _resume_point(run_dir) if resume and not overwrite else None
     model_path, _ = _preflight(plan, run_dir, resume, overwrite, log)
-    if resume:
+    if found is not None:
         checkpoint, start = found
         if start.plan_hash and start.plan_hash != plan.spec_hash:
             raise RunError(
@@ -124,106 +116,174 @@ def _run_locked(  # type: ignore[no-untyped-def]
 
         check_agent(plan)
     (run_dir / "plan.json").write_text(plan.model_dump_json(indent=2) + "\n")
-
-    import ray
-    from ray.exceptions import RayActorError
-
-    from rlc.runtime.controller import Controller
-
-    started_ray = start_ray(plan, log)
-    placement_groups: list[Any] = []  # released at the end when Ray is not ours to shut down
-    trainer = pool = controller = teachers = reference = runners = None
+    parts = RunParts(started_ray=start_ray(plan, log))
     # After ray.init, which sets its own SIGTERM handler (exit at once): a second signal gets that back.
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    stopped_by: list[str] = []
     try:
-        if not started_ray:  # a cluster: every node must see what the roles read, and reach the others
+        if not parts.started_ray:  # a cluster: every node must see what the roles read, and reach the others
             from rlc.runtime.nodes import check_nodes
 
             check_nodes(plan, run_dir, log)
-        log("starting trainer and rollout engines")
-        try:
-            trainer, pool, reference, teachers = build_roles(
-                plan, model_path, start.version if start else 0, placement_groups
-            )
-        except RayActorError as exc:
-            raise RunError(f"a role of the run failed to start ({actor_death(exc)})") from None
-        mismatches = check_built_layout(plan, trainer.built_layouts())
-        if mismatches:
-            raise RunError("the trainer did not build the plan's layout: " + "; ".join(mismatches))
-        write_layout_record(run_dir, plan, trainer.built_layouts())
-        log(f"trainer layout as planned: {plan.roles_of('train')[0].layout.summary()}")  # type: ignore[union-attr]
-        write_run_record(run_dir, plan, trainer, pool, reference, replay, log)
-        workflow: Any = None  # generate-and-score
-        if plan.agent is not None:
-            from rlc.runtime.agent.launch import build_runners
-            from rlc.runtime.agent.workflow import AgentWorkflow
-
-            runners = build_runners(plan, launch_request(plan))
-            workflow = functools.partial(AgentWorkflow, runners=runners.actors)
-        elif schedule is not None:
-            from rlc.runtime.workflows.replay import ReplayWorkflow
-
-            log(f"replaying {schedule.steps} recorded step(s) of {replay}")
-            workflow = functools.partial(ReplayWorkflow, schedule=schedule)
-        controller = Controller(plan, run_dir, tokenizer, reward_fn, pool, trainer, start=start, workflow=workflow)
-        try:
-            controller.prepare_weight_path()
-        except HostMovesError as exc:
-            raise RunError(str(exc)) from None
-        controller.reference = reference
-        controller.teachers = teachers
-        if teachers is not None:
-            teachers.log = controller.logger.message
-        if start is not None:
-            trainer.load_checkpoint(str(checkpoint))
-            run_controller(lambda: controller._sync_weights(start.version), run_dir)
-            log(f"resumed from {checkpoint.name} at step {start.step}")
-
-        def interrupt(signum: int, frame: Any) -> None:
-            name = signal.Signals(signum).name
-            stopped_by.append(name)
-            controller.stop()
-            for sig, handler in previous.items():  # a second signal stops at once
-                signal.signal(sig, handler)
-            with contextlib.suppress(RuntimeError):  # the signal came during a print: stdout is not reentrant
-                log(
-                    f"interrupted ({name}): finishing the current step, writing a checkpoint and shutting down "
-                    "(send the signal again to stop at once, without the checkpoint)"
-                )
-
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, interrupt)
-        steps = run_controller(controller.run, run_dir)
-        if stopped_by:
-            steps = run_controller(controller.finish_after_stop, run_dir)
-        if steps < controller.total_steps:
-            with contextlib.suppress(OSError, ValueError):  # the stop is what must be reported
-                finish_run_record(run_dir, replay, log)
-            raise RunStopped(steps, controller.total_steps, stopped_by[0] if stopped_by else "", run_dir)
-        log(f"done: {steps} step(s); metrics in {run_dir / 'metrics.jsonl'}")
-        finish_run_record(run_dir, replay, log)
-        write_run_report(run_dir, log)
-        return steps
+        _start_roles(plan, run_dir, model_path, found[1] if found else None, replay, parts, log)
+        controller = _controller(plan, run_dir, tokenizer, reward_fn, found, schedule, replay, parts, log)
+        return _train(controller, run_dir, replay, previous, log)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if controller is not None and trainer is not None:
-            with contextlib.suppress(Exception):  # the measured peaks of the whole run, when the ranks still answer
-                write_layout_record(run_dir, plan, trainer.built_layouts())
-        if controller is not None:
-            controller.close()
-        for part in (runners, teachers, pool, reference, trainer):
+        parts.shut_down(plan, run_dir)
+
+
+def _resume_point(run_dir: Path) -> tuple[Path, Any]:
+    """The newest complete checkpoint and its state, before the pre-flight (which would create the run directory
+    and build the model)."""
+    from rlc.runtime.checkpoint import CheckpointError, latest_checkpoint
+
+    try:
+        found = latest_checkpoint(run_dir)
+    except CheckpointError as exc:
+        raise RunError(f"--resume: {exc}; resume from an earlier checkpoint by moving this one aside") from None
+    if found is None:
+        raise RunError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+    return found
+
+
+@dataclass
+class RunParts:
+    """What a run started, so that whatever happens it is all shut down, in order."""
+
+    started_ray: bool
+    placement_groups: list[Any] = field(default_factory=list)  # released at the end when Ray is not ours
+    trainer: Any = None
+    pool: Any = None
+    reference: Any = None
+    teachers: Any = None
+    runners: Any = None
+    controller: Any = None
+
+    def shut_down(self, plan: Plan, run_dir: Path) -> None:
+        """Record the run's measured memory peaks (when the ranks still answer), end every actor, and stop Ray
+        (ours) or release the placement groups (a cluster's)."""
+        import ray
+
+        if self.controller is not None and self.trainer is not None:
+            with contextlib.suppress(Exception):
+                write_layout_record(run_dir, plan, self.trainer.built_layouts())
+        if self.controller is not None:
+            self.controller.close()
+        for part in (self.runners, self.teachers, self.pool, self.reference, self.trainer):
             if part is not None:
                 try:
                     part.shutdown()
                 except Exception as exc:  # a dead actor: one line, not Ray's whole report again
                     print(f"rlc: warning: shutdown: {first_line(exc)}", file=sys.stderr)
-        if started_ray:
+        if self.started_ray:
             ray.shutdown()
-        else:
-            from ray.util.placement_group import remove_placement_group
+            return
+        from ray.util.placement_group import remove_placement_group
 
-            for pg in placement_groups:
-                with contextlib.suppress(Exception):
-                    remove_placement_group(pg)
+        for pg in self.placement_groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+
+
+def _start_roles(  # type: ignore[no-untyped-def]
+    plan: Plan, run_dir: Path, model_path: Path, start: Any, replay: Path | None, parts: RunParts, log
+) -> None:
+    """Trainer, engines, reference and teachers, with the trainer's layout checked against the plan's and the
+    run's records written."""
+    from ray.exceptions import RayActorError
+
+    log("starting trainer and rollout engines")
+    try:
+        parts.trainer, parts.pool, parts.reference, parts.teachers = build_roles(
+            plan, model_path, start.version if start else 0, parts.placement_groups
+        )
+    except RayActorError as exc:
+        raise RunError(f"a role of the run failed to start ({actor_death(exc)})") from None
+    trainer = parts.trainer
+    mismatches = check_built_layout(plan, trainer.built_layouts())
+    if mismatches:
+        raise RunError("the trainer did not build the plan's layout: " + "; ".join(mismatches))
+    write_layout_record(run_dir, plan, trainer.built_layouts())
+    log(f"trainer layout as planned: {plan.roles_of('train')[0].layout.summary()}")  # type: ignore[union-attr]
+    write_run_record(run_dir, plan, trainer, parts.pool, parts.reference, replay, log)
+
+
+def _controller(  # type: ignore[no-untyped-def]
+    plan: Plan,
+    run_dir: Path,
+    tokenizer: Any,
+    reward_fn: Any,
+    found: tuple[Path, Any] | None,
+    schedule: Any,
+    replay: Path | None,
+    parts: RunParts,
+    log,
+) -> Any:
+    """The loop with the plan's workflow (generate-and-score, agents, or a replay), its weight path ready and, on
+    resume, the checkpoint's weights on the engines."""
+    from rlc.runtime.controller import Controller
+
+    workflow: Any = None  # generate-and-score
+    if plan.agent is not None:
+        from rlc.runtime.agent.launch import build_runners
+        from rlc.runtime.agent.workflow import AgentWorkflow
+
+        parts.runners = build_runners(plan, launch_request(plan))
+        workflow = functools.partial(AgentWorkflow, runners=parts.runners.actors)
+    elif schedule is not None:
+        from rlc.runtime.workflows.replay import ReplayWorkflow
+
+        log(f"replaying {schedule.steps} recorded step(s) of {replay}")
+        workflow = functools.partial(ReplayWorkflow, schedule=schedule)
+    start = found[1] if found else None
+    controller = Controller(
+        plan, run_dir, tokenizer, reward_fn, parts.pool, parts.trainer, start=start, workflow=workflow
+    )
+    parts.controller = controller
+    try:
+        controller.prepare_weight_path()
+    except HostMovesError as exc:
+        raise RunError(str(exc)) from None
+    controller.reference = parts.reference
+    controller.teachers = parts.teachers
+    if parts.teachers is not None:
+        parts.teachers.log = controller.logger.message
+    if found is not None:
+        checkpoint, start = found
+        parts.trainer.load_checkpoint(str(checkpoint))
+        run_controller(lambda: controller._sync_weights(start.version), run_dir)
+        log(f"resumed from {checkpoint.name} at step {start.step}")
+    return controller
+
+
+def _train(controller: Any, run_dir: Path, replay: Path | None, previous: dict[Any, Any], log) -> int:  # type: ignore[no-untyped-def]
+    """Run the loop to the plan's last step; Ctrl-C or SIGTERM finish the step in progress, checkpoint it and end
+    the run with `RunStopped` (a second signal stops at once)."""
+    stopped_by: list[str] = []
+
+    def interrupt(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        stopped_by.append(name)
+        controller.stop()
+        for sig, handler in previous.items():  # a second signal stops at once
+            signal.signal(sig, handler)
+        with contextlib.suppress(RuntimeError):  # the signal came during a print: stdout is not reentrant
+            log(
+                f"interrupted ({name}): finishing the current step, writing a checkpoint and shutting down "
+                "(send the signal again to stop at once, without the checkpoint)"
+            )
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, interrupt)
+    steps = run_controller(controller.run, run_dir)
+    if stopped_by:
+        steps = run_controller(controller.finish_after_stop, run_dir)
+    if steps < controller.total_steps:
+        with contextlib.suppress(OSError, ValueError):  # the stop is what must be reported
+            finish_run_record(run_dir, replay, log)
+        raise RunStopped(steps, controller.total_steps, stopped_by[0] if stopped_by else "", run_dir)
+    log(f"done: {steps} step(s); metrics in {run_dir / 'metrics.jsonl'}")
+    finish_run_record(run_dir, replay, log)
+    write_run_report(run_dir, log)
+    return steps
