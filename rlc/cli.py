@@ -421,8 +421,12 @@ def run(
     if plan_edited and (notice := _worker_env_notice(plan, (read_manifest(plan_dir) or {}).get("compiled_plan"))):
         typer.echo(notice, err=True)
     from rlc.runtime.launch_request import launch_request, render_request
+    from rlc.runtime.trackers import tracker_problems
 
+    trackers = tracker_problems(plan.loggers)
     if dry_run:  # the plan alone: no runtime needed
+        for problem in trackers:  # the run would refuse to start here; the dry run still shows its layout
+            typer.echo(f"rlc run: warning: {problem} (the run itself will not start without it)", err=True)
         try:
             request = launch_request(plan)
         except ValueError as exc:
@@ -439,6 +443,9 @@ def run(
             "(and --overwrite would move plan.json aside); pass another --run-dir, or compile with another output.dir"
         )
     _require_runtime()
+    if trackers:  # before Ray or any actor starts, not a ModuleNotFoundError once the run is up
+        typer.echo("\n".join(f"rlc run: error: {problem}" for problem in trackers), err=True)
+        raise typer.Exit(EXIT_USAGE)
     from rlc.runtime.errors import RunError, RuntimeGapError, RunUsageError
     from rlc.runtime.launch import RunStopped, refuse_gaps, run_plan
 
