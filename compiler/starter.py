@@ -34,7 +34,7 @@ data: {{train: /data/math.jsonl, prompt_key: prompt, answer_key: answer}}
 reward: {{fn: math_exact}}
 rollout: {{max_prompt_len: 2048, max_response_len: 8192, temperature: 1.0}}
 train: {{backend: auto, packing: true, recompute: auto}}
-output: {{dir: runs/{name}, loggers: [jsonl, tensorboard]}}
+output: {{dir: runs/{name}, loggers: [jsonl, tensorboard]}}   # + wandb | swanlab | mlflow (rlc[trackers])
 """
 
 

@@ -38,6 +38,7 @@ from rlc.runtime.stall import StallError, StallWatch
 from rlc.runtime.sync_check import SyncCheck
 from rlc.runtime.tasks.rewards import RewardGuard
 from rlc.runtime.trace import StepTrace
+from rlc.runtime.trackers import plan_config
 from rlc.runtime.weight_push import WeightPush
 from rlc.runtime.workflows import Workflow
 from rlc.runtime.workflows.generate import GenerateWorkflow
@@ -103,7 +104,9 @@ class Controller:
         #: (gather; Ray delivers them through their futures off this thread) and scoring them (reward); the
         #: trainer thread adds batch, train and sync.
         self.timeline = dict.fromkeys(("time/gather_s", "time/reward_s"), 0.0)
-        self.logger = MetricsLogger(run_dir, plan.loggers, plan.schedule.steps, self.step)
+        self.logger = MetricsLogger(
+            run_dir, plan.loggers, plan.schedule.steps, self.step, run_name=plan.name, config=plan_config(plan)
+        )
         self.weights = WeightPush(plan, trainer, rollout, run_dir, self.logger.message, self.version)
         self.sync_check = SyncCheck(trainer, rollout, sched.sync_check_max_gap)
         self.rollout_log = RolloutLog(run_dir, self.step)

@@ -1,7 +1,9 @@
-"""Metric sinks for a run: `metrics.jsonl` (one object per step), TensorBoard events, and a progress display.
+"""Metric sinks for a run: `metrics.jsonl` (one object per step), TensorBoard events, the trackers a plan names
+(Weights & Biases, SwanLab, MLflow: `rlc.runtime.trackers`), and a progress display.
 
-The JSONL file is the contract tools and tests read; TensorBoard is for people; the progress display is a
-rich bar with ETA and a line per step on a terminal, and plain lines otherwise (CI logs, pipes).
+The JSONL file is the contract tools and tests read, and is written first each step: a tracker that fails only
+stops itself. TensorBoard and the trackers are for people, and get the same numeric metrics per step; the progress
+display is a rich bar with ETA and a line per step on a terminal, and plain lines otherwise (CI logs, pipes).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from rlc.messages import first_line
 from rlc.runtime.checkpoint import close_log, fsync_dir, write_durably
+from rlc.runtime.trackers import TRACKERS, Tracker, open_tracker
 
 # The per-step keys every run writes (others, such as spec_decode/* or distill/<name>/*, are added by modes).
 REQUIRED_KEYS: tuple[str, ...] = (
@@ -62,6 +66,16 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """What TensorBoard and the trackers chart of a step: its numbers. Booleans, text and nulls stay in
+    metrics.jsonl only; the step is the x axis, not a value."""
+    return {
+        key: float(value)
+        for key, value in record.items()
+        if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)
+    }
+
+
 class MetricsLogger:
     """Writes each step's metrics to every configured sink; appends on resume.
 
@@ -69,9 +83,19 @@ class MetricsLogger:
     holds are on disk when it is; the file's truncation on resume is atomic.
     """
 
-    def __init__(self, run_dir: Path, loggers: list[str], total_steps: int, start_step: int = 0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        loggers: list[str],
+        total_steps: int,
+        start_step: int = 0,
+        *,
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.total_steps = total_steps
+        self.last_step = start_step
         self.path = run_dir / "metrics.jsonl"
         if start_step == 0 and self.path.exists():
             self.path.unlink()
@@ -90,6 +114,20 @@ class MetricsLogger:
                 log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1, flush_secs=TENSORBOARD_FLUSH_S
             )
         self._progress = StepProgress(total_steps, start_step)
+        self.trackers: list[Tracker] = []
+        for name in loggers:
+            if name in TRACKERS:
+                self._start_tracker(name, run_name or run_dir.name, config or {}, start_step)
+
+    def _start_tracker(self, name: str, run_name: str, config: dict[str, Any], start_step: int) -> None:
+        """A tracker that cannot start is reported and left out: the run and its metrics.jsonl go on."""
+        try:
+            self.trackers.append(open_tracker(name, self.run_dir, run_name, config, start_step))
+        except Exception as exc:
+            self.message(
+                f"rlc: warning: {name} did not start ({type(exc).__name__}: {first_line(exc)}); this run logs "
+                "without it (metrics.jsonl has every step)"
+            )
 
     def _truncate_after(self, step: int) -> None:
         """On resume, drop lines for steps after the checkpoint so step numbers stay continuous."""
@@ -108,9 +146,27 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
             self._jsonl.flush()
             os.fsync(self._jsonl.fileno())
+        self.last_step = int(record.get("step", self.last_step))
         if self._tb is not None:
             self._write_tensorboard(record)
+        if self.trackers:
+            self._write_trackers(record)
         self._progress.update(record)
+
+    def _write_trackers(self, record: dict[str, Any]) -> None:
+        """Each tracker gets the step; one that fails is reported once, closed and logs no more (the others, and
+        metrics.jsonl, go on)."""
+        values = scalars(record)
+        for tracker in list(self.trackers):
+            try:
+                tracker.log(self.last_step, values)
+            except Exception as exc:
+                self.trackers.remove(tracker)
+                self.message(
+                    f"rlc: warning: {tracker.name} failed at step {self.last_step} ({type(exc).__name__}: "
+                    f"{first_line(exc)}); it logs no more in this run (metrics.jsonl has every step)"
+                )
+                self._close_tracker(tracker, finished=False)
 
     def _write_tensorboard(self, record: dict[str, Any]) -> None:
         """One event per step holding every scalar: ``add_scalar`` writes an event per key, each checksummed
@@ -118,11 +174,7 @@ class MetricsLogger:
         as one event). TensorBoard reads both forms the same way."""
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        values = [
-            Summary.Value(tag=key, simple_value=float(value))
-            for key, value in record.items()
-            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)
-        ]
+        values = [Summary.Value(tag=key, simple_value=value) for key, value in scalars(record).items()]
         # The writer's own file writer (what add_scalar calls) keeps its purge-on-resume and flush thread.
         self._tb._get_file_writer().add_summary(Summary(value=values), int(record["step"]))
 
@@ -136,7 +188,18 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:  # finished: the last step was logged; otherwise stopped (resumable) or failed
+            self._close_tracker(tracker, finished=self.last_step >= self.total_steps)
         self._progress.close()
+
+    def _close_tracker(self, tracker: Tracker, *, finished: bool) -> None:
+        try:
+            tracker.close(finished)
+        except Exception as exc:
+            self.message(
+                f"rlc: warning: {tracker.name} did not close cleanly ({type(exc).__name__}: {first_line(exc)})"
+            )
 
 
 class StepProgress:

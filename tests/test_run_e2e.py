@@ -45,7 +45,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def test_interrupt_then_resume_continues_numbering(tmp_path: Path) -> None:
-    plan = compile_quickstart(tmp_path, "algorithm.steps=40", "algorithm.max_staleness=1", "output.checkpoint_every=5")
+    plan = compile_quickstart(
+        tmp_path,
+        "algorithm.steps=40",
+        "algorithm.max_staleness=1",
+        "output.checkpoint_every=5",
+        "output.loggers=[jsonl,tensorboard,wandb,swanlab,mlflow]",
+    )
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([*RLC, "run", str(plan)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
@@ -78,6 +84,7 @@ def test_interrupt_then_resume_continues_numbering(tmp_path: Path) -> None:
     assert {"generate", "train", "weight sync", "build batch"} <= names
     assert len({e["pid"] for e in events}) == 2  # the first process and the resumed one
     assert (run_dir / "tensorboard").is_dir()
+    _assert_trackers_continued(run_dir, interrupted_at, resumed_from)
     from layout_record import assert_layout_as_planned
 
     from rlc.compiler.manifest import load_plan
@@ -88,6 +95,27 @@ def test_interrupt_then_resume_continues_numbering(tmp_path: Path) -> None:
 
     # `--overwrite` moves exactly these aside: a file the run writes but the list lacks would be lost to a rerun.
     assert {p.name for p in run_dir.iterdir()} - {"model"} <= set(RUN_ARTIFACTS)  # model: the quickstart's input
+
+
+def _assert_trackers_continued(run_dir: Path, interrupted_at: int, resumed_from: int) -> None:
+    """W&B and SwanLab: one offline record per attempt under one run id, the second holding what metrics.jsonl
+    holds from the checkpoint on; MLflow: one run whose latest value at every step is metrics.jsonl's."""
+    from tracker_readers import mlflow_client, read_jsonl, read_mlflow, read_swanlab, read_wandb
+
+    expected = read_jsonl(run_dir)
+    resumed = {key: [(s, v) for s, v in points if s > resumed_from] for key, points in expected.items()}
+    resumed = {key: points for key, points in resumed.items() if points}
+    for name, read in (("wandb", read_wandb), ("swanlab", read_swanlab)):
+        first, second = read(run_dir)
+        assert first.run_id == second.run_id, name
+        assert [s for s, _ in first.series["reward/mean"]] == list(range(1, interrupted_at + 1)), name
+        assert second.series == resumed, name
+        assert first.config["name"] == "quickstart" and first.config["roles"]["actor"]["kind"] == "train", name
+    (run,) = read_mlflow(run_dir)
+    latest = {key: sorted(dict(points).items()) for key, points in run.series.items()}  # a step's later value wins
+    assert latest == expected
+    assert run.config["name"] == "quickstart" and run.config["roles.actor.kind"] == "train"
+    assert mlflow_client(run_dir).get_run(run.run_id).info.status == "FINISHED"
 
 
 def test_rollout_engine_killed_mid_run_is_restarted(tmp_path: Path) -> None:

@@ -90,7 +90,12 @@ def run(
     if replay is not None and not (replay / "rollouts.jsonl").is_file():
         raise usage_error(f"--replay {replay}: no rollouts.jsonl there; pass the directory of a run rlc recorded")
     plan = _verified_plan(plan_dir, allow_modified)
+    from rlc.runtime.trackers import tracker_problems
+
+    trackers = tracker_problems(plan.loggers)
     if dry_run:  # the plan alone: no runtime needed
+        for problem in trackers:  # the run would refuse to start here; the dry run still shows its layout
+            typer.echo(f"rlc run: warning: {problem} (the run itself will not start without it)", err=True)
         _print_dry_run(plan, plan_dir, output_format)
     target_dir = run_dir or (Path(f"{replay}.replay") if replay is not None else Path(plan.run_dir))
     if target_dir.resolve() == plan_dir.resolve():
@@ -99,6 +104,9 @@ def run(
             "(and --overwrite would move plan.json aside); pass another --run-dir, or compile with another output.dir"
         )
     _require_runtime()
+    if trackers:  # before Ray or any actor starts, not a ModuleNotFoundError once the run is up
+        typer.echo("\n".join(f"rlc run: error: {problem}" for problem in trackers), err=True)
+        raise typer.Exit(EXIT_USAGE)
     again = f"{plan_dir} --run-dir {target_dir}" if run_dir or replay else str(plan_dir)
     _execute(plan, run_dir, again, resume=resume, overwrite=overwrite, replay=replay)
 
