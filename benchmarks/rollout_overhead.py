@@ -262,7 +262,7 @@ class Bench:
                 wf.collect(timeout=0.05)
                 while (groups := wf.next_batch()) is not None:
                     tokens += sum(len(ids) for g in groups for ids in g.output_ids)
-                    ctl.gate.submitted -= ctl.gate.batch_samples
+                    ctl.gate.retract(ctl.gate.batch_samples)
                     done += 1
             # Leave nothing in flight: the other paths must not share the engine with a request of this one.
             ray.get(list(wf.inflight))

@@ -24,6 +24,13 @@ from rlc.schemas.plan import (
 )
 from rlc.schemas.spec import ModelRef
 
+#: AdamW's moment decay rates and epsilon: PyTorch's defaults, which verl's and AReaL's FSDP actors keep too.
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+#: How a rank's sequences are packed into micro-batches: first-fit decreasing, the fewest micro-batches under the
+#: token budget (`runtime/packing.py`; "kk" balances them instead).
+PACKING_ALGORITHM = "ffd"
+
 
 def model_path(problem: Problem, ref: ModelRef, arch: ModelArch) -> tuple[str, bool]:
     """Local folder for a model; on cpu the tiny model is built under the run directory when none is given."""
@@ -133,7 +140,10 @@ def actor_role(problem: Problem, best: search.Candidate, placements: dict[str, R
         engine={
             "logprob_chunk_tokens": spec.train.logprob_chunk_tokens,
             "packing": spec.train.packing,
+            "packing_algorithm": PACKING_ALGORITHM,
             "packed_attention": "varlen",
+            "betas": list(ADAM_BETAS),
+            "eps": ADAM_EPS,
             "etp": tl.etp,
             **(
                 {"router_aux_loss_coef": spec.train.router_aux_loss_coef, "routing_replay": spec.train.routing_replay}

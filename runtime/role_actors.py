@@ -51,7 +51,10 @@ def _strategy(groups: dict[str, Any], actor: ActorRequest) -> Any:
 TRAINER_ENGINE_KEYS = (
     "logprob_chunk_tokens",
     "packing",
+    "packing_algorithm",
     "packed_attention",
+    "betas",
+    "eps",
     "router_aux_loss_coef",
     "routing_replay",
 )

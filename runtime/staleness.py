@@ -36,3 +36,7 @@ class StalenessGate:
 
     def admit(self, count: int) -> None:
         self.submitted += count
+
+    def retract(self, count: int) -> None:
+        """Samples that will never be trained (a group dynamic sampling drops) give back their slots."""
+        self.submitted -= count

@@ -43,3 +43,27 @@ def test_a_cpu_plan_with_speculative_decoding_states_the_repairing_extension() -
     assert speculative is not None and plain is not None
     assert speculative.roles_of("rollout")[0].engine["worker_extension_cls"] == SPEC_DECODE_EXTENSION_CLS
     assert plain.roles_of("rollout")[0].engine["worker_extension_cls"] == RL_ENGINE_ARGS["worker_extension_cls"]
+
+
+@pytest.mark.parametrize("plan_dir", PLANS, ids=lambda p: p.parent.name)
+def test_the_trainer_runs_with_the_plan_settings_and_no_default(plan_dir: Path) -> None:
+    """Every trainer setting comes from the plan: the trainer role's arguments key for key, the algorithm's
+    optimizer settings, and no default of the trainer's own (bar the device index, which is the process's, and a
+    router's settings on a model without one)."""
+    from rlc.runtime.role_actors import train_config
+    from rlc.runtime.train.trainer import DEFAULT_TRAIN_CFG
+
+    plan = load_plan(plan_dir)
+    (role,) = plan.roles_of("train")
+    cfg = train_config(plan, role)
+    assert {k: cfg[k] for k in role.engine if k != "etp"} == {k: v for k, v in role.engine.items() if k != "etp"}
+    assert (cfg["lr"], cfg["weight_decay"], cfg["max_grad_norm"], cfg["seed"]) == (
+        plan.algorithm.lr,
+        plan.algorithm.weight_decay,
+        plan.algorithm.grad_clip,
+        plan.algorithm.seed,
+    )
+    unstated = {"local_rank", "micro_batch_size"} | (
+        set() if plan.model.experts else {"router_aux_loss_coef", "routing_replay"}
+    )
+    assert set(DEFAULT_TRAIN_CFG) - set(cfg) - unstated == set()
