@@ -11,7 +11,7 @@ the band their target's profile states (`estimate_uncertainty`, which explain pr
 Two constants of the time model are fitted on some of these runs, and the summary keeps them apart: the GPU
 profiles' decode bandwidth efficiency and MoE training ratio come from the per-phase timings of the runs marked
 `fit: true` (benchmarks/fit_gpu_efficiency.py). The headline summary is over the other runs, held out: the
-Ascend profiles' efficiencies and overheads were fitted on the shared deployments (tests/test_deployments.py),
+Ascend profiles' efficiencies and overheads were fitted on the shared deployments (tests/compile/test_deployments.py),
 and the other terms added for these comparisons each take their figure from a public measurement of something
 else, cited beside the code (`cost.links.EP_WIDTH_BANDWIDTH`, `cost.overheads.EAGER_LAYER_LAUNCH_S`). What the runs'
 sources publish about their layout is pinned in their specs (published_runs.yaml), never chosen to move a

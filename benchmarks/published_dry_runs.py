@@ -1,10 +1,10 @@
 """Would `rlc run --dry-run` start the published runs? Each expressible one, free and with its published degrees.
 
-What: every published run rlc can express as a spec (tests/test_deployments.py `PINNED`, the shared
+What: every published run rlc can express as a spec (tests/compile/test_deployments.py `PINNED`, the shared
 deployments.yaml entries, and benchmarks/published_runs.yaml, the held-out runs) is compiled twice on its
 target, the same model, nodes and batch:
 
-  free     placement left to rlc (no `placement:` section, `mode: auto`), as tests/test_deployments.py does;
+  free     placement left to rlc (no `placement:` section, `mode: auto`), as tests/compile/test_deployments.py does;
   pinned   the published degrees pinned (train and rollout `devices`, `tp`, `pp`, `ep`, `cp`) in the published
            mode, everything else in `placement` (backend, recompute, micro-batch tokens, memory shares,
            offload) left to rlc; `--full-pin` keeps all of it except `backend`.
@@ -16,7 +16,7 @@ would start (`runtime.launch_request.launch_request(plan)`); its `refusals` are 
 compile error>`; the summary counts each column and groups the refusals by reason (numbers masked, so "PP 4"
 and "PP 16" are one reason).
 
-Entries of deployments.yaml not measured: tests/test_deployments.py `NOT_EXPRESSIBLE` (printed with their
+Entries of deployments.yaml not measured: tests/compile/test_deployments.py `NOT_EXPRESSIBLE` (printed with their
 reason) and the OOM reports (`OOM_REPORTS`: they did not run, so there is nothing to start).
 
 The compile path only (no torch): well under a minute of CPU.
@@ -98,7 +98,7 @@ def cases() -> tuple[list[Case], dict[str, str]]:
 
 
 def free_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """The run with placement left to rlc: no `placement`, mode auto (as tests/test_deployments.py's free plan)."""
+    """The run with placement left to rlc: no `placement`, mode auto (as test_deployments.py's free plan)."""
     out = {k: copy.deepcopy(v) for k, v in spec.items() if k != "placement"}
     if out.get("mode") in ("colocated", "disaggregated"):
         out["mode"] = "auto"

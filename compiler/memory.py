@@ -246,7 +246,7 @@ def hf_activation_elements_per_token_layer(arch: ModelArch) -> float:
       v: n_kv·d_h; the attention output and the copy reshaped for o_proj: 2·n_q·d_h;
       SwiGLU: gate, up, act(gate) and act(gate)·up: 4f.
     Linear-attention layers of hybrid models keep the fused-kernel count. Measured on the cpu target (2-layer
-    hidden-128 model, fp32, 6K-12K-token micro-batches, tests/test_layout_memory.py): 2,918 elements per
+    hidden-128 model, fp32, 6K-12K-token micro-batches, tests/runtime/test_layout_memory.py): 2,918 elements per
     token per layer against 3,072 counted here.
     """
     if arch.attention.kind == "mla":

@@ -19,7 +19,7 @@ from rlc.schemas.platforms import PLATFORM_FACTS
 __all__ = ["ActorRequest", "LaunchRequest", "PlacementGroupRequest", "launch_request", "render_request"]
 
 #: The env var that restricts a process's visible devices, per platform (as runtime.platform.PLATFORMS, which
-#: imports torch; tests/test_device_binding.py checks that the two agree).
+#: imports torch; tests/plan/test_device_binding.py checks that the two agree).
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rlc.runtime.errors import RunError, RunUsageError
 
-#: Everything `rlc run` writes into a run directory (tests/test_run_e2e.py checks a finished run against it):
+#: Everything `rlc run` writes into a run directory (tests/e2e/test_run_e2e.py checks a finished run against it):
 #: their presence means an earlier run lives there, and `--overwrite` moves every one of them aside, since the
 #: new run would truncate or append to any it left (the rollout log and trace a replay of that run needs).
 RUN_ARTIFACTS: tuple[str, ...] = (

@@ -6,10 +6,19 @@ from pathlib import Path
 
 import pytest
 
+#: The folders tests live in, each also a marker (`pytest -m runtime`); see tests/README.md.
+AREAS = ("compile", "plan", "golden", "runtime", "e2e")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files with slow tests first, each file kept whole (its module fixtures are set up once): with parallel
-    workers the longest files start early instead of last."""
+    """Mark each test with its area and with `ray` when it starts a Ray cluster; then order the files with slow
+    tests first, each file kept whole (its module fixtures are set up once): with parallel workers the longest files
+    start early instead of last."""
+    for item in items:
+        if item.path.parent.name in AREAS:
+            item.add_marker(item.path.parent.name)
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker("ray")
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.path not in slow_files)
 

@@ -1,0 +1,69 @@
+"""Engines are built from their plan role's arguments, key for key, as the dry run prints them: the runtime adds
+nothing a plan could have stated (the RL log-prob mode, the worker extension, the dtype are the plan's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from paths import GOLDEN, REPO
+
+from rlc.compiler.manifest import load_plan
+from rlc.schemas.engine_args import RL_ENGINE_ARGS, SPEC_DECODE_EXTENSION_CLS
+
+pytest.importorskip("vllm")
+
+PLANS = sorted(p.parent for p in GOLDEN.glob("*/plan/plan.json"))
+
+
+@pytest.mark.parametrize("plan_dir", PLANS, ids=lambda p: p.parent.name)
+def test_each_engine_runs_with_exactly_its_plan_role_arguments(plan_dir: Path) -> None:
+    from rlc.runtime.launch_request import launch_request, render_request
+    from rlc.runtime.rollout.engine import engine_setup
+
+    plan = load_plan(plan_dir)
+    request = launch_request(plan)
+    printed = render_request(request)
+    engine_roles = [r for r in plan.roles if r.kind in ("rollout", "teacher")]
+    assert engine_roles
+    for role in engine_roles:
+        _, built = engine_setup(request.engines[role.name], plan.platform, None)
+        assert built == role.engine, role.name
+        assert RL_ENGINE_ARGS["logprobs_mode"] == built["logprobs_mode"]
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(built.items()) if k != "model")
+        assert f"engine {role.name}: model {built['model']}; {shown}" in printed.splitlines()
+
+
+def test_a_cpu_plan_with_speculative_decoding_states_the_repairing_extension() -> None:
+    from rlc.compiler.pipeline import compile_file
+
+    examples = REPO / "examples"
+    speculative = compile_file(examples / "cpu-speculative.yaml").plan
+    plain = compile_file(examples / "quickstart.yaml").plan
+    assert speculative is not None and plain is not None
+    assert speculative.roles_of("rollout")[0].engine["worker_extension_cls"] == SPEC_DECODE_EXTENSION_CLS
+    assert plain.roles_of("rollout")[0].engine["worker_extension_cls"] == RL_ENGINE_ARGS["worker_extension_cls"]
+
+
+@pytest.mark.parametrize("plan_dir", PLANS, ids=lambda p: p.parent.name)
+def test_the_trainer_runs_with_the_plan_settings_and_no_default(plan_dir: Path) -> None:
+    """Every trainer setting comes from the plan: the trainer role's arguments key for key, the algorithm's
+    optimizer settings, and no default of the trainer's own (bar the device index, which is the process's, and a
+    router's settings on a model without one)."""
+    from rlc.runtime.role_actors import train_config
+    from rlc.runtime.train.trainer import DEFAULT_TRAIN_CFG
+
+    plan = load_plan(plan_dir)
+    (role,) = plan.roles_of("train")
+    cfg = train_config(plan, role)
+    assert {k: cfg[k] for k in role.engine if k != "etp"} == {k: v for k, v in role.engine.items() if k != "etp"}
+    assert (cfg["lr"], cfg["weight_decay"], cfg["max_grad_norm"], cfg["seed"]) == (
+        plan.algorithm.lr,
+        plan.algorithm.weight_decay,
+        plan.algorithm.grad_clip,
+        plan.algorithm.seed,
+    )
+    unstated = {"local_rank", "micro_batch_size"} | (
+        set() if plan.model.experts else {"router_aux_loss_coef", "routing_replay"}
+    )
+    assert set(DEFAULT_TRAIN_CFG) - set(cfg) - unstated == set()
