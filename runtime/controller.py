@@ -318,21 +318,11 @@ class Controller:
 
     def _in_flight(self) -> str:
         """What the run is waiting for, for a stall's message: the workflow's work in flight, the step."""
-        parts = self.workflow.in_flight()
-        if self.training is not None:
-            parts.append(f"the trainer: step {self.step + 1}, {time.monotonic() - self._training_since:.0f} s")
-        return "; ".join(parts)
+        since = self._training_since if self.training is not None else None
+        return in_flight_text(self.workflow.in_flight(), self.step, since)
 
     def _collect_timeout(self) -> float:
-        """How long one loop turn may wait for a rollout (or the trainer) to finish.
-
-        A finished rollout or the trainer's end cuts the wait short, so the bound only paces the loop's other
-        checks (a stop request, an engine back from a restart). Not at all while the trainer is idle with a
-        whole batch waiting, or an asynchronous run would leave it idle while the next batch generates.
-        """
-        if self.training is None and self.workflow.has_batch():
-            return 0.0
-        return 0.05
+        return collect_timeout(self.training is not None, self.workflow.has_batch())
 
     def _start_training(self) -> None:
         """Hand the next batch to the trainer thread, once the workflow has one."""
@@ -386,16 +376,7 @@ class Controller:
             self._wait_checkpoint(self._trainer_thread.submit(self._checkpoint))
 
     def _wait_checkpoint(self, saving: Future) -> None:
-        """Wait for the step's checkpoint within the stall bound (a write to a hung filesystem never returns)."""
-        from concurrent.futures import TimeoutError as FutureTimeout
-
-        try:
-            saving.result(timeout=self.stall.limit_s)
-        except FutureTimeout:
-            raise StallError(
-                f"the checkpoint of step {self.step} did not finish within the plan's stall bound of "
-                f"{self.stall.limit_s:.0f} s (schedule.stall_timeout_s); is the run directory's filesystem answering?"
-            ) from None
+        wait_checkpoint(saving, self.stall.limit_s, self.step)
 
     def _spec_decode_metrics(self) -> dict[str, float]:
         """This step's speculative-decoding figures, summed over engines (empty without spec decode)."""
@@ -430,3 +411,35 @@ def _rng_to_json(state: tuple) -> dict[str, Any]:
 
 def _rng_from_json(data: dict[str, Any]) -> tuple:
     return (data["version"], tuple(data["internal"]), data["gauss"])
+
+
+def in_flight_text(work: list[str], step: int, training_since: float | None) -> str:
+    """A stall's account of what is in flight: the workflow's work, and the trainer's step while it runs
+    (`training_since`: when it started, monotonic)."""
+    parts = list(work)
+    if training_since is not None:
+        parts.append(f"the trainer: step {step + 1}, {time.monotonic() - training_since:.0f} s")
+    return "; ".join(parts)
+
+
+def collect_timeout(training: bool, has_batch: bool) -> float:
+    """How long one loop turn may wait for a rollout (or the trainer) to finish.
+
+    A finished rollout or the trainer's end cuts the wait short, so the bound only paces the loop's other
+    checks (a stop request, an engine back from a restart). Not at all while the trainer is idle with a
+    whole batch waiting, or an asynchronous run would leave it idle while the next batch generates.
+    """
+    return 0.0 if not training and has_batch else 0.05
+
+
+def wait_checkpoint(saving: Future, limit_s: float, step: int) -> None:
+    """Wait for a step's checkpoint within the stall bound (a write to a hung filesystem never returns)."""
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    try:
+        saving.result(timeout=limit_s)
+    except FutureTimeout:
+        raise StallError(
+            f"the checkpoint of step {step} did not finish within the plan's stall bound of "
+            f"{limit_s:.0f} s (schedule.stall_timeout_s); is the run directory's filesystem answering?"
+        ) from None

@@ -74,15 +74,11 @@ def test_an_idle_trainer_with_a_whole_batch_waiting_does_not_wait_on_rollouts() 
     hand the waiting batch over at once, not first wait out a rollout still generating (that wait cost the
     quickstart at max_staleness 1 about 50 ms of a ~150 ms step)."""
 
-    import types
+    from rlc.runtime.controller import collect_timeout
 
-    from rlc.runtime.controller import Controller
-
-    c = object.__new__(Controller)
-    c.training, c.workflow = None, types.SimpleNamespace(has_batch=lambda: False)
-    assert c._collect_timeout() > 0  # short of a batch: only a rollout can give the trainer work
-    c.workflow = types.SimpleNamespace(has_batch=lambda: True)
-    assert c._collect_timeout() == 0
+    assert collect_timeout(training=False, has_batch=False) > 0  # short of a batch: only a rollout gives work
+    assert collect_timeout(training=False, has_batch=True) == 0
+    assert collect_timeout(training=True, has_batch=True) > 0  # the trainer is busy: its end wakes the loop
 
 
 @pytest.mark.timeout(60)  # the wait's own bound is an hour: only the trainer's end can end it in time
@@ -92,7 +88,7 @@ def test_the_trainers_end_wakes_a_wait_on_rollouts() -> None:
     import threading
     from concurrent.futures import Future
 
-    from rlc.runtime.controller import Controller
+    from rlc.runtime.controller import collect_timeout
     from rlc.runtime.workflows.generate import GenerateWorkflow
 
     generating: Future = Future()  # never finishes during the test
@@ -107,9 +103,8 @@ def test_the_trainers_end_wakes_a_wait_on_rollouts() -> None:
     threading.Timer(0.05, loop.training.set_result, [None]).start()
     wf.collect(timeout=3600.0)
     assert loop.training.done() and len(wf.inflight) == 1  # nothing collected: the request is still running
-    c = object.__new__(Controller)
-    c.training, c.workflow = None, wf
-    assert c._collect_timeout() > 0  # a bound remains for the loop's other checks (stop, engine restarts)
+    # a bound remains for the loop's other checks (stop, engine restarts)
+    assert collect_timeout(training=False, has_batch=wf.has_batch()) > 0
 
 
 def test_an_interrupted_sample_trains_each_token_with_its_own_version_and_log_prob() -> None:

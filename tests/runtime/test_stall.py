@@ -35,15 +35,15 @@ def test_the_controller_names_the_requests_and_the_step_in_flight() -> None:
     import time
     from concurrent.futures import Future
 
-    from rlc.runtime.controller import Controller
+    from loop_fixtures import fake_loop
+
+    from rlc.runtime.controller import in_flight_text
     from rlc.runtime.workflows.generate import Chunk, GenerateWorkflow
 
-    c = object.__new__(Controller)
     now = time.monotonic()
-    wf = object.__new__(GenerateWorkflow)
+    wf = GenerateWorkflow(fake_loop(training=Future()))  # type: ignore[arg-type]
     wf.inflight = {"a": Chunk(0, [], submitted_s=now - 900), "b": Chunk(0, [], submitted_s=now - 5), "c": Chunk(1, [])}
-    c.workflow, c.training, c._training_since, c.step = wf, Future(), now - 42, 6
-    shown = c._in_flight()
+    shown = in_flight_text(wf.in_flight(), step=6, training_since=now - 42)
     assert "engine 0: 2 generate request(s), the oldest 900 s" in shown
     assert "engine 1: 1 generate request(s)" in shown and "the trainer: step 7, 42 s" in shown
 
@@ -72,9 +72,7 @@ def test_the_plan_states_the_bound_from_its_estimate() -> None:
 def test_a_checkpoint_that_never_finishes_stops_the_run_at_the_bound() -> None:
     from concurrent.futures import Future
 
-    from rlc.runtime.controller import Controller
+    from rlc.runtime.controller import wait_checkpoint
 
-    c = object.__new__(Controller)
-    c.stall, c.step = StallWatch(0.05), 12
     with pytest.raises(StallError, match="the checkpoint of step 12 did not finish within"):
-        c._wait_checkpoint(Future())  # a write to a filesystem that never answers
+        wait_checkpoint(Future(), limit_s=0.05, step=12)  # a write to a filesystem that never answers

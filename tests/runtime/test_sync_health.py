@@ -57,9 +57,9 @@ def test_healthy_engines_keep_the_sync_waiting_until_its_bound(monkeypatch: pyte
 
 
 def test_the_sync_restarts_the_lost_engine_and_syncs_again() -> None:
-    push = object.__new__(WeightPush)
     messages: list[str] = []
     attempts: list[int] = []
+    push = _built_push(types.SimpleNamespace(revive=lambda: [1]), messages.append)
 
     def sync_once(version: int, deadline: float) -> None:
         attempts.append(version)
@@ -67,9 +67,6 @@ def test_the_sync_restarts_the_lost_engine_and_syncs_again() -> None:
             raise EngineLost([1])
 
     push._sync_once = sync_once  # type: ignore[method-assign]
-    push.message = messages.append
-    push.trainer = types.SimpleNamespace(close_weight_sync=lambda: None)
-    push.rollout = types.SimpleNamespace(revive=lambda: [1])
     push._group = ("host", 1)
     restarted: list[int] = []
     push.sync(5, restarted.append)
@@ -83,7 +80,6 @@ def test_the_sync_restarts_the_lost_engine_and_syncs_again() -> None:
 def _push(monkeypatch: pytest.MonkeyPatch, failures: list[BaseException], dead: list[int], stuck: list[int]):  # type: ignore[no-untyped-def]
     """A WeightPush whose attempts raise `failures` in turn, whose engines `dead` are dead, and whose engines
     `stuck` had calls still running when an attempt failed; records what it did."""
-    push = object.__new__(WeightPush)
     seen: dict[str, list] = {"deadlines": [], "revive": [], "messages": []}
 
     def sync_once(version: int, deadline: float) -> None:
@@ -95,10 +91,9 @@ def _push(monkeypatch: pytest.MonkeyPatch, failures: list[BaseException], dead: 
         seen["revive"].append((indices, force))
         return list(indices) if force else list(dead)
 
+    rollout = types.SimpleNamespace(revive=revive, engines=["e0", "e1"], sync_backend="gloo")
+    push = _built_push(rollout, seen["messages"].append)
     push._sync_once = sync_once  # type: ignore[method-assign]
-    push.message = seen["messages"].append
-    push.trainer = types.SimpleNamespace(close_weight_sync=lambda: None)
-    push.rollout = types.SimpleNamespace(revive=revive, engines=["e0", "e1"], sync_backend="gloo")
     push._group = ("host", 1)
     monkeypatch.setattr(weight_push, "_dead", lambda engines: list(dead))
     monkeypatch.setattr(WeightPush, "_stuck", lambda self: list(stuck))
@@ -141,3 +136,15 @@ def test_live_engines_stuck_in_a_failed_sync_are_restarted_and_every_retry_share
     assert restarted == [1, 0, 1, 0]
     assert "alive but stuck" in " ".join(seen["messages"])
     assert len(set(seen["deadlines"])) == 1, "each retry got a bound of its own"
+
+
+def _built_push(rollout: object, message: object) -> WeightPush:
+    """A WeightPush of the cpu quickstart's plan over `rollout` (a stand-in pool), a trainer that only leaves its
+    sync group, and `message` for what it says."""
+    from pathlib import Path
+
+    from plan_fixtures import cpu_plan
+
+    plan = cpu_plan(model_path="m", run_dir="run", build_tiny=False)
+    trainer = types.SimpleNamespace(close_weight_sync=lambda: None)
+    return WeightPush(plan, trainer, rollout, Path("run"), message, version=0)  # type: ignore[arg-type]
