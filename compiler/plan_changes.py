@@ -15,7 +15,9 @@ from rlc.messages import first_line
 MAX_LINES = 60
 
 
-def _plan_lines(plan_dir: Path, compiled: object) -> list[str]:
+def plan_json_changes(plan_dir: Path, compiled: object) -> list[str]:
+    """What differs between plan.json and `compiled` (the manifest's copy of the plan as compiled), one line each,
+    through the plan diff `rlc diff` shows."""
     from pydantic import ValidationError
 
     from rlc.compiler.diff import change_text, diff_plans
@@ -50,7 +52,7 @@ def describe_modifications(plan_dir: Path) -> list[str]:
         if sha256_file(plan_dir / name) == listed[name]:
             continue
         if name == PLAN_FILE and "compiled_plan" in manifest:
-            lines.extend(_plan_lines(plan_dir, manifest["compiled_plan"]))
+            lines.extend(plan_json_changes(plan_dir, manifest["compiled_plan"]))
         elif name == PLAN_FILE:
             lines.append(f"{PLAN_FILE}: changed (this plan predates value-by-value reports; recompile to see them)")
         else:

@@ -126,12 +126,12 @@ def _verified_plan(plan_dir: Path, allow_modified: bool) -> Any:
     # plan.json itself differs from the compiled plan (edited, or edited and rehashed in the manifest)
     plan_edited = allow_modified and any(d.file == str(plan_dir / PLAN_FILE) for d in report.diagnostics)
     if allow_modified and report.diagnostics:
-        from rlc.compiler.plan_changes import _plan_lines, describe_modifications
+        from rlc.compiler.plan_changes import describe_modifications, plan_json_changes
 
         changed = describe_modifications(plan_dir)
         manifest = read_manifest(plan_dir) or {}
         if plan_edited and "compiled_plan" in manifest and not any(x.startswith(f"{PLAN_FILE}:") for x in changed):
-            changed = [*_plan_lines(plan_dir, manifest["compiled_plan"]), *changed]  # its hash was made to match
+            changed = [*plan_json_changes(plan_dir, manifest["compiled_plan"]), *changed]  # its hash was made to match
         if changed:
             typer.echo("rlc run: --allow-modified: running a plan that differs from the compiled one:", err=True)
             typer.echo("\n".join(f"    {line}" for line in changed), err=True)
