@@ -13,8 +13,15 @@ import rlc
 from rlc.compiler import agent_plan, refusal, search
 from rlc.compiler.candidates import loser_term
 from rlc.compiler.diagnostics import Diagnostic
-from rlc.compiler.engine_config import speculative_config
 from rlc.compiler.load import LineMap
+from rlc.compiler.plan_sections import (
+    algorithm_settings,
+    data_settings,
+    distill_settings,
+    estimates,
+    lora_settings,
+    sampling_settings,
+)
 from rlc.compiler.plan_warnings import idle_minibatch_ranks, long_context_warnings, thin_headroom
 from rlc.compiler.ray_placement import ray_placements
 from rlc.compiler.reproducibility import reproducibility
@@ -24,20 +31,11 @@ from rlc.compiler.rounding import r3
 from rlc.compiler.schedule import build_schedule
 from rlc.schemas import layout as layout_lib
 from rlc.schemas.plan import (
-    AlgorithmSettings,
     Candidate,
     Cluster,
-    DataSettings,
-    DistillSettings,
-    DynamicSamplingSettings,
-    Estimates,
-    LoraSettings,
-    OverlongSettings,
     Plan,
-    Sampling,
 )
 from rlc.schemas.profiles import profile_record
-from rlc.schemas.spec import Spec
 
 PLATFORM_OF_KIND = {"npu": "npu", "gpu": "cuda", "cpu": "cpu"}
 
@@ -79,52 +77,6 @@ def build_plan(
             )
         )
     return assemble(problem, ctx, result, diags), diags
-
-
-def algorithm_settings(spec: Spec) -> AlgorithmSettings:
-    """The plan's algorithm section: every loss and sampling choice with its default resolved."""
-    algo = spec.algorithm
-    low, high = algo.clip_range
-    sequence = algo.importance_ratio == "sequence"
-    seq_low, seq_high = algo.sequence_clip_range if sequence else (None, None)
-    agg = algo.aggregation
-    ds, overlong = algo.dynamic_sampling, algo.overlong
-    return AlgorithmSettings(
-        name=algo.name,
-        minibatches=algo.minibatches,
-        decoupled_loss=algo.decoupled_loss,
-        clip=low,
-        clip_high=high,
-        dual_clip=algo.dual_clip,
-        importance_ratio=algo.importance_ratio,
-        sequence_clip_low=seq_low,
-        sequence_clip_high=seq_high,
-        behave_imp_weight_cap=algo.behave_imp_weight_cap,
-        behave_correction=algo.behave_correction,
-        loss_agg=agg,  # type: ignore[arg-type]
-        loss_norm_tokens=(algo.loss_norm_tokens or spec.rollout.max_response_len)
-        if agg == "seq-mean-token-sum-norm"
-        else None,
-        kl_coef=algo.kl_coef,
-        kl_estimator=algo.kl_estimator,
-        normalize_std=algo.normalize_std,
-        dynamic_sampling=None
-        if ds is None
-        else DynamicSamplingSettings(
-            expected_keep_rate=ds.expected_keep_rate,
-            max_draws=ds.max_draws,
-            expected_generated_per_kept=round(algo.expected_oversample, 6),
-        ),
-        overlong=None
-        if overlong is None
-        else OverlongSettings(
-            buffer_len=overlong.buffer_len, penalty=overlong.penalty, filter_truncated=overlong.filter_truncated
-        ),
-        lr=algo.lr,
-        weight_decay=algo.weight_decay,
-        grad_clip=algo.grad_clip,
-        seed=algo.seed,
-    )
 
 
 def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
@@ -224,8 +176,8 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
     roles += [environments] if environments else []
     schedule = build_schedule(problem, ctx, best)
     repro = reproducibility(spec, target, schedule.mode, schedule.max_staleness, schedule.weight_update)
-    step = best.step
     runners = runners_up(result)
+    step = best.step
     return Plan(
         rlc_version=rlc.__version__,
         name=spec.name,
@@ -243,57 +195,15 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
         roles=roles,
         schedule=schedule,
         algorithm=algorithm_settings(spec),
-        sampling=Sampling(
-            max_prompt_len=spec.rollout.max_prompt_len,
-            max_response_len=spec.rollout.max_response_len,
-            temperature=spec.rollout.temperature,
-            top_p=spec.rollout.top_p,
-            speculative=speculative_config(problem),
-        ),
-        data=DataSettings(
-            train=spec.data.train,
-            builtin=spec.data.is_builtin,
-            prompt_key=spec.data.prompt_key,
-            answer_key=spec.data.answer_key,
-            domain_key=spec.data.domain_key,
-            digits=spec.data.digits,
-            shots=spec.data.shots,
-            reward=spec.reward.fn,
-            reward_timeout_s=spec.reward.timeout_s,
-            reward_max_failed_share=spec.reward.max_failed_share,
-        ),
-        lora=LoraSettings(
-            rank=spec.lora.rank,
-            alpha=spec.lora.alpha,
-            dropout=spec.lora.dropout,
-            target_modules=spec.lora.target_modules,
-            rollout=lora_mode,  # type: ignore[arg-type]
-        )
-        if spec.lora
-        else None,
-        distill=DistillSettings(
-            routing=spec.distill.routing,
-            loss=spec.distill.loss,
-            coef=spec.distill.coef,
-            teachers=teacher_settings,
-        )
-        if spec.distill
-        else None,
+        sampling=sampling_settings(problem),
+        data=data_settings(spec),
+        lora=lora_settings(spec, lora_mode),
+        distill=distill_settings(spec, teacher_settings),
         agent=agent_plan.agent_settings(problem, best, model.id),
         run_dir=spec.run_dir,
         loggers=list(spec.output.loggers),
         env=dict(sorted({**target.env, **repro.switches}.items())),
-        estimates=Estimates(
-            step_time_s=r3(step.step_s),
-            rollout_s=r3(step.rollout_s),
-            train_s=r3(step.train_s),
-            weight_sync_s=r3(step.sync_s),
-            switch_s=r3(step.switch_s),
-            tokens_per_s=r3(step.tokens_per_s),
-            overhead_s=r3(step.overhead_s),
-            uncertainty=r3(target.estimate_uncertainty),
-            uncertainty_fast=r3(target.uncertainty_below),
-        ),
+        estimates=estimates(step, target),
         reproducibility=repro,
         profile=profile_record(target, problem.profile_source),
         runners_up=runners,

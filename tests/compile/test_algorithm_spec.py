@@ -87,7 +87,7 @@ def test_out_of_range_values_are_diagnostics_not_tracebacks() -> None:
 
 
 def test_policy_loss_from_plan_resolves_every_choice() -> None:
-    from rlc.compiler.planner import algorithm_settings
+    from rlc.compiler.plan_sections import algorithm_settings
     from rlc.schemas.spec import Spec
 
     def settings(algorithm: dict):
