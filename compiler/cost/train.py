@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import ceil
+from typing import Any
 
 from rlc.compiler.cost.links import collective_s, ep_width_bandwidth, link_gbps, nodes_spanned
 from rlc.compiler.cost.workload import Workload
@@ -152,58 +153,125 @@ def train_time(
         # The fsdp2 trainer does not split experts over TP: each TP rank computes them for the tokens its column
         # shares, so the expert FLOPs that `compute` divides over the TP ranks are done tp times.
         expert_s += compute * expert_share * (layout.tp - 1) / efficiency
-    tokens_rank = work.rank_tokens(layout.dp)
-    steps = work.minibatches
     per_step = work.micro_batches_per_step(layout.dp, layout.micro_batch_tokens)
-    micro = steps * per_step
+    micro = work.minibatches * per_step
     bubble = (layout.pp - 1) / (per_step + layout.pp - 1)
     passes = 2.0 + (1.0 if layout.recompute == "full" else 0.0)
-    stage_layers = ceil(arch.num_layers / layout.pp)
-    local = tokens_rank / layout.cp
-    tp_s = cp_s = ep_s = 0.0
-    if layout.tp > 1:
-        volume = 2 * (layout.tp - 1) / layout.tp * local * arch.hidden_size * b
-        count = 2 * passes * stage_layers
-        tp_s = collective_s(target, count * volume, target.intra_node_bandwidth_gbps, count * micro)
-    if layout.cp > 1:
-        link = link_gbps(target, layout.tp * layout.cp, devices_per_node)
-        if layout.cp_kind == "ring":
-            # Each rank passes its K/V block on cp − 1 times per layer (and dK/dV back in backward).
-            volume = (layout.cp - 1) * local * 2 * arch.num_kv_heads * arch.head_dim * b / layout.tp
-            count = (layout.cp - 1) * passes * stage_layers
-        else:
-            width = (2 * arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim
-            volume = (layout.cp - 1) / layout.cp * local * width * b / layout.tp
-            count = 4 * passes * stage_layers
-        cp_nodes = nodes_spanned(layout.tp * layout.cp, devices_per_node)
-        cp_s = collective_s(target, passes * stage_layers * volume, link, count * micro, cp_nodes)
-    if arch.moe is not None and layout.ep > 1:
-        moe_share = (arch.num_layers - arch.moe.first_dense_layers) / arch.num_layers
-        volume = local * arch.moe.experts_per_token * arch.hidden_size * b * (layout.ep - 1) / layout.ep
-        ep_nodes = nodes_spanned(layout.ep * layout.etp, devices_per_node)
-        link = link_gbps(target, layout.ep * layout.etp, devices_per_node) * ep_width_bandwidth(ep_nodes)
-        count = 2 * passes * stage_layers * moe_share
-        ep_s = collective_s(target, count * volume / layout.tp, link, count * micro, ep_nodes)
-    dp_s = 0.0
+    pass_layers = passes * ceil(arch.num_layers / layout.pp)  # a pipeline stage's layers, per pass
+    local = work.rank_tokens(layout.dp) / layout.cp
+    tp_s = _tp_s(arch, layout, target, local * b, pass_layers, micro)
+    cp_s = _cp_s(arch, layout, target, local * b, pass_layers, micro, devices_per_node)
+    ep_s = _ep_s(arch, layout, target, local * b, pass_layers, micro, devices_per_node)
+    dp_s = _dp_s(sizes, layout, target, work, b, micro, compute, devices_per_node)
+    offload_s = _offload_s(sizes, layout, target, work, b, micro, devices_per_node)
+    return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s, _overhead_s(layout, target, work), expert_s)
+
+
+def _tp_s(
+    arch: Any, layout: TrainLayout, target: TargetProfile, local_bytes: float, pass_layers: float, micro: int
+) -> float:
+    """Tensor parallelism: 4 all-reduces per layer per micro-batch (2 forward, 2 backward)."""
+    if layout.tp <= 1:
+        return 0.0
+    volume = 2 * (layout.tp - 1) / layout.tp * local_bytes * arch.hidden_size
+    count = 2 * pass_layers
+    return collective_s(target, count * volume, target.intra_node_bandwidth_gbps, count * micro)
+
+
+def _cp_s(
+    arch: Any,
+    layout: TrainLayout,
+    target: TargetProfile,
+    local_bytes: float,
+    pass_layers: float,
+    micro: int,
+    devices_per_node: int,
+) -> float:
+    """Context parallelism: Ulysses' four all-to-alls of q, k, v, o per layer and pass, or ring's K/V blocks."""
+    if layout.cp <= 1:
+        return 0.0
+    link = link_gbps(target, layout.tp * layout.cp, devices_per_node)
+    if layout.cp_kind == "ring":
+        # Each rank passes its K/V block on cp − 1 times per layer (and dK/dV back in backward).
+        volume = (layout.cp - 1) * local_bytes * 2 * arch.num_kv_heads * arch.head_dim / layout.tp
+        count = (layout.cp - 1) * pass_layers
+    else:
+        width = (2 * arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim
+        volume = (layout.cp - 1) / layout.cp * local_bytes * width / layout.tp
+        count = 4 * pass_layers
+    cp_nodes = nodes_spanned(layout.tp * layout.cp, devices_per_node)
+    return collective_s(target, pass_layers * volume, link, count * micro, cp_nodes)
+
+
+def _ep_s(
+    arch: Any,
+    layout: TrainLayout,
+    target: TargetProfile,
+    local_bytes: float,
+    pass_layers: float,
+    micro: int,
+    devices_per_node: int,
+) -> float:
+    """Expert parallelism: dispatch and combine all-to-alls per MoE layer, forward and backward."""
+    if arch.moe is None or layout.ep <= 1:
+        return 0.0
+    moe_share = (arch.num_layers - arch.moe.first_dense_layers) / arch.num_layers
+    volume = local_bytes * arch.moe.experts_per_token * arch.hidden_size * (layout.ep - 1) / layout.ep
+    ep_nodes = nodes_spanned(layout.ep * layout.etp, devices_per_node)
+    link = link_gbps(target, layout.ep * layout.etp, devices_per_node) * ep_width_bandwidth(ep_nodes)
+    count = 2 * pass_layers * moe_share
+    return collective_s(target, count * volume / layout.tp, link, count * micro, ep_nodes)
+
+
+def _dp_s(
+    sizes: ModelSizes,
+    layout: TrainLayout,
+    target: TargetProfile,
+    work: Workload,
+    b: float,
+    micro: int,
+    compute: float,
+    devices_per_node: int,
+) -> float:
+    """Data parallelism: FSDP2's parameter gathers per micro-batch and gradient reduce-scatter per optimizer
+    step, or Megatron's distributed optimizer once per step; half of it hides behind compute."""
+    fsdp = layout.backend == "fsdp2"
+    arch, steps = sizes.arch, work.minibatches
     group = layout.shard_group if fsdp else layout.dp * layout.cp
-    if group > 1:
-        replica = sizes.total / (layout.tp * layout.pp)
-        ring = (group - 1) / group
-        if fsdp and arch.moe is not None and layout.ep > 1:
-            # Each rank gathers only its 1/ep of the experts, over the group/ep ranks that hold the same ones.
-            efsdp = max(1, group // layout.ep)
-            experts = sizes.expert / layout.ep * (efsdp - 1) / efsdp / ring  # priced at the dp·cp ring below
-            replica = ((sizes.total - sizes.expert) / layout.tp + experts) / layout.pp
-        link = link_gbps(target, layout.world_size, devices_per_node)
-        if fsdp:
-            volume = (2 * micro * b + steps * layout.precision.reduce_bytes) * replica * ring
-            count = 3 * micro * stage_layers  # a pipeline stage gathers its own layers
-        else:
-            volume = steps * 2 * b * replica * ring
-            count = 2 * steps
-        dp_nodes = nodes_spanned(layout.world_size, devices_per_node)
-        dp_s = max(0.0, collective_s(target, volume, link, count, dp_nodes) - DP_OVERLAP * compute)
-        dp_s = max(dp_s, (1 - DP_OVERLAP) * collective_s(target, volume, link, count, dp_nodes))
+    if group <= 1:
+        return 0.0
+    replica = sizes.total / (layout.tp * layout.pp)
+    ring = (group - 1) / group
+    if fsdp and arch.moe is not None and layout.ep > 1:
+        # Each rank gathers only its 1/ep of the experts, over the group/ep ranks that hold the same ones.
+        efsdp = max(1, group // layout.ep)
+        experts = sizes.expert / layout.ep * (efsdp - 1) / efsdp / ring  # priced at the dp·cp ring below
+        replica = ((sizes.total - sizes.expert) / layout.tp + experts) / layout.pp
+    link = link_gbps(target, layout.world_size, devices_per_node)
+    if fsdp:
+        volume = (2 * micro * b + steps * layout.precision.reduce_bytes) * replica * ring
+        count = 3 * micro * ceil(arch.num_layers / layout.pp)  # a pipeline stage gathers its own layers
+    else:
+        volume = steps * 2 * b * replica * ring
+        count = 2 * steps
+    dp_nodes = nodes_spanned(layout.world_size, devices_per_node)
+    dp_s = max(0.0, collective_s(target, volume, link, count, dp_nodes) - DP_OVERLAP * compute)
+    return max(dp_s, (1 - DP_OVERLAP) * collective_s(target, volume, link, count, dp_nodes))
+
+
+def _offload_s(
+    sizes: ModelSizes,
+    layout: TrainLayout,
+    target: TargetProfile,
+    work: Workload,
+    b: float,
+    micro: int,
+    devices_per_node: int,
+) -> float:
+    """Host offload: parameters over the host link per micro-batch, the optimizer's moments per update (or the
+    host's own AdamW step)."""
+    fsdp = layout.backend == "fsdp2"
+    steps = work.minibatches
     offload_s = 0.0
     host = target.host_to_device_bandwidth_gbps * 1e9
     shard = sizes.total / layout.world_size if fsdp else sizes.total / (layout.tp * layout.pp)
@@ -219,16 +287,21 @@ def train_time(
             offload_s += steps * shard * min(devices_per_node, layout.world_size) / HOST_ADAM_PARAMS_PER_S
         else:
             # The moments come to the device for each update and go back: 2 × their bytes.
+            group = layout.shard_group if fsdp else layout.dp * layout.cp
             moments = 2 * layout.precision.param_bytes * shard if fsdp else 12 * shard / max(1, group)
             offload_s += steps * 2 * moments / host
-    # Fixed cost per pass over a micro-batch (launches, packing, Python): a forward+backward pass counts one, a
-    # forward-only pass a third, since a backward launches about two kernels per forward op (input and weight
-    # gradients, the 1:2 of their FLOPs; Narayanan et al. 2021 eq. 3); benchmarks/forward_pass_cost.py measures
-    # 0.27-0.30 on the cpu target, where fixed costs dominate. Forward-only passes: the proximal pass
-    # over the same minibatches and, over the whole batch, a KL reference and extra ones; they are priced as
-    # compute and launches, without their parameter gathers and collectives (a lower bound).
+    return offload_s
+
+
+def _overhead_s(layout: TrainLayout, target: TargetProfile, work: Workload) -> float:
+    """Fixed cost per pass over a micro-batch (launches, packing, Python): a forward+backward pass counts one, a
+    forward-only pass a third, since a backward launches about two kernels per forward op (input and weight
+    gradients, the 1:2 of their FLOPs; Narayanan et al. 2021 eq. 3); benchmarks/forward_pass_cost.py measures
+    0.27-0.30 on the cpu target, where fixed costs dominate. Forward-only passes: the proximal pass over the same
+    minibatches and, over the whole batch, a KL reference and extra ones; they are priced as compute and
+    launches, without their parameter gathers and collectives (a lower bound)."""
+    tokens_rank = work.rank_tokens(layout.dp)
+    micro = work.minibatches * work.micro_batches_per_step(layout.dp, layout.micro_batch_tokens)
     whole = max(1, ceil(tokens_rank / layout.micro_batch_tokens))
     forward_only = micro * work.proximal_forwards + whole * ((1 if work.reference else 0) + work.extra_forwards)
-    launches = micro + forward_only / 3
-    overhead = launches * target.efficiency.micro_batch_overhead_s
-    return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s, overhead, expert_s)
+    return (micro + forward_only / 3) * target.efficiency.micro_batch_overhead_s
