@@ -3,6 +3,7 @@ episodes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import ceil
 
@@ -202,56 +203,89 @@ def rollout_time(
     c_sync = max(1, min(max_seqs, per_rank, fed))
     c_async = max(1, min(max_seqs, (work.staleness + 1) * per_rank, fed))
     ctx = work.inflight_context
-    k = work.mtp_tokens
-    tau = accepted_tokens_per_step(k, work.mtp_acceptance)
+    tau = accepted_tokens_per_step(work.mtp_tokens, work.mtp_acceptance)
 
     def step_at(c: int, context: float) -> float:
-        return decode_step_s(sizes, layout, target, c, context, devices_per_node, k, work.mtp_draft_layers)
+        return decode_step_s(
+            sizes, layout, target, c, context, devices_per_node, work.mtp_tokens, work.mtp_draft_layers
+        )
 
     step = step_at(c_sync, ctx)
-    mean_steps = work.response_tokens / tau
-    tail_c = max(1, int(c_sync * TAIL_CONCURRENCY_FRACTION))
-    tail_step = step_at(tail_c, work.prompt_tokens + work.response_tokens)
+    tail_step = step_at(max(1, int(c_sync * TAIL_CONCURRENCY_FRACTION)), work.prompt_tokens + work.response_tokens)
+    prefill = _prefill_s(sizes, layout, target, work, per_rank)
+    if work.agent is not None:
+        return _agent_time(work, layout, target, per_rank, c_sync, step, tail_step, tau, prefill, step_at)
     longest = expected_longest_response(work.response_tokens, work.max_response, generated)
     tail = max(0.0, longest - work.response_tokens) / tau * tail_step
-    # Each attention rank prefills its own samples on its share of the engine's devices.
-    rank_devices = layout.engine_devices / layout.attention_dp
-    prefill_flops = 2 * sizes.active * per_rank * work.prompt_tokens
-    prefill = prefill_flops / (rank_devices * target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu)
-    prefill += per_rank * decode_sequence_overhead_s(target)  # each sequence's prefill is one engine step
-    if work.agent is not None:
-        engine_share = ceil(work.samples / layout.replicas)
-        busy, chain = agent_rollout_s(
-            work.agent, per_rank, engine_share, work.samples, c_sync, step, tail_step, tau, target
-        )
-        sync_s = chain + prefill
-        # Asynchronous: the controller keeps up to staleness + 1 batches of trajectories in flight (agent_plan sizes
-        # the engines' in-flight work to it), so one batch's tool waits and tail overlap the next batches' calls; a
-        # batch still needs its engine's own work. A trajectory waiting for its tool holds no decode slot, so of
-        # the rank's (s + 1) × share trajectories only the share of their time spent decoding (`decoding_share`)
-        # decodes at once: with slow tools the engine runs below c and its work takes longer.
-        admitted = (work.staleness + 1) * per_rank * decoding_share(work.agent, step, tau)
-        c_agent = max(1, min(c_sync, int(admitted)))
-        if c_agent < c_sync:
-            agent_step = step_at(c_agent, ctx)
-            busy, _ = agent_rollout_s(
-                work.agent, per_rank, engine_share, work.samples, c_agent, agent_step, tail_step, tau, target
-            )
-        async_s = max(busy + prefill, sync_s / (work.staleness + 1))
-        agent_tokens = work.samples * work.agent.turns * work.agent.turn_tokens
-        return RolloutTime(sync_s, async_s, prefill, step, c_sync, agent_tokens / async_s)
+    mean_steps = work.response_tokens / tau
     sync = per_rank / c_sync * mean_steps * step + tail + prefill
     if work.staleness == 0:
         return RolloutTime(sync, sync, prefill, step, c_sync, generated * work.response_tokens / sync)
     async_step = step_at(c_async, ctx)
-    if work.interrupt:
-        update = interrupt_s(sizes, layout, target, c_async, ctx)
-    else:
-        drain_c = max(1, int(c_async * TAIL_CONCURRENCY_FRACTION))
-        drain = expected_longest_response(work.response_tokens, work.max_response, c_async) - work.response_tokens
-        update = max(0.0, drain) / tau * step_at(drain_c, work.prompt_tokens + work.response_tokens)
+    update = _update_s(sizes, layout, target, work, c_async, tau, step_at)
     stream = per_rank / c_async * mean_steps * async_step + update + prefill
     return RolloutTime(sync, stream, prefill, async_step, c_async, generated * work.response_tokens / stream)
+
+
+def _prefill_s(sizes: ModelSizes, layout: RolloutLayout, target: TargetProfile, work: Workload, per_rank: int) -> float:
+    """Each attention rank prefills its own samples on its share of the engine's devices, one engine step per
+    sequence besides."""
+    rank_devices = layout.engine_devices / layout.attention_dp
+    prefill_flops = 2 * sizes.active * per_rank * work.prompt_tokens
+    prefill = prefill_flops / (rank_devices * target.bf16_tflops * 1e12 * target.efficiency.prefill_mfu)
+    return prefill + per_rank * decode_sequence_overhead_s(target)
+
+
+def _update_s(
+    sizes: ModelSizes,
+    layout: RolloutLayout,
+    target: TargetProfile,
+    work: Workload,
+    c_async: int,
+    tau: float,
+    step_at: Callable[[int, float], float],
+) -> float:
+    """What a weight update costs the stream: prefilling the c running sequences again (interrupt), or draining
+    them first (wait)."""
+    if work.interrupt:
+        return interrupt_s(sizes, layout, target, c_async, work.inflight_context)
+    drain_c = max(1, int(c_async * TAIL_CONCURRENCY_FRACTION))
+    drain = expected_longest_response(work.response_tokens, work.max_response, c_async) - work.response_tokens
+    return max(0.0, drain) / tau * step_at(drain_c, work.prompt_tokens + work.response_tokens)
+
+
+def _agent_time(
+    work: Workload,
+    layout: RolloutLayout,
+    target: TargetProfile,
+    per_rank: int,
+    c_sync: int,
+    step: float,
+    tail_step: float,
+    tau: float,
+    prefill: float,
+    step_at: Callable[[int, float], float],
+) -> RolloutTime:
+    """Agent episodes. Asynchronous: the controller keeps up to staleness + 1 batches of trajectories in flight
+    (agent_plan sizes the engines' in-flight work to it), so one batch's tool waits and tail overlap the next
+    batches' calls; a batch still needs its engine's own work. A trajectory waiting for its tool holds no decode
+    slot, so of the rank's (s + 1) × share trajectories only the share of their time spent decoding
+    (`decoding_share`) decodes at once: with slow tools the engine runs below c and its work takes longer."""
+    agent = work.agent
+    assert agent is not None
+    engine_share = ceil(work.samples / layout.replicas)
+    busy, chain = agent_rollout_s(agent, per_rank, engine_share, work.samples, c_sync, step, tail_step, tau, target)
+    sync_s = chain + prefill
+    admitted = (work.staleness + 1) * per_rank * decoding_share(agent, step, tau)
+    c_agent = max(1, min(c_sync, int(admitted)))
+    if c_agent < c_sync:
+        agent_step = step_at(c_agent, work.inflight_context)
+        busy, _ = agent_rollout_s(
+            agent, per_rank, engine_share, work.samples, c_agent, agent_step, tail_step, tau, target
+        )
+    async_s = max(busy + prefill, sync_s / (work.staleness + 1))
+    agent_tokens = work.samples * agent.turns * agent.turn_tokens
+    return RolloutTime(sync_s, async_s, prefill, step, c_sync, agent_tokens / async_s)
 
 
 def decoding_share(agent: AgentWork, step: float, tau: float) -> float:
