@@ -38,6 +38,7 @@ RUN_ARTIFACTS: tuple[str, ...] = (
     "trace.json",
     "layout.json",
     "reproducibility.json",
+    "nodes.json",
     "agent_samples.jsonl",
     "wandb",
     "swanlab",
