@@ -78,6 +78,7 @@ def policy_loss(
     cfg: PolicyLoss,
     weights: torch.Tensor,
     seq_ids: torch.Tensor | None = None,
+    num_seqs: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy-gradient loss ``Σ_t weights_t · keep_t · w_t · pg_t`` and its statistics.
 
@@ -105,7 +106,8 @@ def policy_loss(
     ``weights`` is each token's aggregation weight (`policy.aggregation_weights`, zero off the mask): the caller
     fixes the denominators over the whole minibatch, so any split into micro-batches and ranks sums to the same
     loss. ``seq_ids`` (needed when ``cfg.needs_sequences``) numbers each token's sequence, 1.. per sequence,
-    0 for positions that belong to none; a sequence must be whole in the tensor. Only ``logprobs`` carries grad.
+    0 for positions that belong to none; a sequence must be whole in the tensor. ``num_seqs`` (the largest id),
+    when the caller knows it, spares reading it from the device. Only ``logprobs`` carries grad.
     """
     mask = mask.bool()
     advantages = advantages.detach().to(torch.float32)
@@ -119,7 +121,7 @@ def policy_loss(
     log_ratio = torch.where(mask, logp - proximal, torch.zeros_like(logp))
     if cfg.ratio == "sequence":
         assert seq_ids is not None
-        log_ratio = torch.where(mask, _segment_mean(log_ratio, mask, seq_ids), torch.zeros_like(logp))
+        log_ratio = torch.where(mask, _segment_mean(log_ratio, mask, seq_ids, num_seqs), torch.zeros_like(logp))
     ratio = torch.exp(log_ratio)
     surr_unclipped = -advantages * ratio
     surr_clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.high)
@@ -132,7 +134,7 @@ def policy_loss(
     else:
         dual = torch.zeros_like(mask)
 
-    raw_weight, weight, keep, truncated = behaviour_weight(proximal, behaviour, mask, cfg, seq_ids)
+    raw_weight, weight, keep, truncated = behaviour_weight(proximal, behaviour, mask, cfg, seq_ids, num_seqs)
     pg = pg * weight.detach()
     loss = (torch.where(keep, pg, torch.zeros_like(pg)) * weights.to(pg.dtype)).sum()
 
@@ -163,6 +165,7 @@ def behaviour_weight(
     mask: torch.Tensor,
     cfg: PolicyLoss,
     seq_ids: torch.Tensor | None = None,
+    num_seqs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(raw weight, corrected weight, tokens kept, tokens whose weight was truncated) per `cfg.behave_correction`.
 
@@ -176,7 +179,7 @@ def behaviour_weight(
     sequence = cfg.behave_correction.startswith("sequence")
     if sequence:
         assert seq_ids is not None
-        log_w = torch.where(mask, _segment_sum(log_w, mask, seq_ids), torch.zeros_like(log_w))
+        log_w = torch.where(mask, _segment_sum(log_w, mask, seq_ids, num_seqs), torch.zeros_like(log_w))
     raw = torch.exp(log_w.clamp(max=80.0))
     raw = torch.where(torch.isfinite(raw), raw, torch.zeros_like(raw))
     cap = cfg.behave_imp_weight_cap
@@ -188,18 +191,24 @@ def behaviour_weight(
     return raw, torch.clamp(raw, max=cap), mask, over
 
 
-def _segment_sum(values: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+def _segment_sum(
+    values: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int | None = None
+) -> torch.Tensor:
     """Each token's sequence total of ``values`` over ``mask`` (differentiable in ``values``)."""
     ids = seq_ids.reshape(-1).long()
     flat = torch.where(mask, values, torch.zeros_like(values)).reshape(-1)
-    totals = torch.zeros(int(ids.max()) + 1 if ids.numel() else 1, dtype=flat.dtype, device=flat.device)
+    if num_seqs is None:
+        num_seqs = int(ids.max()) if ids.numel() else 0
+    totals = torch.zeros(num_seqs + 1, dtype=flat.dtype, device=flat.device)
     return totals.index_add(0, ids, flat)[ids].view_as(values)
 
 
-def _segment_mean(values: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+def _segment_mean(
+    values: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int | None = None
+) -> torch.Tensor:
     """Each token's sequence mean of ``values`` over ``mask`` (differentiable in ``values``)."""
-    counts = _segment_sum(torch.ones_like(values), mask, seq_ids)
-    return _segment_sum(values, mask, seq_ids) / counts.clamp(min=1.0)
+    counts = _segment_sum(torch.ones_like(values), mask, seq_ids, num_seqs)
+    return _segment_sum(values, mask, seq_ids, num_seqs) / counts.clamp(min=1.0)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind = "k3") -> torch.Tensor:

@@ -512,7 +512,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
                     rows = [[float(n + 1)] * len(seqs[i]) for n, i in enumerate(idx)] if real else [[0.0, 0.0]]
                     seq_ids = mb.local(rows).long()
                 loss, stats = L.policy_loss(
-                    lp, before, tok["behaviour_logprobs"], tok["advantages"], mask, policy, weights, seq_ids
+                    lp, before, tok["behaviour_logprobs"], tok["advantages"], mask, policy, weights, seq_ids, len(idx)
                 )
             elif kind == "distill":
                 loss, stats = L.reverse_kl_distill(lp, tok["teacher_logprobs"], mask, token_count=global_tokens)

@@ -142,3 +142,21 @@ def test_aggregation_weights_formulas() -> None:
     assert aggregation_weights(counts, "seq-mean-token-sum-norm", 12, 6, 8) == [1 / 48] * 4
     with pytest.raises(ValueError, match="constant normaliser"):
         aggregation_weights(counts, "seq-mean-token-sum-norm", 12, 6, None)
+
+
+def test_a_sequence_ratio_with_context_parallelism_is_a_runtime_gap() -> None:
+    """GSPO's ratio needs whole sequences, which CP splits over ranks: `rlc run` must refuse such a plan."""
+    from rlc.compiler.planner import build_plan
+
+    def gaps(algorithm: str) -> list[str]:
+        text = (
+            "name: t\ntarget: a2\nmodel: {name: qwen3-8b, path: /m}\ndata: {train: arithmetic}\n"
+            f"algorithm: {algorithm}\nplacement: {{train: {{devices: 4, cp: 2}}}}\n"
+        )
+        checked = check_text(text, "spec.yaml")
+        assert checked.problem is not None, checked.report.diagnostics
+        plan, _ = build_plan(checked.problem, checked.lines, "spec.yaml")
+        return [g for g in plan.runtime_gaps if "sequence-level" in g]
+
+    assert gaps("{importance_ratio: sequence}") and gaps("{behave_correction: sequence_truncate}")
+    assert gaps("{behave_correction: token_truncate}") == []
