@@ -11,6 +11,7 @@ import os
 import shutil
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -334,7 +335,7 @@ def test_worker_finds_the_token_in_a_shared_home(tmp_path: Path, shims) -> None:
     (token_file,) = (tmp_path / ".rlc").glob("ray-token-*")
     worker = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, RLC_HEAD_ADDR="10.0.0.1")
     assert worker.returncode == 0, worker.stderr
-    assert _auth_env(shims[1])[-1] == ["ray", "token", str(token_file)]
+    assert [e for e in _auth_env(shims[1]) if e[0] == "ray"][-1] == ["ray", "token", str(token_file)]
 
 
 def test_dashboard_host_no_submit_and_opting_out(tmp_path: Path, shims) -> None:
@@ -487,11 +488,39 @@ def test_a_refused_token_stops_the_join_at_once_with_the_copy_command(tmp_path: 
         "RLC_RAY_TOKEN_FILE": str(token),
         "RLC_JOIN_BACKOFF": "0",
         "RLC_SHIM_FAIL_JOINS": "99",
-        "RLC_SHIM_JOIN_ERROR": "RuntimeError: Token authentication is enabled but the authentication token is "
-        "invalid or incorrect.",
+        # what Ray 2.60's `ray start --address` prints when the head refuses the token
+        "RLC_SHIM_JOIN_ERROR": "ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication "
+        "token is missing or incorrect.",
     }
     result = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, **env)
     assert result.returncode == 1
     assert len([c for c in _calls(shims[1]) if c[:2] == ["ray", "start"]]) == 1, "a refused token was retried"
     (default,) = [line for line in result.stderr.splitlines() if "refused this node's Ray token" in line]
-    assert f"scp 10.0.0.1:{tmp_path}/.rlc/ray-token-rlc-quickstart-" in default and f" {token}`" in default
+    assert "scp 10.0.0.1:~/.rlc/ray-token-rlc-quickstart-" in default and f" {token}`" in default
+
+
+def test_a_worker_s_leftovers_are_stopped_once_its_raylet_exits(tmp_path: Path, shims) -> None:
+    import sys
+
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    shown = _run_script(tmp_path / "plan", ["worker", "--dry-run"], shims, tmp_path, RAY_AUTH_TOKEN="t")
+    watch = _argv_lines(shown.stdout, tmp_path)[-1]
+    assert watch[-1] == "watch" and watch[0] == "python3"
+    mark = watch[-3]
+    raylet = tmp_path / "raylet"  # a process named like Ray's raylet
+    shutil.copy(shutil.which("sleep") or "/bin/sleep", raylet)
+    node = subprocess.Popen([str(raylet), "300"], env={"RLC_CLUSTER_MARK": mark})
+    agent = _sleeper(RLC_CLUSTER_MARK=mark)  # e.g. Ray's runtime-env agent, which outlives the raylet
+    bystander = _sleeper()
+    watcher = subprocess.Popen([sys.executable, *watch[1:]], stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        assert watcher.poll() is None and agent.poll() is None  # the raylet lives: nothing is stopped
+        node.kill()
+        node.wait()
+        assert watcher.wait(timeout=30) == 0
+        assert agent.wait(timeout=5) is not None and bystander.poll() is None
+    finally:
+        for process in (node, agent, bystander, watcher):
+            process.kill()
+            process.wait()

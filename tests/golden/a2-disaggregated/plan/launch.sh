@@ -79,7 +79,7 @@ REQUIRED_PATHS=(
 )
 RUN_DIR=runs/qwen3-8b-math
 DEFAULT_SUBMISSION_ID=rlc-qwen3-8b-math-9e664bee2023
-SUBMISSION_ID="${RLC_SUBMISSION_ID:-$DEFAULT_SUBMISSION_ID-$(date -u +%Y%m%d-%H%M%S)-$$}"
+SUBMISSION_ID="${RLC_SUBMISSION_ID:-$DEFAULT_SUBMISSION_ID-$(date -u +%Y%m%d-%H%M%S)-$$-$RANDOM}"
 METADATA_JSON='{"rlc_plan_hash": "9e664bee2023675fb68d703e29f3e0cea309f6ed5f7e5b90cb2cde0407c99061", "rlc_plan_name": "qwen3-8b-math", "rlc_version": "0.1.0"}'
 
 RAY_PORT="${RLC_RAY_PORT:-6379}"
@@ -107,7 +107,7 @@ PLAN_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)"
 # A relative run directory is taken from where this script runs, as `rlc run` takes it from its own directory.
 if [[ "$RUN_DIR" == /* ]]; then ABS_RUN_DIR="$RUN_DIR"; else ABS_RUN_DIR="$PWD/$RUN_DIR"; fi
 # What Ray prints when the head refuses a node's token: joining again with the same token cannot succeed.
-TOKEN_REFUSED='unauthenticated|invalid or missing authentication token|authentication token is invalid|invalid authentication token'
+TOKEN_REFUSED='AuthenticationError|InvalidAuthToken|unauthenticated|authentication token is (missing or incorrect|invalid)|invalid or missing authentication token'
 
 ROLE=""
 ACTION=start
@@ -341,23 +341,34 @@ alive = sum(1 for node in ray.nodes() if node.get("Alive"))
 print(alive, int(ray.cluster_resources().get(sys.argv[1], 0)))
 '
 
-# Ends the processes that carry this node's cluster mark (argv: mark, seconds before SIGKILL). Reads each
-# process's environment as started; processes of other users are not readable and are never touched.
+# Ends the processes that carry this node's cluster mark (argv: mark, seconds before SIGKILL, and `watch` to
+# first wait, in the background, until this node's raylet is gone: Ray's agents and workers can outlive it by
+# minutes). Reads each process's environment as started; other users' processes are not readable, never touched.
 STOP_PY='
 import os, signal, sys, time
 mark = ("RLC_CLUSTER_MARK=" + sys.argv[1]).encode()
-def marked():
+def marked(name=None):
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as handle:
-                if mark in handle.read().split(b"\0"):
+                if mark not in handle.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                state = handle.read().rsplit(b")", 1)[-1].split()[0]
+            with open(f"/proc/{entry}/comm") as handle:
+                if state != b"Z" and name in (None, handle.read().strip()):
                     found.append(int(entry))
-        except OSError:
+        except (OSError, IndexError):
             continue
     return found
+if sys.argv[3:] == ["watch"]:
+    if not marked("raylet"):
+        sys.exit(0)
+    while marked("raylet"):
+        time.sleep(2)
 pids = marked()
 for pid in pids:
     try:
@@ -380,6 +391,16 @@ print(f"[rlc] stopped {len(pids)} process(es) of this node\N{RIGHT SINGLE QUOTAT
 stop_cluster() {
   log "stopping the Ray processes launch.sh $ROLE started on this node"
   run "$PYTHON" -c "$STOP_PY" "$CLUSTER_MARK" 10
+}
+
+# Once this node's raylet exits (its head gone, or killed), whatever Ray left running here is stopped too.
+watch_raylet() {
+  if [[ "$DRY_RUN" == 1 ]]; then
+    printf '# in the background, once the raylet exits:\n'
+    run "$PYTHON" -c "$STOP_PY" "$CLUSTER_MARK" 10 watch
+    return 0
+  fi
+  nohup "$PYTHON" -c "$STOP_PY" "$CLUSTER_MARK" 10 watch >/dev/null 2>&1 &
 }
 
 # The resources a node declares: its devices and, on a cluster of several nodes, the per-node resource the
@@ -497,6 +518,7 @@ join_cluster() {
   if [[ -n "${RLC_NODE_IP:-}" ]]; then args+=(--node-ip-address="$RLC_NODE_IP"); fi
   if [[ "$DRY_RUN" == 1 ]]; then
     run ray "${args[@]}"
+    watch_raylet
     return 0
   fi
   local attempt=1 delay="$JOIN_BACKOFF" output
@@ -505,7 +527,7 @@ join_cluster() {
     cat -- "$output" >&2
     if grep -qiE "$TOKEN_REFUSED" "$output"; then
       rm -f -- "$output"
-      die "the head at $head refused this node's Ray token ($(printf '%q' "${RAY_AUTH_TOKEN_PATH:-RAY_AUTH_TOKEN}")): copy the head's token file here again, e.g. \`scp $(printf '%q' "$head"):$(printf '%q' "$DEFAULT_TOKEN_FILE") $(printf '%q' "${RAY_AUTH_TOKEN_PATH:-$DEFAULT_TOKEN_FILE}")\` (\`launch.sh head\` prints its token file), then start this worker again"
+      die "the head at $head refused this node's Ray token ($(printf '%q' "${RAY_AUTH_TOKEN_PATH:-RAY_AUTH_TOKEN}")): copy the head's token file here again, e.g. \`scp $(printf '%q' "$head"):~/.rlc/${DEFAULT_TOKEN_FILE##*/} $(printf '%q' "${RAY_AUTH_TOKEN_PATH:-$DEFAULT_TOKEN_FILE}")\` (\`launch.sh head\` prints its token file), then start this worker again"
     fi
     if ((attempt >= JOIN_ATTEMPTS)); then
       rm -f -- "$output"
@@ -518,6 +540,7 @@ join_cluster() {
   done
   cat -- "$output" >&2
   rm -f -- "$output"
+  watch_raylet
   log "joined the cluster at $head:$RAY_PORT as node n$rank; this node now serves it (stop with \`launch.sh worker stop\`)"
 }
 
