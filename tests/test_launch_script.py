@@ -383,15 +383,24 @@ def test_stop_ends_only_the_processes_this_node_s_launch_started(tmp_path: Path,
     assert shown.returncode == 0, shown.stderr
     mark = _argv_lines(shown.stdout, tmp_path)[-1][-2]
     assert mark.endswith(f"-{role}-{os.getuid()}")
-    ours = _sleeper(RLC_CLUSTER_MARK=mark)
+    # A marked process (a raylet) with a child started without the environment (as Ray starts its agents).
+    ours = subprocess.Popen(
+        ["bash", "-c", "env -i sleep 300 & wait"], env={"PATH": "/usr/bin:/bin", "RLC_CLUSTER_MARK": mark}
+    )
     other_cluster = _sleeper(RLC_CLUSTER_MARK=mark.replace("rlc-", "rlc-other-"))
     other_role = _sleeper(RLC_CLUSTER_MARK=mark.replace(f"-{role}-", "-nobody-"))
     unmarked = _sleeper()
+    deadline = time.monotonic() + 10
+    children = Path(f"/proc/{ours.pid}/task/{ours.pid}/children")
+    while not children.read_text().split() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (agent,) = map(int, children.read_text().split())
     try:
         stopped = _run_script(tmp_path / "plan", [role, "stop"], shims, tmp_path, RLC_PYTHON=sys.executable)
         assert stopped.returncode == 0, stopped.stderr
         assert ours.wait(timeout=15) is not None
-        assert "stopped 1 process(es)" in stopped.stderr
+        assert "stopped 2 process(es)" in stopped.stderr
+        assert not Path(f"/proc/{agent}").exists() or "Z" in Path(f"/proc/{agent}/stat").read_text().split(")")[-1][:3]
         for bystander in (other_cluster, other_role, unmarked):
             assert bystander.poll() is None, "a stop ended a process this launch.sh did not start"
     finally:

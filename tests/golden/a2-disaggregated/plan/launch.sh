@@ -341,44 +341,62 @@ alive = sum(1 for node in ray.nodes() if node.get("Alive"))
 print(alive, int(ray.cluster_resources().get(sys.argv[1], 0)))
 '
 
-# Ends the processes that carry this node's cluster mark (argv: mark, seconds before SIGKILL, and `watch` to
-# first wait, in the background, until this node's raylet is gone: Ray's agents and workers can outlive it by
-# minutes). Reads each process's environment as started; other users' processes are not readable, never touched.
+# Ends the processes that carry this node's cluster mark and their descendants (Ray starts its agents without
+# the environment), argv: mark, seconds before SIGKILL, and `watch` to first wait, in the background, until this
+# node's raylet is gone (Ray's agents and workers can outlive it by minutes). Reads each process's environment as
+# started; other users' processes are not readable and are never touched.
 STOP_PY='
 import os, signal, sys, time
 mark = ("RLC_CLUSTER_MARK=" + sys.argv[1]).encode()
-def marked(name=None):
-    found = []
+def table():
+    procs = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                if mark not in handle.read().split(b"\0"):
-                    continue
             with open(f"/proc/{entry}/stat", "rb") as handle:
-                state = handle.read().rsplit(b")", 1)[-1].split()[0]
+                fields = handle.read().rsplit(b")", 1)[-1].split()
             with open(f"/proc/{entry}/comm") as handle:
-                if state != b"Z" and name in (None, handle.read().strip()):
-                    found.append(int(entry))
+                name = handle.read().strip()
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                marked = mark in handle.read().split(b"\0")
         except (OSError, IndexError):
             continue
+        if fields[0] != b"Z":
+            procs[int(entry)] = (int(fields[1]), fields[19], name, marked)
+    return procs
+def ours(procs):
+    found = {pid: procs[pid][1] for pid in procs if procs[pid][3]}
+    grew = True
+    while grew:
+        grew = False
+        for pid, (parent, started, _, _) in procs.items():
+            if parent in found and pid not in found:
+                found[pid] = started
+                grew = True
     return found
+seen = {}
 if sys.argv[3:] == ["watch"]:
-    if not marked("raylet"):
-        sys.exit(0)
-    while marked("raylet"):
+    while True:
+        procs = table()
+        seen.update(ours(procs))
+        if not any(procs[pid][2] == "raylet" for pid in seen if pid in procs):
+            break
         time.sleep(2)
-pids = marked()
+def alive():
+    procs = table()
+    seen.update(ours(procs))
+    return [pid for pid, started in seen.items() if pid in procs and procs[pid][1] == started]
+pids = alive()
 for pid in pids:
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         pass
 deadline = time.monotonic() + float(sys.argv[2])
-while marked() and time.monotonic() < deadline:
+while alive() and time.monotonic() < deadline:
     time.sleep(0.2)
-left = marked()
+left = alive()
 for pid in left:
     try:
         os.kill(pid, signal.SIGKILL)
