@@ -11,6 +11,7 @@ import os
 import shutil
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -334,7 +335,7 @@ def test_worker_finds_the_token_in_a_shared_home(tmp_path: Path, shims) -> None:
     (token_file,) = (tmp_path / ".rlc").glob("ray-token-*")
     worker = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, RLC_HEAD_ADDR="10.0.0.1")
     assert worker.returncode == 0, worker.stderr
-    assert _auth_env(shims[1])[-1] == ["ray", "token", str(token_file)]
+    assert [e for e in _auth_env(shims[1]) if e[0] == "ray"][-1] == ["ray", "token", str(token_file)]
 
 
 def test_dashboard_host_no_submit_and_opting_out(tmp_path: Path, shims) -> None:
@@ -382,15 +383,24 @@ def test_stop_ends_only_the_processes_this_node_s_launch_started(tmp_path: Path,
     assert shown.returncode == 0, shown.stderr
     mark = _argv_lines(shown.stdout, tmp_path)[-1][-2]
     assert mark.endswith(f"-{role}-{os.getuid()}")
-    ours = _sleeper(RLC_CLUSTER_MARK=mark)
+    # A marked process (a raylet) with a child started without the environment (as Ray starts its agents).
+    ours = subprocess.Popen(
+        ["bash", "-c", "env -i sleep 300 & wait"], env={"PATH": "/usr/bin:/bin", "RLC_CLUSTER_MARK": mark}
+    )
     other_cluster = _sleeper(RLC_CLUSTER_MARK=mark.replace("rlc-", "rlc-other-"))
     other_role = _sleeper(RLC_CLUSTER_MARK=mark.replace(f"-{role}-", "-nobody-"))
     unmarked = _sleeper()
+    deadline = time.monotonic() + 10
+    children = Path(f"/proc/{ours.pid}/task/{ours.pid}/children")
+    while not children.read_text().split() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (agent,) = map(int, children.read_text().split())
     try:
         stopped = _run_script(tmp_path / "plan", [role, "stop"], shims, tmp_path, RLC_PYTHON=sys.executable)
         assert stopped.returncode == 0, stopped.stderr
         assert ours.wait(timeout=15) is not None
-        assert "stopped 1 process(es)" in stopped.stderr
+        assert "stopped 2 process(es)" in stopped.stderr
+        assert not Path(f"/proc/{agent}").exists() or "Z" in Path(f"/proc/{agent}/stat").read_text().split(")")[-1][:3]
         for bystander in (other_cluster, other_role, unmarked):
             assert bystander.poll() is None, "a stop ended a process this launch.sh did not start"
     finally:
@@ -487,11 +497,39 @@ def test_a_refused_token_stops_the_join_at_once_with_the_copy_command(tmp_path: 
         "RLC_RAY_TOKEN_FILE": str(token),
         "RLC_JOIN_BACKOFF": "0",
         "RLC_SHIM_FAIL_JOINS": "99",
-        "RLC_SHIM_JOIN_ERROR": "RuntimeError: Token authentication is enabled but the authentication token is "
-        "invalid or incorrect.",
+        # what Ray 2.60's `ray start --address` prints when the head refuses the token
+        "RLC_SHIM_JOIN_ERROR": "ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication "
+        "token is missing or incorrect.",
     }
     result = _run_script(tmp_path / "plan", ["worker"], shims, tmp_path, **env)
     assert result.returncode == 1
     assert len([c for c in _calls(shims[1]) if c[:2] == ["ray", "start"]]) == 1, "a refused token was retried"
     (default,) = [line for line in result.stderr.splitlines() if "refused this node's Ray token" in line]
-    assert f"scp 10.0.0.1:{tmp_path}/.rlc/ray-token-rlc-quickstart-" in default and f" {token}`" in default
+    assert "scp 10.0.0.1:~/.rlc/ray-token-rlc-quickstart-" in default and f" {token}`" in default
+
+
+def test_a_worker_s_leftovers_are_stopped_once_its_raylet_exits(tmp_path: Path, shims) -> None:
+    import sys
+
+    emit_plan_dir(cpu_plan(), spec_from(CPU_SPEC), tmp_path / "plan", provenance={})
+    shown = _run_script(tmp_path / "plan", ["worker", "--dry-run"], shims, tmp_path, RAY_AUTH_TOKEN="t")
+    watch = _argv_lines(shown.stdout, tmp_path)[-1]
+    assert watch[-1] == "watch" and watch[0] == "python3"
+    mark = watch[-3]
+    raylet = tmp_path / "raylet"  # a process named like Ray's raylet
+    shutil.copy(shutil.which("sleep") or "/bin/sleep", raylet)
+    node = subprocess.Popen([str(raylet), "300"], env={"RLC_CLUSTER_MARK": mark})
+    agent = _sleeper(RLC_CLUSTER_MARK=mark)  # e.g. Ray's runtime-env agent, which outlives the raylet
+    bystander = _sleeper()
+    watcher = subprocess.Popen([sys.executable, *watch[1:]], stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        assert watcher.poll() is None and agent.poll() is None  # the raylet lives: nothing is stopped
+        node.kill()
+        node.wait()
+        assert watcher.wait(timeout=30) == 0
+        assert agent.wait(timeout=5) is not None and bystander.poll() is None
+    finally:
+        for process in (node, agent, bystander, watcher):
+            process.kill()
+            process.wait()

@@ -81,7 +81,7 @@ REQUIRED_PATHS=(
 )
 RUN_DIR=runs/qwen3-8b-colocated-mopd-lora-mtp
 DEFAULT_SUBMISSION_ID=rlc-qwen3-8b-colocated-mopd-lora-mtp-5e1c0361ffb6
-SUBMISSION_ID="${RLC_SUBMISSION_ID:-$DEFAULT_SUBMISSION_ID-$(date -u +%Y%m%d-%H%M%S)-$$}"
+SUBMISSION_ID="${RLC_SUBMISSION_ID:-$DEFAULT_SUBMISSION_ID-$(date -u +%Y%m%d-%H%M%S)-$$-$RANDOM}"
 METADATA_JSON='{"rlc_plan_hash": "5e1c0361ffb671964ab92330cffeee98bb6f3afeba1da6a7cecf6addcc8f3196", "rlc_plan_name": "qwen3-8b-colocated-mopd-lora-mtp", "rlc_version": "0.1.0"}'
 
 RAY_PORT="${RLC_RAY_PORT:-6379}"
@@ -109,7 +109,7 @@ PLAN_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)"
 # A relative run directory is taken from where this script runs, as `rlc run` takes it from its own directory.
 if [[ "$RUN_DIR" == /* ]]; then ABS_RUN_DIR="$RUN_DIR"; else ABS_RUN_DIR="$PWD/$RUN_DIR"; fi
 # What Ray prints when the head refuses a node's token: joining again with the same token cannot succeed.
-TOKEN_REFUSED='unauthenticated|invalid or missing authentication token|authentication token is invalid|invalid authentication token'
+TOKEN_REFUSED='AuthenticationError|InvalidAuthToken|unauthenticated|authentication token is (missing or incorrect|invalid)|invalid or missing authentication token'
 
 ROLE=""
 ACTION=start
@@ -345,33 +345,62 @@ alive = sum(1 for node in ray.nodes() if node.get("Alive"))
 print(alive, int(ray.cluster_resources().get(sys.argv[1], 0)))
 '
 
-# Ends the processes that carry this node's cluster mark (argv: mark, seconds before SIGKILL). Reads each
-# process's environment as started; processes of other users are not readable and are never touched.
+# Ends the processes that carry this node's cluster mark and their descendants (Ray starts its agents without
+# the environment), argv: mark, seconds before SIGKILL, and `watch` to first wait, in the background, until this
+# node's raylet is gone (Ray's agents and workers can outlive it by minutes). Reads each process's environment as
+# started; other users' processes are not readable and are never touched.
 STOP_PY='
 import os, signal, sys, time
 mark = ("RLC_CLUSTER_MARK=" + sys.argv[1]).encode()
-def marked():
-    found = []
+def table():
+    procs = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[-1].split()
+            with open(f"/proc/{entry}/comm") as handle:
+                name = handle.read().strip()
             with open(f"/proc/{entry}/environ", "rb") as handle:
-                if mark in handle.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
+                marked = mark in handle.read().split(b"\0")
+        except (OSError, IndexError):
             continue
+        if fields[0] != b"Z":
+            procs[int(entry)] = (int(fields[1]), fields[19], name, marked)
+    return procs
+def ours(procs):
+    found = {pid: procs[pid][1] for pid in procs if procs[pid][3]}
+    grew = True
+    while grew:
+        grew = False
+        for pid, (parent, started, _, _) in procs.items():
+            if parent in found and pid not in found:
+                found[pid] = started
+                grew = True
     return found
-pids = marked()
+seen = {}
+if sys.argv[3:] == ["watch"]:
+    while True:
+        procs = table()
+        seen.update(ours(procs))
+        if not any(procs[pid][2] == "raylet" for pid in seen if pid in procs):
+            break
+        time.sleep(2)
+def alive():
+    procs = table()
+    seen.update(ours(procs))
+    return [pid for pid, started in seen.items() if pid in procs and procs[pid][1] == started]
+pids = alive()
 for pid in pids:
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         pass
 deadline = time.monotonic() + float(sys.argv[2])
-while marked() and time.monotonic() < deadline:
+while alive() and time.monotonic() < deadline:
     time.sleep(0.2)
-left = marked()
+left = alive()
 for pid in left:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -384,6 +413,16 @@ print(f"[rlc] stopped {len(pids)} process(es) of this node\N{RIGHT SINGLE QUOTAT
 stop_cluster() {
   log "stopping the Ray processes launch.sh $ROLE started on this node"
   run "$PYTHON" -c "$STOP_PY" "$CLUSTER_MARK" 10
+}
+
+# Once this node's raylet exits (its head gone, or killed), whatever Ray left running here is stopped too.
+watch_raylet() {
+  if [[ "$DRY_RUN" == 1 ]]; then
+    printf '# in the background, once the raylet exits:\n'
+    run "$PYTHON" -c "$STOP_PY" "$CLUSTER_MARK" 10 watch
+    return 0
+  fi
+  nohup "$PYTHON" -c "$STOP_PY" "$CLUSTER_MARK" 10 watch >/dev/null 2>&1 &
 }
 
 # The resources a node declares: its devices and, on a cluster of several nodes, the per-node resource the
@@ -501,6 +540,7 @@ join_cluster() {
   if [[ -n "${RLC_NODE_IP:-}" ]]; then args+=(--node-ip-address="$RLC_NODE_IP"); fi
   if [[ "$DRY_RUN" == 1 ]]; then
     run ray "${args[@]}"
+    watch_raylet
     return 0
   fi
   local attempt=1 delay="$JOIN_BACKOFF" output
@@ -509,7 +549,7 @@ join_cluster() {
     cat -- "$output" >&2
     if grep -qiE "$TOKEN_REFUSED" "$output"; then
       rm -f -- "$output"
-      die "the head at $head refused this node's Ray token ($(printf '%q' "${RAY_AUTH_TOKEN_PATH:-RAY_AUTH_TOKEN}")): copy the head's token file here again, e.g. \`scp $(printf '%q' "$head"):$(printf '%q' "$DEFAULT_TOKEN_FILE") $(printf '%q' "${RAY_AUTH_TOKEN_PATH:-$DEFAULT_TOKEN_FILE}")\` (\`launch.sh head\` prints its token file), then start this worker again"
+      die "the head at $head refused this node's Ray token ($(printf '%q' "${RAY_AUTH_TOKEN_PATH:-RAY_AUTH_TOKEN}")): copy the head's token file here again, e.g. \`scp $(printf '%q' "$head"):~/.rlc/${DEFAULT_TOKEN_FILE##*/} $(printf '%q' "${RAY_AUTH_TOKEN_PATH:-$DEFAULT_TOKEN_FILE}")\` (\`launch.sh head\` prints its token file), then start this worker again"
     fi
     if ((attempt >= JOIN_ATTEMPTS)); then
       rm -f -- "$output"
@@ -522,6 +562,7 @@ join_cluster() {
   done
   cat -- "$output" >&2
   rm -f -- "$output"
+  watch_raylet
   log "joined the cluster at $head:$RAY_PORT as node n$rank; this node now serves it (stop with \`launch.sh worker stop\`)"
 }
 
