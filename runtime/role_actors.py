@@ -81,7 +81,6 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
 
     A LoRA run has no reference group: the trainer scores with adapters disabled.
     """
-    from rlc.runtime.rollout.engine import rollout_engine_actor
     from rlc.runtime.rollout.pool import RolloutPool
     from rlc.runtime.train.group import TrainerGroup
 
@@ -123,13 +122,7 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
         generations[index] = generation + 1
         spec = engines[index]
         env = {**engine_env, **spec.device_env(plan.platform)}
-        cls = rollout_engine_actor(
-            name=spec.name + (f"-r{generation}" if generation else ""),
-            num_cpus=0,
-            resources=spec.resources,
-            scheduling_strategy=_strategy(groups, spec),
-            runtime_env={"env_vars": env},
-        )
+        cls = _engine_actor_class(spec, generation, groups, env)
         # Agents call vLLM's OpenAI server inside the actor.
         agent = (plan.agent.model_dump(), plan.sampling.model_dump()) if plan.agent is not None else (None, None)
         stamped = version if stamp == 0 else stamp
@@ -182,7 +175,6 @@ def _wait_started(roles: dict[str, Any]) -> None:
 def build_teachers(plan: Plan, request: LaunchRequest, groups: dict[str, Any]) -> Any:
     """Forward-only teacher engines on their planned bundles, named rlc-teacher-<name>-<i>."""
     from rlc.runtime.distill import TeacherPool
-    from rlc.runtime.rollout.engine import rollout_engine_actor
 
     generations: dict[tuple[str, int], int] = {}
 
@@ -193,13 +185,7 @@ def build_teachers(plan: Plan, request: LaunchRequest, groups: dict[str, Any]) -
         role = plan.role(role_name)
         spec = [a for a in request.actors if a.role == role_name][index]
         env = {**plan.env, **role.env, **spec.device_env(plan.platform)}
-        cls = rollout_engine_actor(
-            name=spec.name + (f"-r{generation}" if generation else ""),
-            num_cpus=0,
-            resources=spec.resources,
-            scheduling_strategy=_strategy(groups, spec),
-            runtime_env={"env_vars": env},
-        )
+        cls = _engine_actor_class(spec, generation, groups, env)
         return cls.remote(dict(role.engine), plan.platform, env, 0)
 
     return TeacherPool(plan, make_teacher)
@@ -231,3 +217,17 @@ def check_built_layout(plan: Plan, built: list[dict[str, Any]]) -> list[str]:
             found.append(f"rank {rank}: mesh position {got['coords']} instead of {layout.coordinates(rank)}")
         found += [f"rank {rank}: {k} is {got[k]!r}, the plan says {v!r}" for k, v in want.items() if got[k] != v]
     return found
+
+
+def _engine_actor_class(spec: ActorRequest, generation: int, groups: dict[str, Any], env: dict[str, str]) -> Any:
+    """The Ray actor class of one engine (rollout or teacher) in its placement bundle, named after the request and,
+    once restarted, its generation (`-r<n>`: a restart never waits for the dead actor's name to be freed)."""
+    from rlc.runtime.rollout.engine import rollout_engine_actor
+
+    return rollout_engine_actor(
+        name=spec.name + (f"-r{generation}" if generation else ""),
+        num_cpus=0,
+        resources=spec.resources,
+        scheduling_strategy=_strategy(groups, spec),
+        runtime_env={"env_vars": env},
+    )

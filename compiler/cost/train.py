@@ -159,68 +159,66 @@ def train_time(
     passes = 2.0 + (1.0 if layout.recompute == "full" else 0.0)
     pass_layers = passes * ceil(arch.num_layers / layout.pp)  # a pipeline stage's layers, per pass
     local = work.rank_tokens(layout.dp) / layout.cp
-    tp_s = _tp_s(arch, layout, target, local * b, pass_layers, micro)
-    cp_s = _cp_s(arch, layout, target, local * b, pass_layers, micro, devices_per_node)
-    ep_s = _ep_s(arch, layout, target, local * b, pass_layers, micro, devices_per_node)
+    traffic = _RankTraffic(arch, layout, target, local * b, pass_layers, micro, devices_per_node)
+    tp_s, cp_s, ep_s = _tp_s(traffic), _cp_s(traffic), _ep_s(traffic)
     dp_s = _dp_s(sizes, layout, target, work, b, micro, compute, devices_per_node)
     offload_s = _offload_s(sizes, layout, target, work, b, micro, devices_per_node)
     return TrainTime(compute, bubble, tp_s, cp_s, ep_s, dp_s, offload_s, _overhead_s(layout, target, work), expert_s)
 
 
-def _tp_s(
-    arch: Any, layout: TrainLayout, target: TargetProfile, local_bytes: float, pass_layers: float, micro: int
-) -> float:
+@dataclass(frozen=True)
+class _RankTraffic:
+    """What a rank's model-parallel collectives depend on: its activations' bytes (`local_bytes`: its tokens ×
+    the compute dtype's bytes), the layers a pass crosses on its pipeline stage, and the micro-batches a step."""
+
+    arch: Any
+    layout: TrainLayout
+    target: TargetProfile
+    local_bytes: float
+    pass_layers: float
+    micro: int
+    devices_per_node: int
+
+
+def _tp_s(t: _RankTraffic) -> float:
     """Tensor parallelism: 4 all-reduces per layer per micro-batch (2 forward, 2 backward)."""
+    layout = t.layout
     if layout.tp <= 1:
         return 0.0
-    volume = 2 * (layout.tp - 1) / layout.tp * local_bytes * arch.hidden_size
-    count = 2 * pass_layers
-    return collective_s(target, count * volume, target.intra_node_bandwidth_gbps, count * micro)
+    volume = 2 * (layout.tp - 1) / layout.tp * t.local_bytes * t.arch.hidden_size
+    count = 2 * t.pass_layers
+    return collective_s(t.target, count * volume, t.target.intra_node_bandwidth_gbps, count * t.micro)
 
 
-def _cp_s(
-    arch: Any,
-    layout: TrainLayout,
-    target: TargetProfile,
-    local_bytes: float,
-    pass_layers: float,
-    micro: int,
-    devices_per_node: int,
-) -> float:
+def _cp_s(t: _RankTraffic) -> float:
     """Context parallelism: Ulysses' four all-to-alls of q, k, v, o per layer and pass, or ring's K/V blocks."""
+    arch, layout = t.arch, t.layout
     if layout.cp <= 1:
         return 0.0
-    link = link_gbps(target, layout.tp * layout.cp, devices_per_node)
+    link = link_gbps(t.target, layout.tp * layout.cp, t.devices_per_node)
     if layout.cp_kind == "ring":
         # Each rank passes its K/V block on cp − 1 times per layer (and dK/dV back in backward).
-        volume = (layout.cp - 1) * local_bytes * 2 * arch.num_kv_heads * arch.head_dim / layout.tp
-        count = (layout.cp - 1) * pass_layers
+        volume = (layout.cp - 1) * t.local_bytes * 2 * arch.num_kv_heads * arch.head_dim / layout.tp
+        count = (layout.cp - 1) * t.pass_layers
     else:
         width = (2 * arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim
-        volume = (layout.cp - 1) / layout.cp * local_bytes * width / layout.tp
-        count = 4 * pass_layers
-    cp_nodes = nodes_spanned(layout.tp * layout.cp, devices_per_node)
-    return collective_s(target, pass_layers * volume, link, count * micro, cp_nodes)
+        volume = (layout.cp - 1) / layout.cp * t.local_bytes * width / layout.tp
+        count = 4 * t.pass_layers
+    cp_nodes = nodes_spanned(layout.tp * layout.cp, t.devices_per_node)
+    return collective_s(t.target, t.pass_layers * volume, link, count * t.micro, cp_nodes)
 
 
-def _ep_s(
-    arch: Any,
-    layout: TrainLayout,
-    target: TargetProfile,
-    local_bytes: float,
-    pass_layers: float,
-    micro: int,
-    devices_per_node: int,
-) -> float:
+def _ep_s(t: _RankTraffic) -> float:
     """Expert parallelism: dispatch and combine all-to-alls per MoE layer, forward and backward."""
+    arch, layout = t.arch, t.layout
     if arch.moe is None or layout.ep <= 1:
         return 0.0
     moe_share = (arch.num_layers - arch.moe.first_dense_layers) / arch.num_layers
-    volume = local_bytes * arch.moe.experts_per_token * arch.hidden_size * (layout.ep - 1) / layout.ep
-    ep_nodes = nodes_spanned(layout.ep * layout.etp, devices_per_node)
-    link = link_gbps(target, layout.ep * layout.etp, devices_per_node) * ep_width_bandwidth(ep_nodes)
-    count = 2 * pass_layers * moe_share
-    return collective_s(target, count * volume / layout.tp, link, count * micro, ep_nodes)
+    volume = t.local_bytes * arch.moe.experts_per_token * arch.hidden_size * (layout.ep - 1) / layout.ep
+    ep_nodes = nodes_spanned(layout.ep * layout.etp, t.devices_per_node)
+    link = link_gbps(t.target, layout.ep * layout.etp, t.devices_per_node) * ep_width_bandwidth(ep_nodes)
+    count = 2 * t.pass_layers * moe_share
+    return collective_s(t.target, count * volume / layout.tp, link, count * t.micro, ep_nodes)
 
 
 def _dp_s(

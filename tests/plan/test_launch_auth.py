@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from plan_fixtures import CPU_SPEC, cpu_plan, spec_from
+from ports import free_port
 
 from rlc.compiler.emit import emit_plan_dir
 from rlc.compiler.node_setup import RAY_PORTS
@@ -37,12 +38,6 @@ BIN = Path(sys.executable).parent
 NODE_PORT_FLAGS = [
     flag for flag in RAY_PORTS if flag not in ("port", "dashboard-port", "min-worker-port", "max-worker-port")
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _pids_with(marker: bytes) -> list[int]:
@@ -100,14 +95,14 @@ def test_tokenless_job_submission_to_a_launched_head_is_refused(tmp_path: Path) 
     for flag in NODE_PORT_FLAGS:
         fixed = f"--{flag}={RAY_PORTS[flag]}"
         assert fixed in text
-        text = text.replace(fixed, f"--{flag}={_free_port()}")
+        text = text.replace(fixed, f"--{flag}={free_port()}")
     script.write_text(text)
     ray_tmp = tempfile.mkdtemp(prefix="rlc-ray-", dir="/tmp")  # short: Ray's unix sockets live under it
     marker = f"RAY_TMPDIR={ray_tmp}".encode()
     home, stranger = tmp_path / "home", tmp_path / "stranger"
     home.mkdir()
     stranger.mkdir()
-    gcs, dashboard = _free_port(), _free_port()
+    gcs, dashboard = free_port(), free_port()
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RLC_"))}
     env = {
         **clean,

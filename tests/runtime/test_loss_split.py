@@ -8,11 +8,11 @@ Ray); the two-rank check spawns processes and is slow.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 
 from rlc.runtime.algo.policy import PolicyLoss
 
@@ -30,19 +30,13 @@ POLICIES = {
 BUDGETS = (16, 40, 4096)  # many micro-batches, a few, one
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def pg():
     import torch.distributed as dist
 
     started = not dist.is_initialized()
     if started:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     if started:
         dist.destroy_process_group()
@@ -179,7 +173,7 @@ def test_two_ranks_give_the_same_loss_and_grads(
 ) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(_free_port(), str(tiny_model_dir), str(tmp_path), prepared), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(free_port(), str(tiny_model_dir), str(tmp_path), prepared), nprocs=2, join=True)
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
     for name, policy in POLICIES.items():
         ref_loss, ref_grads = _step(workers[4096], prepared, policy)

@@ -9,10 +9,10 @@ back from its model) must be the one asked.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -44,12 +44,6 @@ LAYOUTS = {
         "offload_optimizer": True,
     },
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _batch() -> dict:
@@ -110,7 +104,7 @@ def _run(model_dir: Path, out: Path, layout: dict, packing: bool = True) -> list
 
     world = layout["world_size"]
     out.mkdir(parents=True, exist_ok=True)
-    args = (world, _free_port(), str(model_dir), str(out), layout, packing)
+    args = (world, free_port(), str(model_dir), str(out), layout, packing)
     mp.spawn(_rank_main, args=args, nprocs=world, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
@@ -272,7 +266,7 @@ def test_pipeline_stages_resume_from_a_checkpoint_exactly(tiny_moe_model_dir: Pa
     for reload in (False, True):
         out = tmp_path / str(reload)
         out.mkdir()
-        mp.spawn(_resume_rank_main, args=(2, _free_port(), str(tiny_moe_model_dir), str(out), reload), nprocs=2)
+        mp.spawn(_resume_rank_main, args=(2, free_port(), str(tiny_moe_model_dir), str(out), reload), nprocs=2)
         runs[reload] = torch.load(out / "rank0.pt", weights_only=False)
     assert runs[True]["stats"][1]["loss"] == pytest.approx(runs[False]["stats"][1]["loss"], rel=1e-6)
     assert runs[True]["stats"][1]["grad_norm"] == pytest.approx(runs[False]["stats"][1]["grad_norm"], rel=1e-6)
@@ -297,7 +291,7 @@ def test_pipeline_weights_reach_every_rank_that_keeps_a_copy(tmp_path: Path) -> 
     to every other keeper (here rank 2), and a rank that keeps none gets nothing."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_share_rank_main, args=(3, _free_port(), str(tmp_path)), nprocs=3)
+    mp.spawn(_share_rank_main, args=(3, free_port(), str(tmp_path)), nprocs=3)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(3)]
     assert got[1] is None
     assert all(torch.equal(g["w"], torch.arange(6.0)) for g in (got[0], got[2]))

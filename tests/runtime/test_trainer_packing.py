@@ -8,11 +8,11 @@ The padded path is the reference: it runs each sequence in its own row, so it ca
 from __future__ import annotations
 
 import itertools
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 
 TOL = 1e-5  # fp32 CPU kernels on both sides; measured differences are ~1e-6 (different matmul shapes)
 # Weights after one AdamW step: its first update is about lr·sign(g), so gradients within TOL of
@@ -23,19 +23,13 @@ BUDGET = 64  # micro-batch token budget of the packed workers
 RANK_CFG = {"lr": 1e-3, "logprob_chunk_tokens": 7, "micro_batch_tokens": BUDGET, "packing": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def pg():
     """A one-rank gloo group in this process, which every in-process TrainerWorker joins."""
     import torch.distributed as dist
 
     started = not dist.is_initialized()
-    port = _free_port()
+    port = free_port()
     if started:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield port
@@ -237,7 +231,7 @@ def _two_rank_batch() -> dict:
 def test_two_ranks_with_uneven_micro_batch_counts(pg, tiny_model_dir, tmp_path) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(_free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["bins"] == r1["bins"] == 3  # rank 1 ran dummy micro-batches to keep FSDP in step
     batch = _two_rank_batch()
@@ -356,7 +350,7 @@ def test_two_ranks_take_minibatch_steps_together_with_an_empty_share(pg, tiny_mo
     lp = one.compute_logprobs(batch)
     behaviour = [[v - 0.05 * (i % 2) for i, v in enumerate(row)] for row in lp]
     torch.save(behaviour, tmp_path / "behaviour.pt")
-    mp.spawn(_rank_minibatches, args=(_free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank_minibatches, args=(free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     (shares,) = minibatch_shares({**batch, "behaviour_logprobs": behaviour}, 2, 1)
     ref = one.train_step(shares, {"clip": 0.2})
