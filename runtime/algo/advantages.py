@@ -31,15 +31,7 @@ def group_advantages(
     rollout side emits them). ``scale_by_std=False`` gives Dr. GRPO's mean-only baseline, which avoids
     up-weighting nearly-solved or nearly-hopeless prompts. Returns float32 of the same shape.
     """
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    flat = rewards.reshape(-1).to(torch.float32)
-    if flat.numel() % group_size != 0:
-        raise ValueError(
-            f"{flat.numel()} rewards cannot be split into groups of {group_size} "
-            f"({flat.numel()} % {group_size} = {flat.numel() % group_size})"
-        )
-    grouped = flat.view(-1, group_size)
+    grouped = _grouped(rewards, group_size)
     mean = grouped.mean(dim=1, keepdim=True)
     centred = grouped - mean
     if scale_by_std:
