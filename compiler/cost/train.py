@@ -235,7 +235,7 @@ def _dp_s(
     step, or Megatron's distributed optimizer once per step; half of it hides behind compute."""
     fsdp = layout.backend == "fsdp2"
     arch, steps = sizes.arch, work.minibatches
-    group = layout.shard_group if fsdp else layout.dp * layout.cp
+    group = _dp_group(layout)
     if group <= 1:
         return 0.0
     replica = sizes.total / (layout.tp * layout.pp)
@@ -285,7 +285,7 @@ def _offload_s(
             offload_s += steps * shard * min(devices_per_node, layout.world_size) / HOST_ADAM_PARAMS_PER_S
         else:
             # The moments come to the device for each update and go back: 2 × their bytes.
-            group = layout.shard_group if fsdp else layout.dp * layout.cp
+            group = _dp_group(layout)
             moments = 2 * layout.precision.param_bytes * shard if fsdp else 12 * shard / max(1, group)
             offload_s += steps * 2 * moments / host
     return offload_s
@@ -303,3 +303,9 @@ def _overhead_s(layout: TrainLayout, target: TargetProfile, work: Workload) -> f
     whole = max(1, ceil(tokens_rank / layout.micro_batch_tokens))
     forward_only = micro * work.proximal_forwards + whole * ((1 if work.reference else 0) + work.extra_forwards)
     return (micro + forward_only / 3) * target.efficiency.micro_batch_overhead_s
+
+
+def _dp_group(layout: TrainLayout) -> int:
+    """Ranks that share one copy of the parameters' shards: FSDP2's shard group, or Megatron's data × context
+    parallel ranks."""
+    return layout.shard_group if layout.backend == "fsdp2" else layout.dp * layout.cp

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from plan_fixtures import CPU_SPEC, cpu_plan, spec_from
-from ports import free_port
+from ranks import free_port
 
 from rlc.compiler.emit import emit_plan_dir
 from rlc.compiler.node_setup import RAY_PORTS

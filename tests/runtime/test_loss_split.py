@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ports import free_port
+from ranks import free_port
 
 from rlc.runtime.algo.policy import PolicyLoss
 

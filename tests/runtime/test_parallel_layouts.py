@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ports import free_port
+from ranks import free_port, leave_together
 
 torch = pytest.importorskip("torch")
 
@@ -96,7 +96,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str, layou
         },
         f"{out}/rank{rank}.pt",
     )
-    _leave_together(w)
+    leave_together(w)
 
 
 def _run(model_dir: Path, out: Path, layout: dict, packing: bool = True) -> list[dict]:
@@ -255,7 +255,7 @@ def _resume_rank_main(rank: int, world: int, port: int, model_dir: str, out: str
             w.save_checkpoint(f"{out}/ckpt")
             w.load_checkpoint(f"{out}/ckpt")
     torch.save({"stats": stats, "weights": w.full_state_dict()}, f"{out}/rank{rank}.pt")
-    _leave_together(w)
+    leave_together(w)
 
 
 def test_pipeline_stages_resume_from_a_checkpoint_exactly(tiny_moe_model_dir: Path, tmp_path: Path) -> None:
@@ -295,12 +295,3 @@ def test_pipeline_weights_reach_every_rank_that_keeps_a_copy(tmp_path: Path) -> 
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(3)]
     assert got[1] is None
     assert all(torch.equal(g["w"], torch.arange(6.0)) for g in (got[0], got[2]))
-
-
-def _leave_together(worker: object) -> None:
-    """Every rank reaches the end before any closes its connections: gloo aborts a process whose peer hangs up
-    while it still exchanges (the product's trainers are ended by Ray instead)."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    worker.shutdown()  # type: ignore[attr-defined]

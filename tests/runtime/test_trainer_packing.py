@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ports import free_port
+from ranks import free_port, leave_together
 
 TOL = 1e-5  # fp32 CPU kernels on both sides; measured differences are ~1e-6 (different matmul shapes)
 # Weights after one AdamW step: its first update is about lr·sign(g), so gradients within TOL of
@@ -213,7 +213,7 @@ def _rank_main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         {"lp": lp, "stats": stats, "bins": len(w._micro_batches(share["input_ids"])), "sd": sd},
         f"{out_dir}/rank{rank}.pt",
     )
-    _leave_together(w)
+    leave_together(w)
 
 
 def _two_rank_batch() -> dict:
@@ -334,7 +334,7 @@ def _rank_minibatches(rank: int, port: int, model_dir: str, out_dir: str) -> Non
     assert [len(s["input_ids"]) for s in shares] == ([0, 1] if rank == 0 else [1, 1])
     stats = w.train_step(shares, {"clip": 0.2})
     torch.save({"stats": stats, "sd": w.full_state_dict()}, f"{out_dir}/rank{rank}.pt")
-    _leave_together(w)
+    leave_together(w)
 
 
 @pytest.mark.slow
@@ -362,12 +362,3 @@ def test_two_ranks_take_minibatch_steps_together_with_an_empty_share(pg, tiny_mo
     assert ref["behaviour_gap"] == pytest.approx(sum(masked) / len(masked), abs=TOL)  # over every minibatch
     sd = {k: v.full_tensor() for k, v in one.model.state_dict().items()}
     assert max((r0["sd"][k] - sd[k]).abs().max().item() for k in sd) < WEIGHT_TOL
-
-
-def _leave_together(worker: object) -> None:
-    """Every rank reaches the end before any closes its connections: gloo aborts a process whose peer hangs up
-    while it still exchanges (the product's trainers are ended by Ray instead)."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    worker.shutdown()  # type: ignore[attr-defined]
