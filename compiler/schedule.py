@@ -4,6 +4,7 @@ bound."""
 from __future__ import annotations
 
 from rlc.compiler import cost, search
+from rlc.compiler.engine_config import engine_dtype
 from rlc.compiler.resolve import Problem
 from rlc.compiler.roles import offload_steps
 from rlc.schemas.plan import Schedule
@@ -17,11 +18,10 @@ SYNC_CHECK_MAX_GAP = {"float32": 1e-3, "bfloat16": 0.25}
 
 def sync_check_max_gap(problem: Problem, train_compute_dtype: str) -> float:
     """The spec's `rollout.sync_check_max_gap`, else the default for the lower precision of the two sides: the
-    engines (float32 on cpu, bfloat16 on accelerators) and the trainer's compute dtype."""
+    engines' (`engine_config.engine_dtype`) and the trainer's compute dtype."""
     if problem.spec.rollout.sync_check_max_gap is not None:
         return problem.spec.rollout.sync_check_max_gap
-    engine = "float32" if problem.target.kind == "cpu" else "bfloat16"
-    return max(SYNC_CHECK_MAX_GAP[engine], SYNC_CHECK_MAX_GAP[train_compute_dtype])
+    return max(SYNC_CHECK_MAX_GAP[engine_dtype(problem)], SYNC_CHECK_MAX_GAP[train_compute_dtype])
 
 
 #: The stall bound (`Schedule.stall_timeout_s`) covers this many of the slowest steps the estimate allows (the

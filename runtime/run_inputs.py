@@ -22,7 +22,7 @@ def prepare_model(plan: Plan, log) -> tuple[Path, Weights]:  # type: ignore[no-u
     """Build the quickstart model when the plan asks for it; check every model folder is complete and sound."""
     path = _model_path(plan)
     if plan.model.build_tiny and not (path / "config.json").is_file():
-        from rlc.runtime.tasks.model_builder import build_tiny_model
+        from rlc.runtime.tasks.model_builder import build_tiny_model, tiny_architecture
 
         log(f"building the quickstart model in {path} (one-time, a few seconds)")
         try:
@@ -31,7 +31,7 @@ def prepare_model(plan: Plan, log) -> tuple[Path, Weights]:  # type: ignore[no-u
                 seed=plan.algorithm.seed,
                 max_positions=plan.model.tiny_max_positions or 512,
                 task="calculator" if plan.model.id == "rlc-tiny-agent" else "addition",
-                architecture="moe" if plan.model.experts else "dense",
+                architecture=tiny_architecture(plan.model.id),
             )
         except (OSError, ValueError) as exc:
             raise RunError(f"cannot build the quickstart model in {path}: {exc}") from None

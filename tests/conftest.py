@@ -44,9 +44,18 @@ def tiny_hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Randomly initialised (no warm-up): the numerics tests compare layouts to 1e-5, and a warmed-up model's larger
     activations turn fp32 rounding of differently shaped matmuls into ~1e-5 by the last layer by themselves.
     """
-    from rlc.runtime.tasks.tiny_hybrid_model import build_tiny_hybrid_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
-    return build_tiny_hybrid_model(tmp_path_factory.mktemp("tiny-hybrid") / "model", seed=0, warmup_steps=0)
+    out = tmp_path_factory.mktemp("tiny-hybrid") / "model"
+    return build_tiny_model(out, seed=0, warmup_steps=0, architecture="hybrid")
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_mtp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """rlc-tiny-hybrid-mtp as `rlc run` builds it (warmed up, MTP head distilled), once per session (~30 s)."""
+    from rlc.runtime.tasks.model_builder import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-hybrid-mtp") / "model", seed=0, architecture="hybrid-mtp")
 
 
 @pytest.fixture(scope="session")

