@@ -77,6 +77,8 @@ class Run:
     steps: int
     #: Dynamic sampling: groups the run generated per group it trained (the mean over its steps), or None.
     generated_per_kept: float | None = None
+    #: Speculative decoding: the share of draft tokens the engines accepted (the mean over its steps), or None.
+    draft_acceptance: float | None = None
 
 
 def _median(rows: list[dict], key: str) -> float | None:
@@ -129,7 +131,12 @@ def load_run(run_dir: Path) -> Run:
     generated = statistics.fmean(draws) if draws else None
     if generated is not None:
         work = replace(work, oversample=generated)
-    return Run(run_dir.name, plan, measured, work, len(rows), generated)
+    # Speculative decoding: the rollout time depends on the acceptance the engines had, not the one assumed.
+    accepted = [float(r["spec_decode/acceptance_rate"]) for r in rows if "spec_decode/acceptance_rate" in r]
+    acceptance = statistics.fmean(accepted) if accepted and work.mtp_tokens else None
+    if acceptance is not None:
+        work = replace(work, mtp_acceptance=acceptance)
+    return Run(run_dir.name, plan, measured, work, len(rows), generated, acceptance)
 
 
 def run_workload(plan: Plan, prompt_tokens: float, response_tokens: float) -> cost.Workload:
@@ -147,6 +154,8 @@ def run_workload(plan: Plan, prompt_tokens: float, response_tokens: float) -> co
         reference=algo.kl_coef > 0 and plan.lora is None,
         lora=plan.lora is not None,
         mtp_tokens=int(spec.get("num_speculative_tokens", 0)),
+        mtp_acceptance=sampling.draft_acceptance or 0.0,
+        mtp_draft_layers=1 if spec and spec.get("method") != "ngram" else 0,
         minibatches=algo.minibatches,
         agent=_agent_work(plan),
         oversample=algo.dynamic_sampling.expected_generated_per_kept if algo.dynamic_sampling else 1.0,
@@ -336,6 +345,12 @@ def calibrate(base: TargetProfile, runs: list[Run]) -> TargetProfile:
                 f"{ds.expected_generated_per_kept:.3g}): algorithm.dynamic_sampling.expected_keep_rate "
                 f"{1 / run.generated_per_kept:.3g} for this task"
             )
+        if run.draft_acceptance is not None:
+            record[f"run.{run.name}.draft_acceptance"] = (
+                f"engines accepted {run.draft_acceptance:.3g} of draft tokens (planned "
+                f"{run.plan.sampling.draft_acceptance or 0:.3g}): rollout.mtp.acceptance_rate "
+                f"{min(0.99, max(0.01, run.draft_acceptance)):.2f} for this model and task"
+            )
     spread = max(abs(log(r)) for r in ratios)
     uncertainty = round(max(MIN_UNCERTAINTY, exp(2 * spread)), 3)
     sources = dict(target.sources)
@@ -361,8 +376,10 @@ def measured_phases(run_dir: Path) -> dict[str, float]:
     run = load_run(run_dir)
     names = {"rollout": "rollout", "train": "train", "sync": "weight sync", "step": "step"}
     out = {names[k]: v for k, v in run.measured.items()}
-    if run.generated_per_kept is not None:
-        from rlc.compiler.explain import GENERATED_PER_KEPT
+    from rlc.compiler.explain import DRAFT_ACCEPTANCE, GENERATED_PER_KEPT
 
+    if run.generated_per_kept is not None:
         out[GENERATED_PER_KEPT] = run.generated_per_kept
+    if run.draft_acceptance is not None:
+        out[DRAFT_ACCEPTANCE] = run.draft_acceptance
     return out

@@ -17,6 +17,7 @@ from rlc.schemas.plan import Plan
 
 #: The row of the time table that compares dynamic sampling's over-sampling with the plan's.
 GENERATED_PER_KEPT = "generated per kept (x)"
+DRAFT_ACCEPTANCE = "draft acceptance"
 
 BAR_WIDTH = 30
 
@@ -95,6 +96,8 @@ def time_table(plan: Plan, measured: dict[str, float] | None = None) -> Table:
     ds = plan.algorithm.dynamic_sampling
     if ds is not None:  # not seconds: the groups generated per trained one, which the rollout time includes
         rows.append((GENERATED_PER_KEPT, ds.expected_generated_per_kept))
+    if plan.sampling.draft_acceptance is not None:  # a share: the rollout time assumed it per draft token
+        rows.append((DRAFT_ACCEPTANCE, plan.sampling.draft_acceptance))
     for name, value in rows:
         row = [name, f"{value:.3g}"]
         if measured:

@@ -87,6 +87,7 @@ def sampling_settings(problem: Problem) -> Sampling:
         temperature=rollout.temperature,
         top_p=rollout.top_p,
         speculative=speculative_config(problem),
+        draft_acceptance=rollout.mtp.acceptance_rate if rollout.mtp else None,
     )
 
 

@@ -197,6 +197,11 @@ class Sampling(PlanModel):
     temperature: float
     top_p: float
     speculative: dict[str, Any] | None = Field(None, description="vLLM speculative_config, if any.")
+    draft_acceptance: float | None = Field(
+        None,
+        description="Per-token draft acceptance the rollout estimate assumed (`rollout.mtp.acceptance_rate`); "
+        "`rlc calibrate` and `rlc explain` compare it with a run's `spec_decode/acceptance_rate`.",
+    )
 
 
 class DataSettings(PlanModel):

@@ -114,3 +114,28 @@ def test_explain_shows_measured_and_profile(tmp_path: Path) -> None:
 def test_bad_run_dir_is_a_usage_error(tmp_path: Path) -> None:
     result = runner.invoke(app, ["calibrate", str(tmp_path), "-o", str(tmp_path / "o")])
     assert result.exit_code == 2 and "plan.json and metrics.jsonl" in result.output
+
+
+def test_a_speculative_run_is_priced_at_the_acceptance_its_engines_had(tmp_path: Path) -> None:
+    """The plan states the acceptance the estimate assumed; calibrate prices the run at the measured one (a rollout
+    at 0.2 acceptance is slower than at 0.7), records it with the spec key to set, and explain lines the two up."""
+    text = SPEC.replace("BATCH", "16").replace(
+        "rollout: {max_prompt_len: 8, max_response_len: 4}",
+        "model: {name: rlc-tiny-hybrid-mtp}\nrollout: {max_prompt_len: 8, max_response_len: 4, mtp: {}}",
+    )
+    text = text.replace("model: {name: rlc-tiny}\n", "")
+    compiled = compile_text(text, "mtp.yaml")
+    plan = compiled.plan
+    assert plan is not None and plan.sampling.draft_acceptance == 0.7
+    truth = calibrate.predict(plan, _truth(), calibrate.run_workload(plan, 5.0, 2.5))
+    tokens = 7.5 * plan.schedule.batch_samples
+    extra = {"response_len/mean": 2.5, "spec_decode/acceptance_rate": 0.2}
+    run = calibrate.load_run(write_run_dir(tmp_path / "mtp-run", plan, truth, tokens, 30, **extra))
+    assert run.draft_acceptance == pytest.approx(0.2) and run.work.mtp_acceptance == pytest.approx(0.2)
+    planned = calibrate.predict(plan, _truth(), calibrate.run_workload(plan, 5.0, 2.5))["rollout"]
+    assert calibrate.predict(plan, _truth(), run.work)["rollout"] > planned
+    record = calibrate.calibrate(load_target("cpu"), [run]).calibration
+    assert "engines accepted 0.2 of draft tokens (planned 0.7): rollout.mtp.acceptance_rate 0.20" in (
+        record["run.mtp-run.draft_acceptance"]
+    )
+    assert calibrate.measured_phases(tmp_path / "mtp-run")["draft acceptance"] == pytest.approx(0.2)

@@ -79,7 +79,8 @@ def test_an_engine_restarted_from_the_export_still_speculates(
     """The export carries the base checkpoint's frozen ``mtp.*`` (the trainer never holds them), so a new engine
     from it builds the drafter and accepts drafts as the run's engines did."""
     export = tmp_path / "export"
-    result = subprocess.run([*RLC, "export", str(hybrid_run), "--merged", "-o", str(export)], capture_output=True, text=True)
+    exporting = [*RLC, "export", str(hybrid_run), "--merged", "-o", str(export)]
+    result = subprocess.run(exporting, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
     def mtp(folder: Path) -> dict:
