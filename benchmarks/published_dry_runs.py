@@ -83,7 +83,9 @@ def _module(name: str, path: Path) -> ModuleType:
 
 def cases() -> tuple[list[Case], dict[str, str]]:
     """The expressible runs, and the deployments.yaml entries not measured with the reason."""
-    deployments = _module("test_deployments", ROOT / "tests" / "test_deployments.py")
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))  # the test module imports its helpers (paths.py) from there
+    deployments = _module("test_deployments", ROOT / "tests" / "compile" / "test_deployments.py")
     accuracy = _module("estimate_accuracy", ROOT / "benchmarks" / "estimate_accuracy.py")
     found = [
         Case(dep_id, "deployments", target, yaml.safe_load(textwrap.dedent(body)))
