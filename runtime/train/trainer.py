@@ -174,7 +174,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         if self.layout.pp > 1:
             _check_pipeline_layout(self.layout, self.lora, model)
             self.pipeline = split_model(model, self.mesh.pp)
-        model.to(self.device)
+        # The model stays on the host: `apply_layout` moves it to the device shard by shard.
         # MoE routers count expert load, compare passes, replay and add the load-balancing loss (`router`).
         self.routing = install_routing(
             model,
