@@ -1,6 +1,6 @@
 """The planner's step-time estimates against published runs it was not fitted on (benchmarks/published_runs.yaml).
 
-What: each held-out run is compiled as written there (the published layout pinned, on its target), with the
+What: each held-out run is priced as written there (the published layout pinned, on its target), with the
 run's mean tokens per sample and the extra forward passes it made, and its estimate is set against the
 measured step time, and against the measured phases where the source splits them (generation, training,
 weight sync). The table prints predicted / measured per run; the summary gives the median and geometric mean
@@ -15,7 +15,8 @@ Ascend profiles' efficiencies and overheads were fitted on the shared deployment
 and the other terms added for these comparisons each take their figure from a public measurement of something
 else, cited beside the code (`cost.links.EP_WIDTH_BANDWIDTH`, `cost.overheads.EAGER_LAYER_LAUNCH_S`). What the runs'
 sources publish about their layout is pinned in their specs (published_runs.yaml), never chosen to move a
-ratio.
+ratio. Megatron layouts, which `rlc validate` refuses (nothing in rlc executes them), are priced with the
+planner's Megatron models (`Context.price_megatron`) so that the comparison is with what actually ran.
 
 The compile path only (no torch): about 10 seconds.
 
@@ -52,12 +53,23 @@ def estimate(run: dict[str, Any]) -> Any:
     from rlc.compiler import search
     from rlc.compiler.validate import check_text
 
-    text = f"name: {run['id']}\ndata: {{train: arithmetic}}\n" + run["spec"]
+    spec = yaml.safe_load(run["spec"])
+    pins = (spec.get("placement") or {}).get("train") or {}
+    megatron = pins.get("backend") == "megatron"
+    if megatron:  # checked as its fsdp2 twin (`rlc validate` refuses Megatron, RLC223), then priced as published
+        pins["backend"] = "fsdp2"
+    text = yaml.safe_dump({"name": run["id"], "data": {"train": "arithmetic"}, **spec}, sort_keys=False)
     checked = check_text(text, "spec.yaml", target=run["target"])
     if checked.problem is None:
         errors = [f"{d.code} {d.message}" for d in checked.report.diagnostics if d.severity == "error"]
         return "; ".join(errors) or "no plan"
-    ctx = search.make_context(checked.problem)
+    problem = checked.problem
+    if megatron:
+        placement = problem.spec.placement
+        train_pin = placement.train.model_copy(update={"backend": "megatron"})
+        published = problem.spec.model_copy(update={"placement": placement.model_copy(update={"train": train_pin})})
+        problem = dataclasses.replace(problem, spec=published)
+    ctx = search.make_context(problem, price_megatron=megatron)
     prompt = run["mean_prompt_tokens"]
     if prompt is None:
         # Unpublished: the measured sample split between prompt and response in proportion to the run's caps (the

@@ -83,7 +83,9 @@ def _module(name: str, path: Path) -> ModuleType:
 
 def cases() -> tuple[list[Case], dict[str, str]]:
     """The expressible runs, and the deployments.yaml entries not measured with the reason."""
-    deployments = _module("test_deployments", ROOT / "tests" / "test_deployments.py")
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))  # the test module imports its helpers (paths.py) from there
+    deployments = _module("test_deployments", ROOT / "tests" / "compile" / "test_deployments.py")
     accuracy = _module("estimate_accuracy", ROOT / "benchmarks" / "estimate_accuracy.py")
     found = [
         Case(dep_id, "deployments", target, yaml.safe_load(textwrap.dedent(body)))
@@ -182,13 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         for case in found:
             free = dry_run(f"{case.id}-free", case.target, free_spec(case.spec), work)
             pinned = dry_run(f"{case.id}-pinned", case.target, pinned_spec(case.spec, args.full_pin), work)
-            pin_pp = ((case.spec.get("placement") or {}).get("train") or {}).get("pp") or 1
             rows.append(
                 {
                     "id": case.id,
                     "source": case.source,
                     "target": case.target,
-                    "pinned_pp": pin_pp,
                     "free": free,
                     "pinned": pinned,
                 }
@@ -227,12 +227,6 @@ def main(argv: list[str] | None = None) -> int:
                     every[reason][column] += 1
     for reason, c in sorted(every.items(), key=lambda kv: -sum(kv[1].values())):
         print(f"  {c['free']:>2} {c['pinned']:>2}  {reason}")
-    megatron = [r for r in rows if r["pinned"].status == "refused" and "megatron backend" in r["pinned"].reasons[0]]
-    with_pp = [r for r in megatron if r["pinned_pp"] > 1]
-    print(
-        f"\npinned plans refused for the megatron backend: {len(megatron)}, of which {len(with_pp)} pin PP > 1 "
-        "(the fsdp2 trainer has no pipeline parallelism, so a pinned PP leaves rlc only megatron)"
-    )
     print()
     print(f"not measured ({len(skipped)} deployments.yaml entries):")
     for dep_id, why in sorted(skipped.items()):

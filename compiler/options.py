@@ -57,6 +57,8 @@ class RoleSearch:
     closest: MemoryBreakdown | None = None
     closest_layout: object | None = None
     reason: str = ""
+    #: What the search tried (the trainer's degree tuples), for a refusal to name.
+    tried: str = ""
 
     def miss(self, breakdown: MemoryBreakdown, layout: object) -> None:
         """Remember the layout closest to fitting (device overflow; host-memory misses rank last)."""

@@ -177,6 +177,8 @@ def infeasible(problem: Problem, result: search.SearchResult, lines: LineMap, fi
                 if rs.closest_layout is not None and hasattr(rs.closest_layout, "summary"):
                     message += f" (closest layout: {rs.closest_layout.summary()})"
             fixes = _fixes(problem, "rollout" if role.startswith("rollout") else role, b)
+        if rs.tried:
+            message += f"; tried {rs.tried}"
         mine = [hint for path, hint in pinned if path.startswith(f"placement.{role.split('-')[0]}.")]
         head = mine + ([f"cluster.nodes >= {nodes} (checked: the planner fits it there)"] if nodes else [])
         path = _where(problem, role, lines, pinned)

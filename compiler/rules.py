@@ -13,7 +13,7 @@ from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.rule_registry import RuleContext, rule, set_off_default
 from rlc.compiler.search_context import lora_rollout_mode
 from rlc.schemas import layout
-from rlc.schemas.spec import BUILTIN_REWARDS, BUILTIN_TASKS
+from rlc.schemas.spec import BUILTIN_REWARDS, BUILTIN_TASKS, TrainPin
 
 GIB = 1024**3
 
@@ -145,6 +145,22 @@ def check_lora_rank(ctx: RuleContext) -> Iterator[Diagnostic]:
         )
     if isinstance(lora.target_modules, list) and not lora.target_modules:
         yield ctx.diag("RLC205", "lora.target_modules", "target_modules is empty: nothing would train")
+
+
+@rule("RLC224", "LoRA on a mixture-of-experts model is refused: the trainer builds no adapters on expert weights")
+def check_moe_lora(ctx: RuleContext) -> Iterator[Diagnostic]:
+    """Every layout would be refused at `rlc run` (`layout.moe_gaps`), so the spec is refused here, once."""
+    arch = ctx.problem.arch
+    if ctx.problem.spec.lora is None or not arch.is_moe:
+        return
+    yield ctx.diag(
+        "RLC224",
+        "lora",
+        f"LoRA on {arch.id}, a mixture-of-experts model: the trainer's experts are fused weights that no LoRA "
+        "adapter wraps, so a plan for it could not run",
+        "drop lora (the planner then shards the full model over data, context and expert parallelism), "
+        "or train a dense model",
+    )
 
 
 @rule("RLC206", "Context must fit the model's positions")
@@ -502,9 +518,6 @@ def check_backend_choices(ctx: RuleContext) -> Iterator[Diagnostic]:
             f"CP({pin.cp}) with train.packing: false: context parallelism splits packed micro-batches",
             "set train.packing: true, or drop the cp pin",
         )
-    backend = pin.backend or (spec.train.backend if spec.train.backend != "auto" else None)
-    if backend != "fsdp2":
-        return
     recompute = pin.recompute or (spec.train.recompute if spec.train.recompute != "auto" else None)
     if recompute and recompute not in layout.backend_recomputes("fsdp2"):
         path = "placement.train.recompute" if pin.recompute else "train.recompute"
@@ -512,8 +525,46 @@ def check_backend_choices(ctx: RuleContext) -> Iterator[Diagnostic]:
             "RLC215",
             path,
             f"recompute: {recompute} on the fsdp2 backend: FSDP2 recomputes whole decoder layers (full) or nothing",
-            "use recompute: full (or none), or backend: megatron",
+            "use recompute: full (or none)",
         )
+
+
+def _megatron_path(ctx: RuleContext) -> str | None:
+    """Where the spec asks for the megatron backend (the placement pin wins over `train.backend`), or None."""
+    spec = ctx.problem.spec
+    if spec.placement.train.backend == "megatron":
+        return "placement.train.backend"
+    if spec.placement.train.backend is None and spec.train.backend == "megatron":
+        return "train.backend"
+    return None
+
+
+@rule("RLC223", "backend: megatron is refused: nothing in rlc executes Megatron")
+def check_megatron_backend(ctx: RuleContext) -> Iterator[Diagnostic]:
+    path = _megatron_path(ctx)
+    if path is None:
+        return
+    yield ctx.diag(
+        "RLC223",
+        path,
+        "backend: megatron: rlc's trainer runs FSDP2 only and nothing in rlc executes Megatron, so a plan for it "
+        "could not run",
+        f"use the FSDP2 layout with the same degrees: {fsdp2_pins(ctx.problem.spec.placement.train)}",
+    )
+
+
+def fsdp2_pins(pin: TrainPin) -> str:
+    """The pinned degrees as an FSDP2 placement (`placement.train: {backend: fsdp2, tp: 4, ...}`), with the
+    data-parallel degree they leave when the devices are pinned too."""
+    keys = ["backend: fsdp2"]
+    if pin.devices:
+        keys.append(f"devices: {pin.devices}")
+    keys += [f"{name}: {getattr(pin, name)}" for name in ("tp", "pp", "cp", "ep") if getattr(pin, name)]
+    text = "placement.train: {" + ", ".join(keys) + "}"
+    model_parallel = (pin.tp or 1) * (pin.pp or 1) * (pin.cp or 1)
+    if pin.devices and not pin.devices % model_parallel:
+        text += f" (DP {pin.devices // model_parallel})"
+    return text
 
 
 @rule("RLC216", "group_size 1 leaves GRPO nothing to learn from unless a teacher distils")

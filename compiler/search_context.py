@@ -36,6 +36,9 @@ class Context:
     teacher_sizes: dict[str, ModelSizes]
     exhaustive: bool
     precision: Precision = FP32
+    #: Price a pinned Megatron layout instead of refusing it. Only for setting the models against published
+    #: Megatron runs (benchmarks/estimate_accuracy.py): no plan is built from it, and `rlc validate` refuses the pin.
+    price_megatron: bool = False
     #: Role searches already done, by role and arguments: splits and teacher pool sizes revisit device counts.
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -104,8 +107,8 @@ def agent_work(problem: Problem) -> cost.AgentWork | None:
     )
 
 
-def make_context(problem: Problem, exhaustive: bool = False) -> Context:
-    """Derive the search context from a resolved problem."""
+def make_context(problem: Problem, exhaustive: bool = False, *, price_megatron: bool = False) -> Context:
+    """Derive the search context from a resolved problem (`price_megatron`: see `Context`)."""
     spec = problem.spec
     mtp = spec.rollout.mtp
     uses_mtp_layers = mtp is not None and mtp.method != "ngram" and problem.arch.mtp_layers > 0
@@ -145,4 +148,5 @@ def make_context(problem: Problem, exhaustive: bool = False) -> Context:
         teacher_sizes={name: memory.model_sizes(a) for name, a in sorted(problem.teacher_archs.items())},
         exhaustive=exhaustive,
         precision=train_precision(problem),
+        price_megatron=price_megatron,
     )

@@ -1,4 +1,5 @@
-"""Trainer layouts for one device count: backends, parallel degrees, recompute, offload and token budgets.
+"""Trainer layouts for one device count on fsdp2, the trainer rlc executes: parallel degrees, recompute, offload
+and token budgets.
 
 Per degree tuple, memory (which only falls with more offload and smaller token budgets) is probed at its
 lightest first, and an overflow there rules out the rest; choices dominated by one that already fits (more
@@ -101,88 +102,104 @@ def _cp_kinds(ctx: Context, backend: str, tp: int, cp: int) -> list[CpKind]:
 
 
 def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, limit: float = inf) -> RoleSearch:
+    """FSDP2 layouts: the one trainer rlc executes. A megatron pin is refused (RLC223), unless the context prices
+    published Megatron runs (`Context.price_megatron`), which searches Megatron's degrees as it models them."""
     spec, arch = ctx.spec, ctx.sizes.arch
     pin = spec.placement.train
     found = RoleSearch()
-    backend_pin = pin.backend or (spec.train.backend if spec.train.backend != "auto" else None)
-    backends = [backend_pin] if backend_pin else ["fsdp2", "megatron"]
+    megatron = "megatron" in (pin.backend, spec.train.backend)
+    if megatron and not ctx.price_megatron:
+        found.reason = "the megatron backend is pinned, and nothing in rlc executes Megatron (use backend: fsdp2)"
+        return found
+    backend = "megatron" if megatron else "fsdp2"
     rc_pin = pin.recompute or (spec.train.recompute if spec.train.recompute != "auto" else None)
+    if rc_pin and rc_pin not in backend_recomputes(backend):
+        found.reason = f"recompute: {rc_pin} is not what the fsdp2 trainer does (full or none)"
+        return found
+    recomputes = [rc_pin] if rc_pin else [r for r in RECOMPUTE_ORDER if r in backend_recomputes(backend)]
     off_pin = pin.offload or (
         spec.train.offload if (spec.train.offload.params or spec.train.offload.optimizer) else None
+    )
+    # FSDP2's parameter offload runs the optimizer step on the host, so its state lives there too.
+    offloads = (
+        [(off_pin.params, off_pin.optimizer or (off_pin.params and not megatron))] if off_pin else list(OFFLOAD_ORDER)
     )
     mbt_pin = pin.micro_batch_tokens or spec.train.micro_batch_tokens
     mbts = [mbt_pin] if mbt_pin else [_round_up(ctx.longest * m, 128) for m in MBT_MULTIPLES]
     dpn = ctx.devices_per_node
+    tps = [pin.tp] if pin.tp else [t for t in pow2_upto(min(dpn, n)) if tp_problem(arch, t) is None]
+    if not pin.tp and not megatron:  # only what the fsdp2 runtime executes (`layout.runtime_gaps`)
+        hybrid = linear_heads(arch) is not None
+        tps = [t for t in tps if fsdp2_runs_tp(t, arch.num_kv_heads, ctx.lora_rank is not None, hybrid)]
+    # FSDP2 runs pipeline stages when the plan pins them (`layout.pipeline_gaps` says with what); its free search
+    # shards instead.
+    pps = [pin.pp] if pin.pp else list(pow2_upto(min(arch.num_layers, n))) if megatron else [1]
+    if arch.moe is None:
+        eps = [1]
+    else:
+        eps = (
+            [pin.ep]
+            if pin.ep
+            else [e for e in pow2_upto(min(arch.moe.num_experts, n)) if arch.moe.num_experts % e == 0]
+        )
+    # Context parallelism splits packed micro-batches: without packing there is nothing to split.
+    cps_all = [pin.cp] if pin.cp else (pow2_upto(min(16, n)) if spec.train.packing else [1])
+    divisible = [
+        Shape(backend, tp, pp, cp, kind, ep)
+        for tp in tps
+        for cp in cps_all
+        for kind in _cp_kinds(ctx, backend, tp, cp)
+        for ep in eps
+        for pp in pps
+        if not n % (tp * pp * cp) and not (ep > 1 and (tp * cp * (n // (tp * pp * cp))) % ep)
+    ]
+    # fsdp2's EP groups (`layout.fsdp2_runs_ep`), unless the pins themselves leave no other choice
+    shapes = [
+        s
+        for s in divisible
+        if megatron or fsdp2_runs_ep(s.ep, s.tp, s.cp, n // (s.tp * s.pp * s.cp)) or (pin.ep and pin.cp)
+    ]
+    if not shapes:
+        found.reason = _no_shape_reason(n, divisible)
+        return found
+    found.tried = tried_degrees(n, shapes)
     fastest: list[float] = []  # scores of the KEEP_TRAIN best options so far: the bar for pruning
-    for backend in backends:
-        recomputes = [rc_pin] if rc_pin else [r for r in RECOMPUTE_ORDER if r in backend_recomputes(backend)]
-        if rc_pin and rc_pin not in backend_recomputes(backend):
-            continue  # e.g. selective on fsdp2, which checkpoints whole layers only
-        if off_pin:
-            # FSDP2's parameter offload runs the optimizer step on the host, so its state lives there too.
-            offloads = [(off_pin.params, off_pin.optimizer or (off_pin.params and backend == "fsdp2"))]
-        else:
-            offloads = list(OFFLOAD_ORDER)
-        tps = [pin.tp] if pin.tp else [t for t in pow2_upto(min(dpn, n)) if tp_problem(arch, t) is None]
-        if backend == "fsdp2" and not pin.tp:  # only what the fsdp2 runtime executes (`layout.runtime_gaps`)
-            hybrid = linear_heads(arch) is not None
-            tps = [t for t in tps if fsdp2_runs_tp(t, arch.num_kv_heads, ctx.lora_rank is not None, hybrid)]
-        # FSDP2 runs pipeline stages when the plan pins them (`layout.pipeline_gaps` says with what); its free search
-        # shards instead, and Megatron searches both.
-        pps = [pin.pp] if pin.pp else [1] if backend == "fsdp2" else list(pow2_upto(min(arch.num_layers, n)))
-        if arch.moe is None:
-            eps = [1]
-        else:
-            eps = (
-                [pin.ep]
-                if pin.ep
-                else [e for e in pow2_upto(min(arch.moe.num_experts, n)) if arch.moe.num_experts % e == 0]
-            )
-        # Context parallelism splits packed micro-batches: without packing there is nothing to split.
-        cps_all = [pin.cp] if pin.cp else (pow2_upto(min(16, n)) if spec.train.packing else [1])
-        shapes = [
-            Shape(backend, tp, pp, cp, kind, ep)
-            for tp in tps
-            for cp in cps_all
-            for kind in _cp_kinds(ctx, backend, tp, cp)
-            for ep in eps
-            for pp in pps
-            if not n % (tp * pp * cp)
-            and not (ep > 1 and (tp * cp * (n // (tp * pp * cp))) % ep)
-            # fsdp2's EP groups (`layout.fsdp2_runs_ep`), unless the pins themselves leave no other choice
-            and (backend != "fsdp2" or fsdp2_runs_ep(ep, tp, cp, n // (tp * pp * cp)) or bool(pin.ep and pin.cp))
-        ]
-        # Best first by the degrees' time lower bound, so the bar rises fast and the rest stop at once.
-        bounds = {s: _train_lower_bound_s(ctx, n, s, recomputes[0], mbts) for s in shapes}
-        for shape in sorted(shapes, key=lambda s: (bounds[s], s.key())):
-            bar = min(fastest[-1] if len(fastest) >= KEEP_TRAIN and not ctx.exhaustive else inf, limit)
-            if bounds[shape] > bar * (1 + 1e-9):
-                break
-            had = len(found.options)
-            _train_degree(ctx, found, n, shape, recomputes, offloads, mbts, resident_gib, colocated, bar)
-            if len(found.options) > had:
-                fastest = heapq.nsmallest(KEEP_TRAIN, fastest + [o.score for o in found.options[had:]])
-        # fsdp2 for dense models that fit; megatron only when it does not. A limited search may have skipped
-        # every fsdp2 layout: it must still know whether one fits, or it would try megatron where the full
-        # search does not.
-        if (
-            backend == "fsdp2"
-            and not backend_pin
-            and (
-                found.options
-                or (
-                    limit < inf
-                    and any(
-                        _fits_at_lightest(ctx, n, s, recomputes, offloads, mbts, resident_gib, colocated)
-                        for s in shapes
-                    )
-                )
-            )
-        ):
+    # Best first by the degrees' time lower bound, so the bar rises fast and the rest stop at once.
+    bounds = {s: _train_lower_bound_s(ctx, n, s, recomputes[0], mbts) for s in shapes}
+    for shape in sorted(shapes, key=lambda s: (bounds[s], s.key())):
+        bar = min(fastest[-1] if len(fastest) >= KEEP_TRAIN and not ctx.exhaustive else inf, limit)
+        if bounds[shape] > bar * (1 + 1e-9):
             break
+        had = len(found.options)
+        _train_degree(ctx, found, n, shape, recomputes, offloads, mbts, resident_gib, colocated, bar)
+        if len(found.options) > had:
+            fastest = heapq.nsmallest(KEEP_TRAIN, fastest + [o.score for o in found.options[had:]])
     found.options.sort(key=lambda o: (round(o.score, 6), o.layout.summary()))
     del found.options[KEEP_TRAIN if not ctx.exhaustive else len(found.options) :]
     return found
+
+
+def _no_shape_reason(n: int, divisible: list[Shape]) -> str:
+    """Why no fsdp2 degrees run on `n` devices: the EP groups (naming the first tuple they rule out), or the
+    pins against the model's heads and experts."""
+    if not divisible:
+        return f"no fsdp2 degrees on {n} devices satisfy the pins and the model's heads and experts"
+    s = divisible[0]
+    dp = n // (s.tp * s.pp * s.cp)
+    return (
+        f"EP {s.ep} with TP {s.tp}, PP {s.pp}, CP {s.cp} on {n} devices leaves DP {dp}, and the fsdp2 trainer's EP "
+        f"groups take every CP rank of EP/CP data-parallel ranks (CP must divide EP and EP/CP must divide DP)"
+    )
+
+
+def tried_degrees(n: int, shapes: list[Shape]) -> str:
+    """The fsdp2 degrees searched on `n` devices, for a refusal to say what did not fit."""
+
+    def values(name: str) -> str:
+        return "/".join(str(v) for v in sorted({getattr(s, name) for s in shapes}))
+
+    degrees = ", ".join(f"{name.upper()} {values(name)}" for name in ("tp", "pp", "cp", "ep"))
+    return f"{len(shapes)} fsdp2 degree tuples on {n} devices ({degrees})"
 
 
 def _layout_memory(ctx: Context, layout: TrainLayout, resident: float, colocated: bool) -> MemoryBreakdown:
@@ -199,26 +216,6 @@ def _layout_memory(ctx: Context, layout: TrainLayout, resident: float, colocated
         resident_gib=resident,
         sync_group=not colocated and ctx.spec.rollout.weight_sync != "disk",
     )
-
-
-def _fits_at_lightest(
-    ctx: Context,
-    n: int,
-    shape: Shape,
-    recomputes: list[str],
-    offloads: list[tuple[bool, bool]],
-    mbts: list[int],
-    resident: float,
-    colocated: bool,
-) -> bool:
-    """Whether some layout of these degrees fits: device memory only falls with more recompute, more offload
-    and a smaller token budget, so the lightest recompute at the smallest budget, over the offloads, decides."""
-    for off_p, off_o in reversed(offloads):
-        layout = shape.layout(ctx, n, recomputes[-1], off_p, off_o, mbts[-1])
-        mem = _layout_memory(ctx, layout, resident, colocated)
-        if mem.fits:
-            return True
-    return False
 
 
 @dataclass(frozen=True)

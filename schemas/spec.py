@@ -530,11 +530,15 @@ class Offload(StrictModel):
 
 class Train(StrictModel):
     backend: Literal["auto", "fsdp2", "megatron"] = Field(
-        "auto", description="Training backend; auto picks fsdp2 for dense models that fit it, else megatron."
+        "auto",
+        description="Training backend: fsdp2 (auto picks it). megatron is refused (RLC223): nothing in rlc executes "
+        "it; pin backend: fsdp2 with the same degrees.",
     )
     packing: bool = Field(True, description="Pack sequences into token-budget micro-batches (no padding).")
     recompute: Literal["auto", "none", "selective", "full"] = Field(
-        "auto", description="Activation recomputation; auto lets the planner pick the cheapest that fits."
+        "auto",
+        description="Activation recomputation; auto lets the planner pick the cheapest that fits. The fsdp2 "
+        "trainer recomputes whole layers (full) or nothing; selective is refused (RLC215).",
     )
     offload: Offload = Field(default_factory=Offload, description="Host offload of training state.")
     micro_batch_tokens: Tokens | None = Field(
@@ -608,7 +612,9 @@ class Distill(StrictModel):
 
 class TrainPin(StrictModel):
     devices: Degree | None = Field(None, description="Devices for the trainer.")
-    backend: Literal["fsdp2", "megatron"] | None = Field(None, description="Training backend.")
+    backend: Literal["fsdp2", "megatron"] | None = Field(
+        None, description="Training backend: fsdp2. megatron is refused (RLC223): nothing in rlc executes it."
+    )
     tp: Degree | None = Field(None, description="Tensor parallel degree.")
     pp: Degree | None = Field(None, description="Pipeline parallel degree.")
     cp: Degree | None = Field(None, description="Context parallel degree.")

@@ -110,7 +110,9 @@ def _located(full: OSError, root: Path) -> OSError:
 
 def _raise_together(failed: Exception | None, root: Path) -> None:
     """Raise on every rank when a rank's write failed (collective): a full disk as an OSError, anything else
-    as itself on the rank it happened on and as a RuntimeError naming that rank on the others."""
+    as itself on the rank it happened on and as a RuntimeError naming that rank on the others. The summaries are
+    a few words each, exchanged as objects: torch serialises them into a byte tensor on the group's device (the
+    current CUDA / NPU device under nccl / hccl, the host under gloo), so this runs on every backend rlc uses."""
     summary: tuple[int | None, str, str | None] | None = None
     full = disk_full(failed) if failed is not None else None
     if full is not None:

@@ -115,12 +115,13 @@ def _ep_forward(
 
 
 def install_expert_parallel(
-    model: torch.nn.Module, ep_mesh: Any, kernel: ExpertKernel = TORCH_EXPERT_KERNEL
+    model: torch.nn.Module, ep_mesh: Any, device: torch.device, kernel: ExpertKernel = TORCH_EXPERT_KERNEL
 ) -> list[torch.nn.Module]:
-    """Shard every expert container's weights over `ep_mesh` (this rank keeps its 1/ep) and give it the EP forward.
+    """Shard every expert container's weights over `ep_mesh` (this rank keeps its 1/ep, moved to `device`, the
+    mesh's) and give it the EP forward.
 
-    Call on the loaded, unsharded model before FSDP2 wraps it; returns the expert containers (each to become its
-    own FSDP unit over the efsdp ranks).
+    Call on the loaded, unsharded model (on the host) before FSDP2 wraps it; returns the expert containers (each
+    to become its own FSDP unit over the efsdp ranks).
     """
     from torch.distributed.tensor import DTensor, Shard
 
@@ -133,7 +134,7 @@ def install_expert_parallel(
             raise ValueError(f"expert parallel {size} does not divide the {experts} experts of a MoE layer")
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(module, name)
-            shard = full.detach().chunk(size, dim=0)[rank].clone()
+            shard = full.detach().chunk(size, dim=0)[rank].to(device, copy=True)
             dtensor = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
             setattr(module, name, torch.nn.Parameter(dtensor, requires_grad=full.requires_grad))
         module._rlc_ep_group, module._rlc_ep_size = group, size

@@ -2,9 +2,13 @@
 
 The order is torchtitan's: tensor parallelism first (DTensor, per decoder layer), then activation
 checkpointing, then FSDP2 over the flattened dp·cp ranks with the layout's mixed precision and offload
-policies. `describe_built` reads the result back from the objects themselves (mesh shape, parameter
-placements and dtypes, FSDP policies, checkpointing flags), so `layout.json` records what was built, not
-what was asked for, and `rlc run` can compare the two.
+policies. The model arrives on the host, and its parameters reach the device shard by shard: DTensor's
+`distribute_tensor` (TP) and the EP split place local shards on the mesh's device, and `fully_shard` moves each
+unit's parameters and buffers there as it shards them, so the device never holds more than one unit unsharded
+(moving the whole model first would need it all on one device, which large MoE models do not fit).
+`describe_built` reads the result back from the objects themselves (mesh shape, parameter placements and
+dtypes, FSDP policies, checkpointing flags), so `layout.json` records what was built, not what was asked for,
+and `rlc run` can compare the two.
 
 Tensor parallelism on Qwen-style layers: q/k/v and gate/up are split column-wise (by heads / FFN width),
 o and down row-wise, so each layer does one all-reduce after attention and one after the FFN; embeddings,
@@ -160,8 +164,17 @@ def _apply_tensor_parallel(model: torch.nn.Module, mesh: TrainerMesh) -> set[str
     }
 
 
+def mesh_device(mesh: Any) -> torch.device:
+    """The device this rank's part of `mesh` lives on (as FSDP2 and DTensor place it): the current one of the
+    mesh's device type."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
 def apply_layout(model: torch.nn.Module, mesh: TrainerMesh, platform: Platform) -> list[torch.nn.Parameter]:
-    """TP, recompute and FSDP2 per the layout, in place. Returns parameters whose grads are partial per TP rank.
+    """TP, recompute and FSDP2 per the layout, in place, on a model still on the host (each shard moves to the
+    device as it is made). Returns parameters whose grads are partial per TP rank.
 
     One FSDP unit per decoder layer overlaps each layer's all-gather with the previous compute; the root unit
     holds embeddings, final norm and (tied) LM head.
@@ -170,7 +183,7 @@ def apply_layout(model: torch.nn.Module, mesh: TrainerMesh, platform: Platform) 
 
     layout = mesh.layout
     partial = _apply_tensor_parallel(model, mesh) if layout.tp > 1 else set()
-    experts = {id(m) for m in install_expert_parallel(model, mesh.ep)} if layout.ep > 1 else set()
+    experts = {id(m) for m in install_expert_parallel(model, mesh.ep, mesh_device(mesh.ep))} if layout.ep > 1 else set()
     if layout.recompute == "full":
         # Whole decoder layers are recomputed in backward (non-reentrant checkpointing works under FSDP2).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -58,6 +58,8 @@ class Pipeline:
     group: Any  # the ranks of this data-parallel share's stages, in stage order
     ranks: list[int]  # their global ranks
     root: list[torch.nn.Parameter] = field(default_factory=list)  # replicated on every stage
+    #: Per stage, the (name, shape, dtype) of its layers' state entries, in order (`merge_across_stages`).
+    layer_meta: list[list[tuple[str, tuple[int, ...], str]]] = field(default_factory=list)
     _sends: list[Any] = field(default_factory=list)
 
     @property
@@ -211,22 +213,44 @@ class Pipeline:
             local = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
             dist.all_reduce(local, group=self.group)
 
-    def merge_across_stages(self, local: dict[str, Any]) -> dict[str, Any]:
-        """Every stage's {name: value} as one dict in model order, on every stage (collective over the stages):
-        the root entries before the layers, each stage's layers in stage order, the root entries after."""
+    def merge_across_stages(self, local: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, Any]:
+        """Every stage's {name: (shape, dtype)} as one dict in model order, on every stage (collective over the
+        stages): the root entries before the layers, each stage's layers in stage order, the root entries after.
+        Remembers each stage's layer entries for `gather_to_first`.
+
+        Metadata only, exchanged once at start-up as a pickled object: torch's object collectives serialise into a
+        byte tensor on the group's device (the current CUDA / NPU device under nccl / hccl, the host under gloo),
+        so they run on every backend rlc uses. Weights never travel this way."""
         parts: list[Any] = [None] * self.stages
         dist.all_gather_object(parts, local, group=self.group)
+        self.layer_meta = [
+            [(k, tuple(shape), dtype) for k, (shape, dtype) in part.items() if ".layers." in k] for part in parts
+        ]
         return _in_model_order(parts)
 
-    def gather_to_first(self, local: dict[str, Any]) -> dict[str, Any] | None:
-        """`merge_across_stages` on the first stage only (None on the others); for the weights themselves."""
-        parts: list[Any] | None = [None] * self.stages if self.first else None
-        dist.gather_object(local, parts, dst=self.ranks[0], group=self.group)
-        return _in_model_order(parts) if parts is not None else None
+    def gather_to_first(self, local: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor] | None:
+        """The whole model's tensors on the first stage, in model order (None on the others); collective over the
+        stage leaders. Each later stage sends its layers' tensors point to point from `device` (the group's: nccl
+        and hccl take device tensors only), and the first stage receives them into buffers of the shapes and
+        dtypes `merge_across_stages` recorded, then keeps them on the host like its own."""
+        if not self.first:
+            for name, _, _ in self.layer_meta[self.stage]:
+                dist.send(local[name].to(device), dst=self.ranks[0], group=self.group)
+            return None
+        parts: list[dict[str, torch.Tensor]] = [local]
+        for stage in range(1, self.stages):
+            part = {}
+            for name, shape, dtype in self.layer_meta[stage]:
+                buf = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                dist.recv(buf, src=self.ranks[stage], group=self.group)
+                part[name] = buf.to("cpu")
+            parts.append(part)
+        return _in_model_order(parts)
 
     def combine_routing(self, stats: dict[str, float]) -> dict[str, float]:
         """Every stage's MoE routing statistics (`router.Routing.take_stats`, each over its own layers) as one:
-        the busiest expert of any stage, drift and load-balancing loss averaged over the stages that have them."""
+        the busiest expert of any stage, drift and load-balancing loss averaged over the stages that have them.
+        A few floats, as an object (see `merge_across_stages` for why object collectives run on every backend)."""
         parts: list[Any] = [None] * self.stages
         dist.all_gather_object(parts, stats, group=self.group)
         out: dict[str, float] = {}
@@ -236,7 +260,8 @@ class Pipeline:
         return out
 
     def broadcast_from_last(self, obj: Any) -> Any:
-        """The last stage's `obj` on every stage (results only the last stage computes)."""
+        """The last stage's `obj` on every stage (results only the last stage computes: a step's statistics, as an
+        object; see `merge_across_stages`)."""
         box = [obj if self.last else None]
         dist.broadcast_object_list(box, src=self.ranks[-1], group=self.group)
         return box[0]

@@ -174,7 +174,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         if self.layout.pp > 1:
             _check_pipeline_layout(self.layout, self.lora, model)
             self.pipeline = split_model(model, self.mesh.pp)
-        model.to(self.device)
+        # The model stays on the host: `apply_layout` moves it to the device shard by shard.
         # MoE routers count expert load, compare passes, replay and add the load-balancing loss (`router`).
         self.routing = install_routing(
             model,
@@ -298,7 +298,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             mine = padded_micro_batches(
                 [len(s) for s in seqs], self.layout.micro_batch_tokens, int(cap) if cap else None
             )
-        count = torch.tensor([len(mine)], dtype=torch.long)
+        count = torch.tensor([len(mine)], dtype=torch.long, device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return mine + [[] for _ in range(int(count.item()) - len(mine))]
 
@@ -415,7 +415,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         self.step += 1
 
         keys = sorted(sums)
-        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(vec, group=self.mesh.shard_group)
         out = {k: float(v) for k, v in zip(keys, vec.tolist(), strict=True)}
         # (A pipeline stage before the last computed no loss: the last one's result is broadcast below.)
@@ -427,7 +427,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             result[k] = v / max(step_tokens, 1.0)
         max_keys = sorted(maxima)
         if max_keys:
-            peaks = torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64)
+            peaks = torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64, device=self.device)
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.mesh.shard_group)
             result.update({k: max(float(v), 0.0) for k, v in zip(max_keys, peaks.tolist(), strict=True)})
         if self.routing is not None:
@@ -480,7 +480,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         counts = [sum(1 for m in row[1:] if m) for row in masks]
         lead = self.mesh.coords["cp"] == 0
         local = [float(sum(counts)), float(sum(1 for n in counts if n))] if lead else [0.0, 0.0]
-        total = torch.tensor(local, dtype=torch.float64)
+        total = torch.tensor(local, dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.mesh.shard_group)
         global_tokens, global_seqs = max(float(total[0].item()), 1.0), max(float(total[1].item()), 1.0)
         # Each sequence's token weight fixes the aggregation's denominators over the whole minibatch, so every split

@@ -89,8 +89,8 @@ class WeightExport:
                 out[name] = full.detach().to("cpu")
         if pipe is None:
             return out if keep else None
-        merged = pipe.gather_to_first(out) if leader else None
-        return _share_from_rank0(merged, keep, self.rank)
+        merged = pipe.gather_to_first(out, self.device) if leader else None
+        return _share_from_rank0(merged, keep, self.rank, self._stage_meta, self.device)
 
     def sync_state_dict(self, keep: bool | None = None) -> dict[str, torch.Tensor] | None:
         """What engines load, in the base checkpoint's names, where `keep` (default rank 0). Collective.
@@ -188,21 +188,34 @@ class WeightExport:
         self._sender, self._sender_key = None, None
 
 
-def _share_from_rank0(weights: dict[str, torch.Tensor] | None, keep: bool, rank: int) -> dict[str, torch.Tensor] | None:
+def _share_from_rank0(
+    weights: dict[str, torch.Tensor] | None,
+    keep: bool,
+    rank: int,
+    meta: dict[str, tuple[tuple[int, ...], str]],
+    device: torch.device,
+) -> dict[str, torch.Tensor] | None:
     """Rank 0's `weights` on every rank that keeps a copy (collective over the trainer group: who keeps is
-    exchanged first, then rank 0 sends to each keeper); None where `keep` is False."""
-    keepers: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(keepers, bool(keep))
+    exchanged first, then rank 0 sends each tensor to each keeper, in `meta`'s order and shapes); None where
+    `keep` is False. Everything travels as tensors on `device`, the group's (nccl and hccl take no host tensors)."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    flags[rank] = int(keep)
+    dist.all_reduce(flags)
+    keepers = [dst for dst, wants in enumerate(flags.tolist()) if wants and dst != 0]
     if rank == 0:
-        for dst, wants in enumerate(keepers):
-            if wants and dst != 0:
-                dist.send_object_list([weights], dst=dst)
+        assert weights is not None
+        for dst in keepers:
+            for name in meta:
+                dist.send(weights[name].to(device), dst=dst)
         return weights if keep else None
     if not keep:
         return None
-    box: list[Any] = [None]
-    dist.recv_object_list(box, src=0)
-    return box[0]
+    out = {}
+    for name, (shape, dtype) in meta.items():
+        buf = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
+        dist.recv(buf, src=0)
+        out[name] = buf.to("cpu")
+    return out
 
 
 def _unsharded(value: torch.Tensor) -> torch.Tensor:

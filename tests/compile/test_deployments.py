@@ -1,10 +1,12 @@
 """Published deployments (shared reference deployments.yaml) against the memory model and the planner.
 
 Each working layout is pinned through `placement` and must be predicted to fit; the free planner must find
-a plan on the same hardware. Frameworks' between-phase offload flags (verl/MindSpeed `offload_*` in
-colocated runs) are what rlc's colocated schedule does anyway, so they are not pinned; only persistent
-offload (MindSpeed swap_optimizer, Megatron optimizer_cpu_offload) is. Entries the model cannot express are
-listed in NOT_EXPRESSIBLE with the reason.
+a plan on the same hardware. A published Megatron layout is refused as written (RLC223: nothing in rlc executes
+Megatron) and is pinned by its degrees on fsdp2 instead, as the refusal's hint says (`on_fsdp2`); the throughput
+checks then price that layout against the Megatron run's published figure. Frameworks' between-phase offload
+flags (verl/MindSpeed `offload_*` in colocated runs) are what rlc's colocated schedule does anyway, so they are
+not pinned; only persistent offload (MindSpeed swap_optimizer, Megatron optimizer_cpu_offload) is. Entries the
+model cannot express are listed in NOT_EXPRESSIBLE with the reason.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import yaml
 from paths import REPO
 
 from rlc.compiler.planner import build_plan
@@ -244,9 +247,36 @@ MEASURED = {"verl-ascend-recipe-mtp-mimo-7b-4x910b": 48.116}
 MEASURED_TOLERANCE = 0.15
 
 
-def _problem(dep_id: str, free: bool = False):  # type: ignore[no-untyped-def]
+#: Megatron settings that do not carry over to the fsdp2 trainer: Megatron's recompute none and token budgets rest on
+#: sequence parallelism splitting the activations over TP, which FSDP2's DTensor TP does not do.
+MEGATRON_ONLY_KEYS = ("backend", "recompute", "micro_batch_tokens")
+
+#: Published Megatron layouts whose degrees the fsdp2 trainer cannot run, and what the planner says.
+FSDP2_REFUSED = {
+    "areal-tau2-qwen3-30b-a3b-a3": "EP 8 with TP 4, PP 4, CP 1 on 32 devices leaves DP 2",
+    "msrl-verl-dapo-deepseekv3-671b-megatron-a3": "EP 16 with TP 8, PP 16, CP 1 on 256 devices leaves DP 2",
+}
+
+
+def _text(dep_id: str) -> tuple[str, str]:
     target, body = PINNED[dep_id]
-    text = f"name: {dep_id}\ndata: {{train: arithmetic}}\n" + textwrap.dedent(body)
+    return target, f"name: {dep_id}\ndata: {{train: arithmetic}}\n" + textwrap.dedent(body)
+
+
+def on_fsdp2(text: str) -> str:
+    """A published Megatron layout as rlc runs it (RLC223's hint): its degrees pinned on fsdp2, recompute and the
+    token budget left to the planner. Megatron itself is refused, since nothing in rlc executes it."""
+    spec = yaml.safe_load(text)
+    train = (spec.get("placement") or {}).get("train") or {}
+    if train.get("backend") != "megatron":
+        return text
+    spec["placement"]["train"] = {"backend": "fsdp2"} | {k: v for k, v in train.items() if k not in MEGATRON_ONLY_KEYS}
+    return yaml.safe_dump(spec, sort_keys=False)
+
+
+def _problem(dep_id: str, free: bool = False):  # type: ignore[no-untyped-def]
+    target, text = _text(dep_id)
+    text = on_fsdp2(text)
     if free:
         kept = []
         for line in text.splitlines():
@@ -260,7 +290,26 @@ def _problem(dep_id: str, free: bool = False):  # type: ignore[no-untyped-def]
     return checked
 
 
-@pytest.mark.parametrize("dep_id", sorted(PINNED))
+@pytest.mark.parametrize("dep_id", sorted(dep for dep in PINNED if "backend: megatron" in PINNED[dep][1]))
+def test_published_megatron_layout_is_refused_naming_its_fsdp2_layout(dep_id: str) -> None:
+    target, text = _text(dep_id)
+    checked = check_text(text, "spec.yaml", target=target)
+    refusals = [d for d in checked.report.diagnostics if d.code == "RLC223"]
+    assert checked.problem is None and len(refusals) == 1
+    pins = yaml.safe_load(text)["placement"]["train"]
+    degrees = ", ".join(f"{k}: {pins[k]}" for k in ("devices", "tp", "pp", "cp", "ep") if pins.get(k))
+    assert f"placement.train: {{backend: fsdp2, {degrees}}}" in refusals[0].hint
+
+
+@pytest.mark.parametrize("dep_id", sorted(FSDP2_REFUSED))
+def test_published_degrees_fsdp2_cannot_run_are_refused_with_the_reason(dep_id: str) -> None:
+    checked = _problem(dep_id)
+    plan, diags = build_plan(checked.problem, checked.lines, "spec.yaml")
+    assert plan is None
+    assert any(d.code == "RLC301" and FSDP2_REFUSED[dep_id] in d.message for d in diags), [d.message for d in diags]
+
+
+@pytest.mark.parametrize("dep_id", sorted(set(PINNED) - set(FSDP2_REFUSED)))
 def test_published_layout_fits(dep_id: str) -> None:
     checked = _problem(dep_id)
     plan, diags = build_plan(checked.problem, checked.lines, "spec.yaml")
@@ -332,7 +381,7 @@ def _engine_width(summary: str) -> tuple[int, int]:
     return tp, max(tp, int(m.group(2) or 1))
 
 
-@pytest.mark.parametrize("dep_id", sorted(set(PINNED) - set(ROLLOUT_WIDTH_EXCEPTIONS)))
+@pytest.mark.parametrize("dep_id", sorted(set(PINNED) - set(ROLLOUT_WIDTH_EXCEPTIONS) - set(FSDP2_REFUSED)))
 def test_free_rollout_width_close_to_published(dep_id: str) -> None:
     """The free planner's rollout engines are within 2x of the published width: TP for dense models; devices
     per engine (TP × attention-DP = EP) for MoE, where the published and free engines trade TP for EP."""
@@ -417,7 +466,7 @@ UNPINNED_ANCHORS = {"verl-ascend-recipe-lora-qwen3-8b-4x910b": (331.9, 90.0)}
 def _pinned_problem(dep_id: str):  # type: ignore[no-untyped-def]
     if dep_id in CALIBRATION_ONLY:
         target, body = CALIBRATION_ONLY[dep_id]
-        text = f"name: {dep_id}\ndata: {{train: arithmetic}}\n" + textwrap.dedent(body)
+        text = on_fsdp2(f"name: {dep_id}\ndata: {{train: arithmetic}}\n" + textwrap.dedent(body))
         checked = check_text(text, "spec.yaml", target=target)
         assert checked.problem is not None, [(d.code, d.message) for d in checked.report.diagnostics]
         return checked.problem
@@ -457,7 +506,7 @@ def test_measured_step_time_reproduced(dep_id: str) -> None:
 # --------------------------------------------------------------------------------------------- free vs pinned
 
 
-@pytest.mark.parametrize("dep_id", sorted(PINNED))
+@pytest.mark.parametrize("dep_id", sorted(set(PINNED) - set(FSDP2_REFUSED)))
 def test_free_plan_at_least_as_fast_as_published(dep_id: str) -> None:
     """By the planner's own model, its free plan on the same hardware is no slower than the published layout
     pinned (the published layout is one the free search may choose, up to the memory shares pinned)."""
@@ -487,8 +536,6 @@ OOM_REPORTS = {
 
 
 def test_every_oom_report_is_accounted_for() -> None:
-    import yaml
-
     path = REPO.parent / "shared" / "reference" / "deployments.yaml"
     if not path.is_file():
         pytest.skip("shared reference not present")
@@ -499,8 +546,6 @@ def test_every_oom_report_is_accounted_for() -> None:
 
 def test_every_deployment_is_pinned_or_explained() -> None:
     """benchmarks/published_dry_runs.py measures PINNED and lists the others: together they are the whole file."""
-    import yaml
-
     path = REPO.parent / "shared" / "reference" / "deployments.yaml"
     if not path.is_file():
         pytest.skip("shared reference not present")

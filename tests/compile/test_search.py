@@ -56,13 +56,13 @@ def test_pins_are_honoured() -> None:
         cluster: {nodes: 2}
         mode: disaggregated
         placement:
-          train: {devices: 8, backend: megatron, tp: 4, pp: 2, recompute: full}
+          train: {devices: 8, backend: fsdp2, tp: 4, pp: 2, recompute: full}
           rollout: {devices: 8, tp: 2, memory_fraction: 0.8}
     """)
     best = search.search(p).best
     assert best is not None
     t, r = best.train.layout, best.rollout.layout
-    assert (t.world_size, t.backend, t.tp, t.pp, t.recompute) == (8, "megatron", 4, 2, "full")
+    assert (t.world_size, t.backend, t.tp, t.pp, t.recompute) == (8, "fsdp2", 4, 2, "full")
     assert (r.devices, r.tp, r.memory_fraction) == (8, 2, 0.8)
 
 

@@ -382,6 +382,17 @@ def test_rule_micro_batch_shorter_than_sequence() -> None:
     assert "10240" in d.message
 
 
+def test_rule_megatron_refused_naming_the_fsdp2_layout() -> None:
+    """More in test_trainer_refusals.py."""
+    d = only(check(GOOD + "placement: {train: {devices: 8, backend: megatron, tp: 2, pp: 2}}\n"), "RLC223")
+    assert d.severity == "error" and d.hint.endswith("{backend: fsdp2, devices: 8, tp: 2, pp: 2} (DP 2)")
+
+
+def test_rule_lora_on_a_moe_model_refused() -> None:
+    d = only(check(GOOD.replace("qwen3-8b", "qwen3-30b-a3b") + "lora: {rank: 8}\n"), "RLC224")
+    assert d.severity == "error" and d.path == "lora"
+
+
 def test_every_rule_is_exercised() -> None:
     source = Path(__file__).read_text()
     for registered in RULES:

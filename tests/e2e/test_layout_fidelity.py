@@ -9,8 +9,6 @@ the planner chooses by itself, and compare RUN/layout.json with the plan.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -45,15 +43,6 @@ PINNED = {
     ),
     "tp2": ("{devices: 2, tp: 2}", ""),
 }
-MEGATRON = """\
-name: moe
-target: a2
-cluster: {nodes: 2}
-model: {name: qwen3-30b-a3b, path: /models/Qwen3-30B-A3B}
-data: {train: /data/math.jsonl}
-train: {backend: megatron}
-"""
-
 runner = CliRunner()
 
 
@@ -131,29 +120,6 @@ def test_pinned_layouts_are_what_the_plan_states(tmp_path: Path) -> None:
         lay = plan.roles_of("train")[0].layout
         assert (lay.cp_kind, lay.cp, lay.tp, lay.precision.compute_dtype) == (kind, cp, tp, dtype), name
         assert (lay.offload_params, lay.offload_optimizer, lay.recompute) == (offload, offload, recompute), name
-
-
-def test_megatron_plan_compiles_with_a_warning_and_run_refuses_it(tmp_path: Path) -> None:
-    spec = tmp_path / "moe.yaml"
-    spec.write_text(MEGATRON)
-    compiled = runner.invoke(app, ["compile", str(spec), "-o", str(tmp_path / "plan")])
-    assert compiled.exit_code == 0, compiled.output
-    assert "warning[RLC303]" in compiled.output and "megatron backend is planned but not executed" in compiled.output
-    plan = load_plan(tmp_path / "plan")
-    assert plan.roles_of("train")[0].layout.backend == "megatron" and plan.runtime_gaps
-    assert "rlc run` refuses this plan" in (tmp_path / "plan" / "SUMMARY.md").read_text()
-    dry = runner.invoke(app, ["run", str(tmp_path / "plan"), "--dry-run"])
-    assert dry.exit_code == 2 and "refused: this runtime cannot execute the plan" in dry.output
-    # A subprocess, as a user runs it: refused before Ray or any actor starts, exit 2, its own code and a hint.
-    result = subprocess.run(
-        [sys.executable, "-m", "rlc", "run", str(tmp_path / "plan"), "--run-dir", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2, result.stderr
-    assert "error[RLC708]" in result.stderr and "megatron" in result.stderr and "hint:" in result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
 def test_a_plan_edited_to_other_degrees_is_caught_by_the_built_layout_check() -> None:

@@ -77,19 +77,31 @@ def test_other_families_and_mismatched_layers_are_refused(tmp_path: Path, config
 
 
 def test_the_dry_run_refuses_moe_layouts_the_fsdp2_trainer_does_not_build(tmp_path: Path) -> None:
-    """An MoE plan with LoRA on fsdp2 is refused by the plan-only dry run; with TP 2 beside the experts it runs."""
+    """Pinned EP and CP that the trainer's EP groups cannot take compile (with RLC303) and the plan-only dry run
+    refuses them; with TP 2 beside the (whole) experts it runs. LoRA on an MoE model never gets that far (RLC224)."""
     from typer.testing import CliRunner
 
     from rlc.cli import app
 
-    spec = tmp_path / "moe.yaml"
-    spec.write_text(
+    head = (
         "name: moe\ntarget: a2\ncluster: {nodes: 2}\nmodel: {name: qwen3-30b-a3b, path: /models/Qwen3-30B-A3B}\n"
-        "data: {train: /data/math.jsonl}\ntrain: {backend: fsdp2}\nplacement: {train: {tp: 2}}\nlora: {rank: 8}\n"
+        "data: {train: /data/math.jsonl}\ntrain: {backend: fsdp2}\n"
     )
     runner = CliRunner()
-    assert runner.invoke(app, ["compile", str(spec), "-o", str(tmp_path / "plan")]).exit_code == 0
-    dry = runner.invoke(app, ["run", str(tmp_path / "plan"), "--dry-run"])
-    assert dry.exit_code == 2
-    assert "LoRA on a mixture-of-experts model is not built on the fsdp2 backend" in dry.output
-    assert "experts is not built" not in dry.output  # TP beside the (whole) experts is built
+    outcomes = {}
+    for name, tail in (
+        ("ep-cp", "placement: {train: {devices: 8, ep: 2, cp: 4}}\n"),
+        ("tp", "placement: {train: {tp: 2}}\n"),
+        ("lora", "lora: {rank: 8}\n"),
+    ):
+        (tmp_path / f"{name}.yaml").write_text(head + tail)
+        compiled = runner.invoke(app, ["compile", str(tmp_path / f"{name}.yaml"), "-o", str(tmp_path / name)])
+        dry = runner.invoke(app, ["run", str(tmp_path / name), "--dry-run"]) if compiled.exit_code == 0 else None
+        outcomes[name] = (compiled, dry)
+    compiled, dry = outcomes["ep-cp"]
+    assert compiled.exit_code == 0 and dry is not None and dry.exit_code == 2
+    assert "EP 2 with CP 4" in dry.output
+    compiled, dry = outcomes["tp"]
+    assert dry is not None and dry.exit_code == 0, dry.output  # TP beside the (whole) experts is built
+    compiled, dry = outcomes["lora"]
+    assert compiled.exit_code == 1 and "error[RLC224]" in compiled.output and dry is None

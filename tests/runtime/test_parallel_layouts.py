@@ -280,8 +280,9 @@ def _share_rank_main(rank: int, world: int, port: int, out: str) -> None:
     from rlc.runtime.train.weights_out import _share_from_rank0
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    weights = {"w": torch.arange(6.0)} if rank == 0 else None
-    got = _share_from_rank0(weights, keep=rank != 1, rank=rank)
+    weights = {"w": torch.arange(6.0), "b": torch.ones(2, 3, dtype=torch.bfloat16)} if rank == 0 else None
+    meta = {"w": ((6,), "float32"), "b": ((2, 3), "bfloat16")}  # the trainer's merged stage metadata
+    got = _share_from_rank0(weights, keep=rank != 1, rank=rank, meta=meta, device=torch.device("cpu"))
     torch.save(got, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -295,3 +296,4 @@ def test_pipeline_weights_reach_every_rank_that_keeps_a_copy(tmp_path: Path) -> 
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(3)]
     assert got[1] is None
     assert all(torch.equal(g["w"], torch.arange(6.0)) for g in (got[0], got[2]))
+    assert got[2]["b"].dtype == torch.bfloat16 and torch.equal(got[2]["b"], torch.ones(2, 3, dtype=torch.bfloat16))
