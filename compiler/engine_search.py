@@ -54,6 +54,36 @@ def rollout_search(
 def _rollout_search(
     ctx: Context, n: int, start: int, outside_gib: float, *, sync: bool, fraction: float | None
 ) -> RoleSearch:
+    """Engines within one node first: one engine across nodes (a Ray bundle per node, vLLM's Ray executor) is not
+    wired, so wider expert-parallel engines are offered only when none within a node fits (such a plan states the
+    gap, `planner.plan_gaps`, and the dry run refuses it)."""
+    found = _rollout_layouts(ctx, n, start, outside_gib, sync, fraction, wide=False)
+    arch = ctx.sizes.arch
+    if not found.options and arch.moe is not None and not ctx.spec.placement.rollout.ep:
+        wide = _rollout_layouts(ctx, n, start, outside_gib, sync, fraction, wide=True)
+        if wide.options:
+            found = wide
+    found.options.sort(key=lambda o: rollout_rank(o, sync))
+    del found.options[2 if not ctx.exhaustive else len(found.options) :]
+    return found
+
+
+def _expert_degrees(ctx: Context, n: int, tp: int, wide: bool) -> list[int]:
+    """The engine EP degrees to try at `tp`: the pin, else 1 and every power of two above TP dividing the experts,
+    within one node (or, `wide`, only beyond it)."""
+    arch, pin, dpn = ctx.sizes.arch, ctx.spec.placement.rollout, ctx.devices_per_node
+    if arch.moe is None:
+        return [] if wide else [1]
+    if pin.ep:
+        return [] if wide else [pin.ep]
+    eps = [e for e in pow2_upto(min(n, arch.moe.num_experts)) if e > tp and e % tp == 0]
+    eps = [e for e in eps if arch.moe.num_experts % e == 0 and (e > dpn) == wide]
+    return eps if wide else [1, *eps]
+
+
+def _rollout_layouts(
+    ctx: Context, n: int, start: int, outside_gib: float, sync: bool, fraction: float | None, *, wide: bool
+) -> RoleSearch:
     arch = ctx.sizes.arch
     pin = ctx.spec.placement.rollout
     found = RoleSearch()
@@ -67,17 +97,7 @@ def _rollout_search(
         if fraction <= 0.02:
             found.reason = f"no memory left for rollout engines beside {outside_gib:.1f} GiB of other roles"
             continue
-        if arch.moe is None:
-            eps = [1]
-        elif pin.ep:
-            eps = [pin.ep]
-        else:
-            eps = [1] + [
-                e
-                for e in pow2_upto(min(n, arch.moe.num_experts))
-                if e > tp and e % tp == 0 and arch.moe.num_experts % e == 0
-            ]
-        for ep in eps:
+        for ep in _expert_degrees(ctx, n, tp, wide):
             engine = max(tp, ep)
             if n % engine or engine % tp:
                 continue
@@ -89,8 +109,6 @@ def _rollout_search(
                 found.miss(*miss)
             else:
                 found.options.append(option)
-    found.options.sort(key=lambda o: rollout_rank(o, sync))
-    del found.options[2 if not ctx.exhaustive else len(found.options) :]
     return found
 
 
