@@ -164,6 +164,19 @@ def test_235b_on_one_node_is_refused() -> None:
     assert "GiB per device" in d.message and "weights" in d.message and "cluster.nodes >=" in d.hint
 
 
+def test_moe_rollout_engines_stay_within_a_node_when_one_fits() -> None:
+    """One engine across nodes is not wired: a MoE model that one node serves gets engines within a node (the
+    search used to pick expert-parallel engines across 8 nodes, which the dry run refused); one that no node holds
+    still gets a plan, which states the gap."""
+    plan, _ = plan_for("model: {name: qwen3-235b-a22b, path: /m}\ncluster: {nodes: 16}\n", "h100")
+    assert plan is not None and plan.runtime_gaps == []
+    rollout = plan.role("rollout")
+    width = rollout.engine["tensor_parallel_size"] * rollout.engine["data_parallel_size"]
+    assert width <= plan.cluster.devices_per_node, rollout.engine
+    wide, _ = plan_for("model: {name: deepseek-v3, path: /m}\ncluster: {nodes: 16}\n", "a3")
+    assert wide is not None and any("engines span" in gap for gap in wide.runtime_gaps), wide.runtime_gaps
+
+
 def test_72b_without_offload_on_16_devices_is_refused() -> None:
     """Refused because of the offload pin, and the hint says so (unpinned, the planner offloads)."""
     plan, diags = plan_for("""
