@@ -46,6 +46,13 @@ class Efficiency(BaseModel):
             "grouped expert GEMMs run below a dense layer's efficiency)."
         ),
     )
+    linear_attention_train_ratio: Fraction = Field(
+        1.0,
+        description=(
+            "A Gated-DeltaNet hybrid's training MFU as a fraction of train_mfu (the chunked delta rule and the "
+            "causal conv run below a dense layer's efficiency; far below on cpu, whose kernels are torch's)."
+        ),
+    )
     prefill_mfu: Fraction = Field(description="Fraction of bf16_tflops achieved by rollout prefill.")
     decode_bandwidth_efficiency: Fraction = Field(
         description="Fraction of hbm_bandwidth_gbps achieved by memory-bound decode (weights + KV reads)."

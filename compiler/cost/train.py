@@ -77,7 +77,8 @@ def train_flops(sizes: ModelSizes, work: Workload, recompute: str) -> float:
 
 
 def train_mfu(sizes: ModelSizes, target: TargetProfile) -> float:
-    """Training MFU for this model on this target: train_mfu, times `moe_train_ratio` for a mixture of experts.
+    """Training MFU for this model on this target: train_mfu, times `moe_train_ratio` for a mixture of experts and
+    `linear_attention_train_ratio` for a Gated-DeltaNet hybrid.
 
     MoE layers add work a dense layer has not (router, top-k, permuting tokens to their experts and back) and
     run their expert GEMMs as grouped GEMMs of uneven, smaller shapes, so the same framework reaches a lower
@@ -91,6 +92,8 @@ def train_mfu(sizes: ModelSizes, target: TargetProfile) -> float:
     mfu = target.efficiency.train_mfu
     if sizes.arch.moe is not None:
         mfu *= target.efficiency.moe_train_ratio
+    if sizes.arch.attention.kind == "linear-hybrid":
+        mfu *= target.efficiency.linear_attention_train_ratio
     return mfu
 
 

@@ -215,3 +215,12 @@ def test_a_minibatch_is_shared_by_the_data_parallel_ranks() -> None:
     assert w.rank_tokens(256) == pytest.approx(4 * w.context_tokens)
     assert w.rank_tokens(512) == w.rank_tokens(128) == pytest.approx(4 * w.context_tokens)
     assert _work().rank_tokens(512) == pytest.approx(w.context_tokens)
+
+
+def test_hybrid_training_runs_at_the_targets_linear_attention_share_of_train_mfu() -> None:
+    """On cpu the Gated-DeltaNet layers run torch's kernels: a hybrid trains at 0.15 of the dense efficiency
+    (fitted on examples/cpu-hybrid-mtp.yaml); accelerator profiles assume fla's kernels keep the dense one."""
+    cpu, a3 = load_target("cpu"), load_target("a3")
+    hybrid, dense = memory.model_sizes(load_arch("rlc-tiny-hybrid-mtp")), memory.model_sizes(load_arch("rlc-tiny"))
+    assert cost.train_mfu(hybrid, cpu) == pytest.approx(0.15 * cost.train_mfu(dense, cpu))
+    assert cost.train_mfu(memory.model_sizes(load_arch("qwen3.6-27b")), a3) == a3.efficiency.train_mfu
