@@ -129,7 +129,25 @@ def check_packages() -> list[Check]:
                 f"pip uninstall {' '.join(stray)}",
             )
         )
+    if vllm and not _version("torchvision"):
+        found.append(_check_vllm_plugin())
     return found
+
+
+def _check_vllm_plugin() -> Check:
+    """Without torchvision, vLLM's Qwen3.5/3.6 models load only through rlc's vLLM plugin (runtime/rollout/
+    vllm_plugin.py), which vLLM finds by its entry point: an rlc on the path without its install metadata lacks it."""
+    from importlib.metadata import entry_points
+
+    plugins = {ep.value for ep in entry_points(group="vllm.general_plugins")}
+    if "rlc.runtime.rollout.vllm_plugin:register" in plugins:
+        return Check("vllm plugin", "ok", "rlc's vLLM plugin is registered (Qwen3.5/3.6 engines need no torchvision)")
+    return Check(
+        "vllm plugin",
+        "warn",
+        "rlc's vLLM plugin is not registered, so vLLM cannot load Qwen3.5/3.6 models without torchvision: install "
+        "rlc with pip (`pip install -e .` in a checkout) so its entry point exists",
+    )
 
 
 # --- Ascend: CANN, torch_npu, vllm-ascend ---------------------------------------------------------------------------

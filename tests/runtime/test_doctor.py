@@ -77,3 +77,17 @@ def test_unreachable_ray_fails_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     (ray,) = [line for line in result.output.splitlines() if "ray cluster" in line]
     assert ray.startswith("fail") and "nothing answers on 127.0.0.1:1" in ray
     assert result.output.splitlines()[-1].startswith("doctor: a run would fail here")
+
+
+def test_a_missing_vllm_plugin_warns_where_torchvision_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rlc's vLLM plugin lets vLLM's Qwen3.5/3.6 load without torchvision; vLLM finds it by rlc's entry point."""
+    import importlib.metadata
+
+    versions = {"torch": "2.13.0+cpu", "vllm": "0.32.0", "ray": "2.60.0", "transformers": "5.19", "safetensors": "0.8"}
+    monkeypatch.setattr(doctor, "_version", versions.get)
+    assert _statuses(doctor.check_packages())["vllm plugin"] == "ok"  # this install registers it
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    (plugin,) = [c for c in doctor.check_packages() if c.name == "vllm plugin"]
+    assert plugin.status == "warn" and "pip install -e ." in plugin.detail
+    monkeypatch.setattr(doctor, "_version", {**versions, "torchvision": "0.28.0"}.get)  # vLLM imports it itself
+    assert "vllm plugin" not in _statuses(doctor.check_packages())
