@@ -135,7 +135,8 @@ def test_a_speculative_run_is_priced_at_the_acceptance_its_engines_had(tmp_path:
     planned = calibrate.predict(plan, _truth(), calibrate.run_workload(plan, 5.0, 2.5))["rollout"]
     assert calibrate.predict(plan, _truth(), run.work)["rollout"] > planned
     record = calibrate.calibrate(load_target("cpu"), [run]).calibration
-    assert "engines accepted 0.2 of draft tokens (planned 0.7): rollout.mtp.acceptance_rate 0.20" in (
-        record["run.mtp-run.draft_acceptance"]
+    assert (
+        "engines accepted 0.2 of draft tokens (planned 0.7): rollout.mtp.acceptance_rate 0.20"
+        in (record["run.mtp-run.draft_acceptance"])
     )
     assert calibrate.measured_phases(tmp_path / "mtp-run")["draft acceptance"] == pytest.approx(0.2)

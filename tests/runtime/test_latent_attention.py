@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-
 #: Mixed lengths, two sharing one (the varlen path batches those), one long enough for its own call.
 LENGTHS = (5, 70, 3, 130, 17, 9, 17)
 
