@@ -13,9 +13,16 @@ import itertools
 from pathlib import Path
 
 import pytest
+from click.testing import Result
+from typer.testing import CliRunner
+
+from rlc.cli import app
+from rlc.compiler.manifest import load_plan
+from rlc.schemas.layout import TrainLayout, runtime_gaps
 
 #: Mixed lengths, two sharing one (the varlen path batches those), one long enough for its own call.
 LENGTHS = (5, 70, 3, 130, 17, 9, 17)
+runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +119,64 @@ def test_without_the_packed_inputs_the_row_leaks(mla) -> None:
     lp, _ = _packed(mla, seqs, "none")
     assert _worst(lp[:1], ref_lp[:1]) < 1e-9  # the row's first sequence has nothing before it
     assert _worst(lp, ref_lp) > 1e-3
+
+
+# --------------------------------------------------------------------------------------------- plans
+
+
+def test_tensor_parallelism_over_latent_attention_is_a_gap() -> None:
+    tp = TrainLayout(world_size=4, tp=2)
+    assert any("over multi-head latent attention" in g for g in runtime_gaps(tp, "cuda", latent=True))
+    assert not any("latent" in g for g in runtime_gaps(tp, "cuda"))  # a dense model's TP says nothing of it
+
+
+@pytest.mark.parametrize(
+    "pins",
+    [{}, {"cp": 2}, {"ep": 4}, {"ep": 2, "cp": 2}, {"pp": 2}, {"pp": 2, "ep": 2}],
+)
+def test_data_context_expert_and_pipeline_parallelism_are_built_for_latent_attention(pins: dict) -> None:
+    layout = TrainLayout(world_size=8, **pins)
+    assert runtime_gaps(layout, "cuda", moe=True, latent=True) == []
+
+
+def test_ring_context_parallelism_for_latent_attention_is_built_on_cpu_only() -> None:
+    ring = TrainLayout(world_size=2, cp=2, cp_kind="ring")
+    assert runtime_gaps(ring, "cpu", moe=True, latent=True) == []
+    assert any("ring context parallelism on npu" in g for g in runtime_gaps(ring, "npu", moe=True, latent=True))
+
+
+SPEC = """name: ds
+target: h100
+cluster: {nodes: 32}
+model: {name: deepseek-v3, path: /models/DeepSeek-V3}
+data: {train: /data/math.jsonl}
+"""
+
+
+def _compile_and_dry_run(tmp_path: Path, tail: str = "") -> tuple[Result, Result | None]:
+    (tmp_path / "ds.yaml").write_text(SPEC + tail)
+    plan = tmp_path / "plan"
+    compiled = runner.invoke(app, ["compile", str(tmp_path / "ds.yaml"), "-o", str(plan)])
+    if compiled.exit_code:
+        return compiled, None
+    return compiled, runner.invoke(app, ["run", str(plan), "--dry-run"])
+
+
+def test_the_planner_gives_deepseek_a_layout_the_trainer_builds_and_the_dry_run_states_it(tmp_path: Path) -> None:
+    compiled, dry = _compile_and_dry_run(tmp_path)
+    assert compiled.exit_code == 0 and dry is not None, compiled.output
+    plan = load_plan(tmp_path / "plan")
+    train = plan.roles_of("train")[0].layout
+    assert train is not None and train.tp == 1 and train.ep > 1
+    latent = plan.model.latent_attention
+    assert latent is not None and (latent.qk_head_dim, latent.v_head_dim, latent.kv_lora_rank) == (192, 128, 512)
+    assert "latent attention (MLA): q/k heads of 192 (rotary 64), v heads of 128" in dry.output
+    assert f"58 MoE layers of 256 experts, top-8; EP {train.ep}" in dry.output
+    assert "latent attention" not in dry.output.partition("refused:")[2]  # nothing about MLA is refused
+
+
+def test_pinned_tensor_parallelism_over_latent_attention_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    compiled, dry = _compile_and_dry_run(tmp_path, "placement: {train: {devices: 128, tp: 2}}\n")
+    assert compiled.exit_code == 0 and "RLC303" in compiled.output and "latent attention" in compiled.output
+    assert dry is not None and dry.exit_code == 2
+    assert "tensor parallelism (TP 2) over multi-head latent attention" in dry.output
