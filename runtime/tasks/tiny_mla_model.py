@@ -50,6 +50,9 @@ def tiny_mla_config(max_positions: int = 512) -> DeepseekV3Config:
         qk_rope_head_dim=16,
         v_head_dim=32,
         rope_interleave=True,
+        # DeepSeek-V3's config.json names its router so; vLLM reads them to load the experts' bias
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
         max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         bos_token_id=base.bos_token_id,

