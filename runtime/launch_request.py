@@ -271,6 +271,7 @@ def launch_request(plan: Plan) -> LaunchRequest:
                 lora=plan.lora is not None,
                 linear_heads=hybrid_heads,
                 moe=plan.model.experts is not None,
+                latent=plan.model.latent_attention is not None,
                 colocated=plan.schedule.mode == "colocated",
             )
             if g not in refusals
@@ -326,10 +327,18 @@ def _pipeline_line(plan: Plan) -> str | None:
 
 
 def _token_mixers(plan: Plan) -> str | None:
-    """The dry run's statement of a hybrid or MoE model's layers as the trainer will build them."""
+    """The dry run's statement of a hybrid, MoE or latent-attention model's layers as the trainer will build them."""
     linear = plan.model.linear_attention
     train = plan.roles_of("train")[0].layout
     assert train is not None
+    latent = plan.model.latent_attention
+    if latent is not None:
+        split = f", Ulysses CP {train.cp} splits its heads" if train.cp > 1 and train.cp_kind == "ulysses" else ""
+        attention = (
+            f"latent attention (MLA): q/k heads of {latent.qk_head_dim} (rotary {latent.qk_rope_head_dim}), v heads "
+            f"of {latent.v_head_dim}, kv latent {latent.kv_lora_rank}, packed by cu_seqlens{split}; "
+        )
+        return attention + (_experts_line(plan.model.experts, train) if plan.model.experts else "dense MLP")
     if plan.model.experts is not None:
         return _experts_line(plan.model.experts, train)
     if linear is None:

@@ -4,8 +4,8 @@ The trainer's tensor-parallel plan, its packed forwards, its expert parallelism 
 built and tested per family; a folder of another family would load through transformers' auto classes and then
 train with layers rlc does not know (shared experts its expert parallelism leaves out, a linear-attention layer
 whose packed rows leak). So `rlc run` reads config.json and refuses what it has not been built for, and a folder
-whose layers disagree with the plan the compiler made (a hybrid or MoE model served under a dense model's plan,
-other expert counts, or the reverse). Nothing here imports torch.
+whose layers disagree with the plan the compiler made (a hybrid, MoE or latent-attention model served under a
+dense model's plan, other expert counts or latent widths, or the reverse). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from typing import Any
 from rlc.runtime.errors import RunError
 from rlc.schemas.plan import ModelSettings
 
-__all__ = ["DENSE_FAMILIES", "HYBRID_FAMILIES", "MOE_FAMILIES", "check_model_family", "model_type"]
+__all__ = [
+    "DENSE_FAMILIES",
+    "HYBRID_FAMILIES",
+    "LATENT_FAMILIES",
+    "MOE_FAMILIES",
+    "check_model_family",
+    "model_type",
+]
 
 #: transformers ``model_type``s whose every layer is softmax attention with a dense MLP.
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -28,13 +35,15 @@ HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5")
 #: shared expert (a dense MLP FSDP2 shards like any weight): Qwen3-MoE, Qwen2-MoE and the Qwen3.5/3.6 MoE models
 #: (text and multimodal checkpoints; also hybrids, see HYBRID_FAMILIES).
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_5_moe")
-BUILT = DENSE_FAMILIES + HYBRID_FAMILIES + MOE_FAMILIES
+#: Multi-head latent attention with DeepSeek's mixture of experts (fused experts, a shared expert, a grouped sigmoid
+#: router that `runtime/train/router` reproduces): DeepSeek-V3 and R1.
+LATENT_FAMILIES = ("deepseek_v3",)
+BUILT = DENSE_FAMILIES + HYBRID_FAMILIES + MOE_FAMILIES + LATENT_FAMILIES
 #: Families known and not built yet, with what is missing.
 UNTESTED = "a mixture-of-experts family whose layers have not been tested with rlc's expert parallelism"
 NOT_BUILT = {
     "qwen3_next": UNTESTED,
     "mixtral": UNTESTED,
-    "deepseek_v3": "a mixture-of-experts model with latent attention and shared experts, which are not built yet",
 }
 #: ``architectures`` entries that name a family when config.json has no ``model_type``.
 ARCHITECTURE_FAMILY = {
@@ -69,10 +78,21 @@ def _linear_layers(config: dict[str, Any]) -> int:
 def _experts(config: dict[str, Any]) -> tuple[int, int] | None:
     """(routed experts, experts per token) of an MoE config.json; None for a dense one."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    experts = text.get("num_experts") or text.get("num_local_experts")  # type: ignore[union-attr]
+    experts = (
+        text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")  # type: ignore[union-attr]
+    )
     if not experts:
         return None
     return int(experts), int(text.get("num_experts_per_tok") or 0)  # type: ignore[union-attr]
+
+
+def _latent(config: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(kv latent rank, query/key head width, value head width) of a latent-attention config.json; None otherwise."""
+    rank = config.get("kv_lora_rank")
+    if not rank:
+        return None
+    qk = int(config.get("qk_nope_head_dim") or 0) + int(config.get("qk_rope_head_dim") or 0)
+    return int(rank), qk, int(config.get("v_head_dim") or 0)
 
 
 def check_model_family(folder: Path, model: ModelSettings) -> str:
@@ -97,6 +117,22 @@ def check_model_family(folder: Path, model: ModelSettings) -> str:
         raise RunError(
             f"{folder} has {linear} linear-attention layer(s) but the plan was compiled for {model.id} with "
             f"{planned}: compile the spec with the catalog entry of the model in this folder"
+        )
+    latent = _latent(config)
+    planned_latent = model.latent_attention
+    want_latent = (
+        (planned_latent.kv_lora_rank, planned_latent.qk_head_dim, planned_latent.v_head_dim) if planned_latent else None
+    )
+    if latent != want_latent:
+
+        def heads(x: tuple[int, int, int] | None) -> str:
+            return (
+                f"latent attention (kv rank {x[0]}, q/k heads {x[1]}, v heads {x[2]})" if x else "no latent attention"
+            )
+
+        raise RunError(
+            f"{folder} has {heads(latent)} but the plan was compiled for {model.id} with {heads(want_latent)}: "
+            "compile the spec with the catalog entry of the model in this folder"
         )
     found = _experts(config)
     want = (model.experts.num_experts, model.experts.experts_per_token) if model.experts else None

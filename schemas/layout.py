@@ -258,11 +258,11 @@ def backend_recomputes(backend: str) -> tuple[str, ...]:
     return FSDP2_RECOMPUTE if backend == "fsdp2" else ("none", "selective", "full")
 
 
-def fsdp2_runs_tp(tp: int, kv_heads: int, lora: bool, hybrid: bool = False) -> bool:
+def fsdp2_runs_tp(tp: int, kv_heads: int, lora: bool, hybrid: bool = False, latent: bool = False) -> bool:
     """FSDP2's DTensor TP splits K/V projections by head (no KV-head replication), does not wrap LoRA layers and
-    has no plan for Gated-DeltaNet layers, so it runs TP only where tp divides the KV heads, without LoRA, and on
-    models without linear attention (`hybrid`)."""
-    return tp == 1 or (kv_heads % tp == 0 and not lora and not hybrid)
+    has no plan for Gated-DeltaNet layers or latent attention, so it runs TP only where tp divides the KV heads,
+    without LoRA, and on models without linear attention (`hybrid`) or latent attention (`latent`)."""
+    return tp == 1 or (kv_heads % tp == 0 and not lora and not hybrid and not latent)
 
 
 def linear_heads(arch: ModelArch) -> tuple[int, int] | None:
@@ -359,6 +359,23 @@ def linear_attention_gaps(layout: TrainLayout, heads: tuple[int, int]) -> list[s
     return gaps
 
 
+def latent_attention_gaps(layout: TrainLayout) -> list[str]:
+    """What the fsdp2 runtime cannot build for a multi-head latent attention (DeepSeek-V3/R1) model under `layout`.
+
+    Its packed forward runs transformers' MLA with query/key heads wider than value heads, under data, Ulysses
+    and ring context (values zero-padded to the key width in the ring's blocks), expert and pipeline
+    parallelism. TP is not built: its plan splits q/k/v projections by heads, while MLA's down-projections
+    (`q_a_proj`, `kv_a_proj_with_mqa`) and their norms produce latents every head shares.
+    """
+    if layout.tp == 1:
+        return []
+    return [
+        f"tensor parallelism (TP {layout.tp}) over multi-head latent attention is not built on the fsdp2 backend "
+        "(the q and kv latents are shared by every head, and the TP plan splits projections by heads): DeepSeek "
+        "models train with data, context, expert and pipeline parallelism"
+    ]
+
+
 def runtime_gaps(
     layout: TrainLayout,
     platform: PlatformName,
@@ -367,6 +384,7 @@ def runtime_gaps(
     kv_heads: int | None = None,
     linear_heads: tuple[int, int] | None = None,
     moe: bool = False,
+    latent: bool = False,
     colocated: bool = False,
 ) -> list[str]:
     """What `rlc run` cannot execute about this layout on `platform`, one sentence each (empty: it runs).
@@ -377,7 +395,8 @@ def runtime_gaps(
     or no recompute, parameter and optimizer offload, fp32 or bf16 compute. The Megatron backend is planned (its
     memory and time models size very large runs) but not executed yet. `kv_heads` is checked when known;
     `linear_heads` (key, value) marks a hybrid model, whose Gated-DeltaNet layers add `linear_attention_gaps`;
-    `moe` marks a mixture-of-experts model; `colocated` a plan whose engines share the trainer's devices.
+    `moe` marks a mixture-of-experts model; `latent` a multi-head latent attention model (`latent_attention_gaps`);
+    `colocated` a plan whose engines share the trainer's devices.
     """
     gaps: list[str] = []
     if layout.backend == "megatron":
@@ -407,4 +426,6 @@ def runtime_gaps(
         )
     if linear_heads is not None:
         gaps += linear_attention_gaps(layout, linear_heads)
+    if latent:
+        gaps += latent_attention_gaps(layout)
     return gaps

@@ -231,6 +231,17 @@ class LinearAttentionLayers(PlanModel):
     value_heads: int = Field(ge=1, description="Value heads of a linear-attention layer.")
 
 
+class LatentAttention(PlanModel):
+    """A multi-head latent attention (DeepSeek's MLA) model's attention: what the trainer's packed forward runs
+    (query/key heads wider than value heads) and what its layouts cannot split (`layout.latent_attention_gaps`)."""
+
+    kv_lora_rank: int = Field(ge=1, description="Rank of the compressed key/value latent, shared by every head.")
+    q_lora_rank: int | None = Field(None, description="Rank of the query latent; None for a full-rank query.")
+    qk_head_dim: int = Field(ge=1, description="Query/key head width: the part without position plus the rotary part.")
+    qk_rope_head_dim: int = Field(ge=1, description="Rotary part of a query/key head (one rotary key for all heads).")
+    v_head_dim: int = Field(ge=1, description="Value head width.")
+
+
 class ExpertLayers(PlanModel):
     """A mixture-of-experts model's routed experts: what the trainer splits over EP ranks and the engines load."""
 
@@ -254,6 +265,9 @@ class ModelSettings(PlanModel):
     )
     experts: ExpertLayers | None = Field(
         None, description="Mixture-of-experts models only: their routed experts (None: every FFN is dense)."
+    )
+    latent_attention: LatentAttention | None = Field(
+        None, description="Multi-head latent attention (DeepSeek-V3/R1) models only (None: q/k/v heads of one width)."
     )
     layers: int | None = Field(None, description="Decoder layers (what pipeline stages split).")
 

@@ -81,6 +81,15 @@ def tiny_shared_moe_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict
 
 
 @pytest.fixture(scope="session")
+def tiny_mla_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny DeepSeek-V3 (latent attention, 8 grouped experts top-2, a shared expert), randomly initialised, once
+    per session."""
+    from rlc.runtime.tasks.tiny_mla_model import build_tiny_mla_model
+
+    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny-mla") / "model")
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path):
     """The quickstart model loaded in float32, eval mode, with sdpa attention."""
     import torch

@@ -254,12 +254,17 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: CpShard, scaling: float | None) -> torch.Tensor:
-    heads = q.shape[1]
-    k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    """Ring attention of this rank's slice. K and V travel as one block, so values narrower than the keys (latent
+    attention's) are zero-padded to the key width and the output cropped back: the padded columns stay zero (and
+    wider values pad the queries and keys, which leaves every score as it was)."""
+    heads, width = q.shape[1], v.shape[-1]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    both = max(width, k.shape[-1])
+    q, k, v = (F.pad(t, (0, both - t.shape[-1])) if t.shape[-1] != both else t for t in (q, k, v))
     q_pos = torch.arange(shard.start, shard.end, device=q.device)
     out = _RingAttention.apply(q[0], k[0], v[0], q_pos, shard.doc_ids(q.device), float(scale), shard)
-    return out.unsqueeze(0).transpose(1, 2).contiguous()  # [1, c, H, D]
+    return out[..., :width].unsqueeze(0).transpose(1, 2).contiguous()  # [1, c, H, Dv]
 
 
 # --------------------------------------------------------------------------------------------- entry point

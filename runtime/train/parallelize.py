@@ -277,7 +277,13 @@ def describe_built(
     """
     layer = attention_layers(model)[0]
     linear = linear_attention_modules(model)
-    weight = layer.get_submodule("self_attn.q_proj").weight
+    # a latent-attention layer with a query latent projects its heads in q_b_proj (its q_proj is None)
+    query = (
+        "self_attn.q_proj"
+        if isinstance(getattr(layer.self_attn, "q_proj", None), torch.nn.Module)
+        else "self_attn.q_b_proj"
+    )
+    weight = layer.get_submodule(query).weight
     placements = getattr(weight, "placements", ())
     weight_mesh = getattr(weight, "device_mesh", None)
     names = list(getattr(weight_mesh, "mesh_dim_names", None) or ())

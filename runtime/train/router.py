@@ -1,8 +1,9 @@
 """The MoE router in RL: expert load, routing drift between passes, routing replay and the load-balancing loss.
 
-Every MoE layer's router is given rlc's forward (`install_routing`), the same computation as transformers'
-(softmax over experts in fp32, top-k, renormalised when the model says so) with one difference: the experts it
-picks pass through a `Routing` object shared by the layers, which
+Every MoE layer's router is given rlc's forward (`install_routing`), the same computation as transformers' (Qwen's:
+softmax over experts in fp32, top-k, renormalised when the model says so; DeepSeek-V3's: sigmoid scores, a
+per-expert bias that steers the choice only, top-k within the best expert groups, weights renormalised and scaled)
+with one difference: the experts it picks pass through a `Routing` object shared by the layers, which
 
 * counts tokens per expert (`moe/expert_load_max` is the busiest expert's share over an even share, worst layer);
 * records the experts each micro-batch of the proximal pass chose and, in the policy forward of the same
@@ -15,7 +16,8 @@ picks pass through a `Routing` object shared by the layers, which
   share of routed slots that went to expert i and P_i the mean router probability of expert i, both over every
   data- and context-parallel rank's tokens of the micro-batch (the counts are all-reduced, P_i is each rank's sum
   over the global token count, and the trainer's gradient reduction sums the ranks), not per rank, which differs
-  (2.46 vs 2.34 measured on the same tokens).
+  (2.46 vs 2.34 measured on the same tokens). For DeepSeek's sigmoid router P_i is the mean of each token's
+  scores normalised to sum to one, as in DeepSeek-V3's complementary balance loss (there per sequence).
 
 The trainer brackets each micro-batch with `Routing.begin` and `Routing.end`; a layer run twice in between
 (activation recompute in backward) reuses its first routing and adds nothing, and a forward outside them routes
@@ -209,6 +211,48 @@ def _router_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple
     return logits, weights.to(logits.dtype), indices
 
 
+def _grouped_sigmoid_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """DeepSeek-V3's router op for op (`DeepseekV3TopkRouter.forward`) through `Routing.route`: sigmoid scores; the
+    expert bias (`e_score_correction_bias`) added for the choice only; the `topk_group` groups with the best two-
+    expert sums kept; top-k among their experts; the chosen scores renormalised and scaled."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+    scores = logits.sigmoid()
+    choice = scores + self.e_score_correction_bias
+    per_group = self.num_experts // self.num_group
+    group_scores = choice.view(-1, self.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    best_groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, best_groups, 1)
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, self.num_group, per_group).reshape(-1, self.num_experts)
+    choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+    chosen = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+    indices = self._rlc_routing.route(self._rlc_layer, chosen, scores / scores.sum(-1, keepdim=True))
+    weights = scores.gather(1, indices)
+    if self.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits, weights * self.routed_scaling_factor, indices
+
+
+def _grouped_sigmoid(router: torch.nn.Module) -> bool:
+    """A DeepSeek-V3 router (sigmoid scores, expert bias, group-limited top-k) rather than a softmax top-k one."""
+    return all(hasattr(router, a) for a in ("e_score_correction_bias", "num_group", "topk_group"))
+
+
+@torch.no_grad()
+def _check_same_routing(router: torch.nn.Module, original: Any) -> None:
+    """Refuse a router whose transformers forward rlc's does not reproduce on a probe: a router class rlc was not
+    built for would otherwise route every token differently, silently."""
+    weight = router.weight
+    probe = torch.randn(16, weight.shape[-1], generator=torch.Generator().manual_seed(1)).to(weight)
+    theirs, ours = original(probe), router.forward(probe)
+    same = all(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6) for a, b in zip(theirs, ours, strict=True))
+    if not same:
+        raise RuntimeError(
+            f"rlc's routing does not reproduce transformers' {type(router).__name__}; this router is not built"
+        )
+
+
 @torch.no_grad()
 def _renormalises(router: torch.nn.Module) -> bool:
     """Whether transformers' own forward of `router` renormalises its top-k weights: some router classes read the
@@ -229,7 +273,11 @@ def install_routing(
         return None
     routing = Routing(int(routers[0].num_experts), len(routers), aux_loss_coef, replay, group, device)
     for layer, router in enumerate(routers):
-        router._rlc_renormalise = _renormalises(router)
+        original = router.forward
+        grouped = _grouped_sigmoid(router)
+        if not grouped:
+            router._rlc_renormalise = _renormalises(router)
         router._rlc_routing, router._rlc_layer = routing, layer
-        router.forward = types.MethodType(_router_forward, router)
+        router.forward = types.MethodType(_grouped_sigmoid_forward if grouped else _router_forward, router)
+        _check_same_routing(router, original)
     return routing

@@ -10,7 +10,7 @@ import pytest
 
 from rlc.runtime.errors import RunError
 from rlc.runtime.model_family import check_model_family
-from rlc.schemas.plan import ExpertLayers, LinearAttentionLayers, ModelSettings
+from rlc.schemas.plan import ExpertLayers, LatentAttention, LinearAttentionLayers, ModelSettings
 
 DENSE = ModelSettings(id="rlc-tiny", path="m", hf_architecture="Qwen3ForCausalLM", params_b=0.0003, vocab_size=32)
 HYBRID = DENSE.model_copy(
@@ -28,6 +28,27 @@ MOE = DENSE.model_copy(
         "experts": ExpertLayers(layers=2, num_experts=8, experts_per_token=2),
     }
 )
+
+#: The tiny DeepSeek-V3's plan record (`runtime/tasks/tiny_mla_model`).
+MLA = DENSE.model_copy(
+    update={
+        "id": "rlc-tiny-mla",
+        "hf_architecture": "DeepseekV3ForCausalLM",
+        "experts": ExpertLayers(layers=2, num_experts=8, experts_per_token=2),
+        "latent_attention": LatentAttention(
+            kv_lora_rank=32, q_lora_rank=64, qk_head_dim=48, qk_rope_head_dim=16, v_head_dim=32
+        ),
+    }
+)
+DEEPSEEK = {
+    "model_type": "deepseek_v3",
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+}
 
 
 def _folder(tmp_path: Path, config: dict) -> Path:
@@ -47,6 +68,10 @@ def test_the_tiny_moe_folder_matches_its_plan(tiny_moe_model_dir: Path) -> None:
     assert check_model_family(tiny_moe_model_dir, MOE) == "qwen3_moe"
 
 
+def test_the_tiny_deepseek_folder_matches_its_plan(tiny_mla_model_dir: Path) -> None:
+    assert check_model_family(tiny_mla_model_dir, MLA) == "deepseek_v3"
+
+
 @pytest.mark.parametrize(
     ("config", "plan", "needle"),
     [
@@ -54,7 +79,10 @@ def test_the_tiny_moe_folder_matches_its_plan(tiny_moe_model_dir: Path) -> None:
         ({"model_type": "qwen3"}, MOE, "no experts (dense) but the plan was compiled for rlc-tiny-moe with 8"),
         ({"model_type": "qwen3_moe", "num_experts": 16, "num_experts_per_tok": 2}, MOE, "16 experts"),
         ({"model_type": "qwen3_next"}, MOE, "not been tested"),
-        ({"model_type": "deepseek_v3"}, MOE, "latent attention"),
+        (DEEPSEEK, MOE, "latent attention (kv rank 32, q/k heads 48, v heads 32) but the plan was compiled for "),
+        ({"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2}, MLA, "has no latent attention but"),
+        ({**DEEPSEEK, "v_head_dim": 16}, MLA, "v heads 16) but the plan was compiled for rlc-tiny-mla with latent"),
+        ({**DEEPSEEK, "n_routed_experts": 16}, MLA, "16 experts, top-2 but"),
         # A Qwen3.5 MoE checkpoint is a hybrid too: its linear-attention layers must be in the plan.
         (
             {

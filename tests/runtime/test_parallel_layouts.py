@@ -195,6 +195,34 @@ def test_shared_expert_moe_under_ep2_cp2_matches_one_unpacked_rank(
     assert all(r["built"]["built"]["ep"] == 2 for r in ranks)
 
 
+#: Layouts the capability table accepts for DeepSeek-V3 (latent attention, a dense first layer, grouped sigmoid
+#: routing, a shared expert), against one rank running the sequences unpacked: packing is under test too.
+MLA_LAYOUTS = {
+    "one-rank-packed": {"world_size": 1},
+    "dp2": {"world_size": 2},
+    "ep2": {"world_size": 2, "ep": 2},
+    "ep2-cp2": {"world_size": 2, "ep": 2, "cp": 2},
+    "cp2-ring": {"world_size": 2, "cp": 2, "cp_kind": "ring"},
+    "pp2-recompute": {"world_size": 2, "pp": 2, "recompute": "full"},
+}
+
+
+@pytest.fixture(scope="module")
+def mla_reference(tiny_mla_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _run(tiny_mla_model_dir, tmp_path_factory.mktemp("mla-ref"), {"world_size": 1}, packing=False)[0]
+
+
+@pytest.mark.parametrize("name", list(MLA_LAYOUTS))
+def test_latent_attention_layout_matches_one_unpacked_rank(
+    name: str, mla_reference: dict, tiny_mla_model_dir: Path, tmp_path: Path
+) -> None:
+    layout = MLA_LAYOUTS[name]
+    ranks = _run(tiny_mla_model_dir, tmp_path, layout)
+    _assert_matches(ranks, mla_reference, layout)
+    assert all(r["built"]["built"]["ep"] == layout.get("ep", 1) for r in ranks)
+    assert ranks[0]["weights"]["model.layers.1.mlp.experts.gate_up_proj"].shape[0] == 8
+
+
 def _assert_matches(ranks: list[dict], reference: dict, layout: dict) -> None:
     pp = layout.get("pp", 1)
     dp = layout["world_size"] // (layout.get("tp", 1) * layout.get("cp", 1) * pp)

@@ -21,15 +21,17 @@ def _ids() -> torch.Tensor:
     return torch.randint(3, 32, (1, 40), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "qwen3_5_moe_text", "deepseek_v3"])
 def test_outside_the_trainers_passes_routing_is_transformers_own(
-    family: str, tiny_moe_model_dir: Path, tiny_shared_moe_model_dirs: dict
+    family: str, tiny_moe_model_dir: Path, tiny_shared_moe_model_dirs: dict, tiny_mla_model_dir: Path
 ) -> None:
     """Same logits with rlc's routers as with transformers' own, for every MoE family the runtime accepts (their
-    router classes renormalise the top-k weights by a config flag, or always)."""
+    router classes renormalise the top-k weights by a config flag, or always; DeepSeek-V3's scores with a sigmoid,
+    biases its choice and limits it to the best expert groups)."""
     from rlc.runtime.train.router import install_routing
 
-    model_dir = tiny_moe_model_dir if family == "qwen3_moe" else tiny_shared_moe_model_dirs[family]
+    dirs = {"qwen3_moe": tiny_moe_model_dir, "deepseek_v3": tiny_mla_model_dir, **tiny_shared_moe_model_dirs}
+    model_dir = dirs[family]
     ids = _ids()
     with torch.no_grad():
         before = _model(model_dir)(input_ids=ids).logits
@@ -38,6 +40,21 @@ def test_outside_the_trainers_passes_routing_is_transformers_own(
         assert routing is not None and routing.layers in (2, 4)
         after = model(input_ids=ids).logits
     assert torch.equal(before, after)
+
+
+def test_a_router_rlc_does_not_reproduce_is_refused(tiny_mla_model_dir: Path) -> None:
+    """Qwen's softmax routing given DeepSeek's router would route other experts with other weights: refused by name
+    when installed, never run."""
+    from rlc.runtime.train import router as router_lib
+
+    model = _model(tiny_mla_model_dir)
+    gate = router_lib.router_modules(model)[0]
+    original = gate.forward
+    routing = router_lib.Routing(8, 2, 0.0, replay=False)
+    gate._rlc_routing, gate._rlc_layer, gate._rlc_renormalise = routing, 0, True
+    gate.forward = router_lib._router_forward.__get__(gate)
+    with pytest.raises(RuntimeError, match="DeepseekV3TopkRouter"):
+        router_lib._check_same_routing(gate, original)
 
 
 def test_load_balancing_loss_is_switch_transformers_as_transformers_computes_it(tiny_moe_model_dir: Path) -> None:
