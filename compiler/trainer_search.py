@@ -187,8 +187,9 @@ def _no_shape_reason(n: int, divisible: list[Shape]) -> str:
     s = divisible[0]
     dp = n // (s.tp * s.pp * s.cp)
     return (
-        f"EP {s.ep} with TP {s.tp}, PP {s.pp}, CP {s.cp} on {n} devices leaves DP {dp}, and the fsdp2 trainer's EP "
-        f"groups take every CP rank of EP/CP data-parallel ranks (CP must divide EP and EP/CP must divide DP)"
+        f"EP {s.ep} with TP {s.tp}, PP {s.pp}, CP {s.cp} on {n} devices leaves DP {dp}, and the fsdp2 trainer splits "
+        "the experts over the TP ranks when TP divides EP, then over every CP rank of data-parallel ranks (CP must "
+        "divide the rest of EP and its quotient must divide DP)"
     )
 
 

@@ -285,12 +285,25 @@ LINEAR_KERNELS: dict[str, str] = {
 TORCH_EXPERT_KERNEL_NAME = "torch (one GEMM pair per local expert)"
 
 
+def experts_over_tp(ep: int, tp: int) -> int:
+    """How many TP ranks the fsdp2 trainer splits a MoE layer's experts over: all of them where TP divides EP (as
+    Megatron's EP groups take the TP ranks at expert TP 1), else none (each TP rank then computes the experts of
+    its column for the tokens TP peers share)."""
+    return tp if tp > 1 and ep % tp == 0 else 1
+
+
+def ep_column(ep: int, tp: int) -> int:
+    """The EP ranks of one TP column (the all-to-all group that dispatches tokens): EP over the TP ranks that
+    `experts_over_tp` takes."""
+    return ep // experts_over_tp(ep, tp)
+
+
 def fsdp2_runs_ep(ep: int, tp: int, cp: int, dp: int) -> bool:
-    """FSDP2's expert parallelism (`runtime/train/expert_parallel`) groups `ep` neighbouring dp·cp ranks of one
-    tensor-parallel column: every CP rank of ep/cp data-parallel ranks. So it needs cp | ep and (ep/cp) | dp. Under
-    TP the experts are not split (expert TP 1, as Megatron recipes run EP): each TP rank of a column computes them
-    for the tokens it holds, which TP peers share."""
-    return ep == 1 or (ep % cp == 0 and dp % (ep // cp) == 0)
+    """FSDP2's expert parallelism (`runtime/train/expert_parallel`) splits the experts over the TP ranks where TP
+    divides EP (`experts_over_tp`), then over `ep_column` neighbouring dp·cp ranks of each TP column: every CP
+    rank of ep_column/cp data-parallel ranks. So it needs cp | ep_column and (ep_column/cp) | dp."""
+    column = ep_column(ep, tp)
+    return ep == 1 or column == 1 or (column % cp == 0 and dp % (column // cp) == 0)
 
 
 def pipeline_gaps(layout: TrainLayout, lora: bool, hybrid: bool, colocated: bool) -> list[str]:
@@ -315,14 +328,15 @@ def pipeline_gaps(layout: TrainLayout, lora: bool, hybrid: bool, colocated: bool
 def moe_gaps(layout: TrainLayout, lora: bool) -> list[str]:
     """What the fsdp2 runtime cannot build for a mixture-of-experts model under `layout`.
 
-    It runs the experts with data, context and expert parallelism (`fsdp2_runs_ep`). TP has no plan for expert
-    weights, and LoRA adapters on fused expert weights are not built (PEFT's all-linear would leave them out).
+    It runs the experts with data, context and expert parallelism (`fsdp2_runs_ep`), EP taking the TP ranks where
+    TP divides it, and LoRA adapters on fused expert weights are not built (PEFT's all-linear would leave them out).
     """
     gaps = []
     if not fsdp2_runs_ep(layout.ep, layout.tp, layout.cp, layout.dp):
         gaps.append(
-            f"EP {layout.ep} with CP {layout.cp} and DP {layout.dp}: the fsdp2 backend's EP groups span every CP "
-            f"rank of EP/CP data-parallel ranks, so CP must divide EP and EP/CP must divide DP"
+            f"EP {layout.ep} with TP {layout.tp}, CP {layout.cp} and DP {layout.dp}: the fsdp2 backend splits the "
+            "experts over the TP ranks when TP divides EP, then over every CP rank of data-parallel ranks, so CP "
+            "must divide the rest of EP and its quotient must divide DP"
         )
     if lora:
         gaps.append(

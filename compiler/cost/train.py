@@ -10,6 +10,7 @@ from typing import Any
 from rlc.compiler.cost.links import collective_s, ep_width_bandwidth, link_gbps, nodes_spanned
 from rlc.compiler.cost.workload import Workload
 from rlc.compiler.memory import ModelSizes, TrainLayout, dtype_bytes
+from rlc.schemas.layout import experts_over_tp
 from rlc.schemas.target import TargetProfile
 
 __all__ = [
@@ -152,9 +153,11 @@ def train_time(
     expert_share = (sizes.active_expert / sizes.active) if sizes.active else 0.0
     efficiency = expert_gemm_efficiency(sizes, layout, target)
     expert_s = compute * expert_share * (1 / efficiency - 1)
-    if fsdp and layout.tp > 1:
-        # The fsdp2 trainer does not split experts over TP: each TP rank computes them for the tokens its column
-        # shares, so the expert FLOPs that `compute` divides over the TP ranks are done tp times.
+    if fsdp and layout.tp > 1 and experts_over_tp(layout.ep, layout.tp) == 1:
+        # Where TP does not divide EP the fsdp2 trainer does not split the experts over TP: each TP rank computes
+        # them for the tokens its column shares, so the expert FLOPs that `compute` divides over the TP ranks are
+        # done tp times. (Where it does, each TP rank serves its share of the experts, and TP's all-reduce after the
+        # FFN, which `_tp_s` counts for every layer, sums their outputs.)
         expert_s += compute * expert_share * (layout.tp - 1) / efficiency
     per_step = work.micro_batches_per_step(layout.dp, layout.micro_batch_tokens)
     micro = work.minibatches * per_step

@@ -10,8 +10,9 @@ drafter (``method: qwen3_5_mtp``); transformers never builds it, so it is traine
   layer and a norm; the tied embedding is its output head. At position i it drafts token i+2;
 - it is distilled from the frozen base: its distribution at i is fit to the base's at i+1 (which has seen token
   i+1), on the warm-up's prompts followed by completions the base itself samples, so the drafts follow what the
-  policy samples rather than the reference answers. The acceptance vLLM measures is then the overlap of the two
-  distributions.
+  policy samples rather than the reference answers. vLLM drafts the head's most likely token and accepts it with
+  the policy's probability of it, so at temperature 1 the acceptance it measures is bounded by the policy's
+  confidence, below the two distributions' overlap (0.99 offline).
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ The pattern is torchtitan's (`torchtitan/distributed/expert_parallel.py`), on tr
   functional collective) sends each to the rank holding its expert; the local experts run on their contiguous
   rows; the reverse all-to-all brings the outputs home, where they are weighted by the router and summed per token,
   as transformers' own loop does on one rank.
+* **With TP.** Where TP divides EP the experts are split over the TP ranks first (Megatron's EP groups take the
+  TP ranks at expert TP 1): TP peers hold the same tokens, so each serves only its own experts, dispatching by
+  all-to-all within its TP column, and the outputs are summed over TP. Backward sums the gradients of the input
+  and of the router's weights over TP (`_CopyToTP`), each rank having seen only its experts' share.
 * **Gradients.** The trainer scales its loss by the dp·cp rank count and FSDP2 averages over its mesh; an expert
   weight is reduced over its efsdp ranks only, having already received the gradients of every EP peer's tokens
   through the backward all-to-all, so its divide factor is set to the whole dp·cp count, as for the other weights.
@@ -78,55 +82,117 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the TP group. The MoE input (replicated over TP) feeds
+    each TP rank's own experts only, so each rank's gradient of it is a part of the whole."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Sum over the TP group forward (each rank adds its experts' outputs); identity backward, the gradient of the
+    replicated output being each rank's whole gradient of its part."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _column_experts(self: torch.nn.Module, flat: torch.Tensor, local: int) -> tuple[torch.Tensor, int]:
+    """Expert ids in this rank's TP column: where the experts are split over TP too (`_rlc_tp_size` > 1), global
+    expert e lives on split rank r = e // local (tp fastest), so this TP rank serves those with r % tp == its TP
+    rank, as column expert (r // tp) · local + e % local; the others (and transformers' dropped slots, id ≥ E) get
+    the column's expert count, which the dispatch drops."""
+    tp, column = self._rlc_tp_size, self._rlc_ep_size
+    experts = local * column * tp
+    if tp == 1:
+        return torch.where(flat < experts, flat, experts), local * column
+    owner = flat // local
+    mine = (flat < experts) & (owner % tp == self._rlc_tp_rank)
+    return torch.where(mine, (owner // tp) * local + flat % local, local * column), local * column
+
+
 def _ep_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers' expert forward (same arguments, same result) with the experts spread over the EP group."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
+    tp_group = self._rlc_tp_group
+    if tp_group is not None:
+        hidden_states = _CopyToTP.apply(hidden_states, tp_group)
+        top_k_weights = _CopyToTP.apply(top_k_weights, tp_group)
     group, size = self._rlc_ep_group, self._rlc_ep_size
     gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
     local_experts = gate_up.shape[0]
-    experts = local_experts * size
     k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1)
+    flat, experts = _column_experts(self, top_k_index.reshape(-1), local_experts)
     weights = top_k_weights.reshape(-1)
-    keep = flat < experts  # transformers' routers may mark a dropped (token, slot) with index num_experts
-    order = torch.argsort(torch.where(keep, flat, experts), stable=True)[: int(keep.sum())]
+    keep = flat < experts
+    order = torch.argsort(flat, stable=True)[: int(keep.sum())]
     token_of = order // k
     counts = torch.bincount(flat[order], minlength=experts)
     # counts[r·El + e]: rows this rank sends to local expert e of rank r; after the exchange, got[s, e]: rows
     # rank s sends to my local expert e.
-    got = torch.empty_like(counts)
-    dist.all_to_all_single(got, counts, group=group)
+    if size > 1:
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=group)
+    else:
+        got = counts.clone()
     got = got.view(size, local_experts)
     send_splits = counts.view(size, local_experts).sum(1).tolist()
     recv_splits = got.sum(1).tolist()
-    rows = wait_tensor(all_to_all_single_autograd(hidden_states[token_of], recv_splits, send_splits, group))
+    rows = hidden_states[token_of]
+    if size > 1:
+        rows = wait_tensor(all_to_all_single_autograd(rows, recv_splits, send_splits, group))
     # Received rows are grouped by source rank, then expert; the kernel wants them by expert, then source.
     block = torch.repeat_interleave(torch.arange(size * local_experts, device=got.device), got.reshape(-1))
     by_expert = torch.argsort((block % local_experts) * size + block // local_experts, stable=True)
     out = self._rlc_expert_kernel.run(rows[by_expert], got.sum(0).tolist(), gate_up, down, self.act_fn)
     back = torch.empty_like(by_expert)
     back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-    home = wait_tensor(all_to_all_single_autograd(out[back], send_splits, recv_splits, group))
+    home = out[back]
+    if size > 1:
+        home = wait_tensor(all_to_all_single_autograd(home, send_splits, recv_splits, group))
     weighted = home * weights[order, None].to(home.dtype)
-    return torch.zeros_like(hidden_states).index_add(0, token_of, weighted.to(hidden_states.dtype))
+    combined = torch.zeros_like(hidden_states).index_add(0, token_of, weighted.to(hidden_states.dtype))
+    return _ReduceFromTP.apply(combined, tp_group) if tp_group is not None else combined
 
 
 def install_expert_parallel(
-    model: torch.nn.Module, ep_mesh: Any, device: torch.device, kernel: ExpertKernel = TORCH_EXPERT_KERNEL
+    model: torch.nn.Module,
+    ep_mesh: Any,
+    device: torch.device,
+    dispatch_mesh: Any = None,
+    tp_group: Any = None,
+    kernel: ExpertKernel = TORCH_EXPERT_KERNEL,
 ) -> list[torch.nn.Module]:
     """Shard every expert container's weights over `ep_mesh` (this rank keeps its 1/ep, moved to `device`, the
-    mesh's) and give it the EP forward.
+    mesh's) and give it the EP forward: tokens are dispatched over `dispatch_mesh` (a TP column's EP ranks; None
+    when the experts are split over TP alone), and with `tp_group` each TP rank serves its own experts and the
+    outputs are summed over the TP ranks.
 
     Call on the loaded, unsharded model (on the host) before FSDP2 wraps it; returns the expert containers (each
-    to become its own FSDP unit over the efsdp ranks).
+    to become its own FSDP unit over the ranks holding the same experts).
     """
     from torch.distributed.tensor import DTensor, Shard
 
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    group = ep_mesh.get_group()
     modules = expert_modules(model)
     for module in modules:
         experts = int(module.gate_up_proj.shape[0])
@@ -137,7 +203,11 @@ def install_expert_parallel(
             shard = full.detach().chunk(size, dim=0)[rank].to(device, copy=True)
             dtensor = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
             setattr(module, name, torch.nn.Parameter(dtensor, requires_grad=full.requires_grad))
-        module._rlc_ep_group, module._rlc_ep_size = group, size
+        module._rlc_ep_group = dispatch_mesh.get_group() if dispatch_mesh is not None else None
+        module._rlc_ep_size = dispatch_mesh.size() if dispatch_mesh is not None else 1
+        module._rlc_tp_group = tp_group
+        module._rlc_tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        module._rlc_tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         module._rlc_expert_kernel = kernel
         module.forward = types.MethodType(_ep_forward, module)
     return modules

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlc.schemas.layout import TrainLayout
+from rlc.schemas.layout import TrainLayout, ep_column, experts_over_tp, fsdp2_runs_ep
 
 from ..platform import Platform
 from .expert_parallel import expert_modules, install_expert_parallel
@@ -62,7 +62,8 @@ class TrainerMesh:
     world: Any  # DeviceMesh with dims (dp, cp, tp), or (efsdp, edp, cp, tp) under expert parallelism
     shard: Any  # DeviceMesh FSDP2 shards over: dp·cp flattened
     coords: dict[str, int]
-    ep: Any = None  # expert-parallel mesh (edp·cp flattened), when ep > 1
+    ep: Any = None  # the mesh the experts are split over, when ep > 1: edp·cp flattened, and tp where it takes TP
+    ep_dispatch: Any = None  # the all-to-all mesh of a TP column (edp·cp flattened; None: no dispatch, TP alone)
     expert_shard: Any = None  # the ranks holding the same experts, which FSDP2 shards them over
     pp: Any = None  # the pipeline stages of this rank's data-parallel share, when pp > 1
 
@@ -100,9 +101,12 @@ def build_mesh(layout: TrainLayout, platform: Platform, rank: int) -> TrainerMes
         shard = world["dp", "cp"]._flatten("dp_cp")
         stages = world["pp"] if pp else None
         return TrainerMesh(layout, world, shard, layout.coordinates(rank), pp=stages)
-    if layout.ep % layout.cp or layout.dp % (layout.ep // layout.cp):
-        raise ValueError(f"expert parallel {layout.ep} is built with CP dividing EP dividing dp·cp")
-    edp = layout.ep // layout.cp  # data-parallel ranks per EP group; the group spans their every CP rank
+    if not fsdp2_runs_ep(layout.ep, layout.tp, layout.cp, layout.dp):
+        raise ValueError(f"expert parallel {layout.ep} is not one the fsdp2 trainer builds ({layout.summary()})")
+    # The experts split over the TP ranks where TP divides EP, then over a TP column's EP group: every CP rank of
+    # edp neighbouring data-parallel ranks (`schemas.layout.fsdp2_runs_ep`).
+    over_tp, column = experts_over_tp(layout.ep, layout.tp), ep_column(layout.ep, layout.tp)
+    edp = column // layout.cp if column > 1 else 1
     world = init_device_mesh(
         platform.device_type,
         (*pp, layout.dp // edp, edp, layout.cp, layout.tp),
@@ -110,9 +114,26 @@ def build_mesh(layout: TrainLayout, platform: Platform, rank: int) -> TrainerMes
     )
     world["efsdp", "edp"]._flatten("dp")
     shard = world["efsdp", "edp", "cp"]._flatten("dp_cp")
-    ep = world["edp", "cp"]._flatten("ep")
+    if over_tp > 1:
+        # With the TP ranks the expert split is (edp, cp, tp), tp fastest; the all-to-all stays in a TP column.
+        ep = world["edp", "cp", "tp"]._flatten("ep")
+        dispatch = world["edp", "cp"]._flatten("ep_column") if column > 1 else None
+        # Ranks holding the same experts: efsdp, and with no column (EP = TP) every CP rank too, which is dp·cp.
+        expert_shard = shard if column == 1 else world["efsdp"]
+    else:
+        ep = dispatch = world["edp", "cp"]._flatten("ep")
+        expert_shard = world["efsdp"]
     stages = world["pp"] if pp else None
-    return TrainerMesh(layout, world, shard, layout.coordinates(rank), ep=ep, expert_shard=world["efsdp"], pp=stages)
+    return TrainerMesh(
+        layout,
+        world,
+        shard,
+        layout.coordinates(rank),
+        ep=ep,
+        ep_dispatch=dispatch,
+        expert_shard=expert_shard,
+        pp=stages,
+    )
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -183,7 +204,11 @@ def apply_layout(model: torch.nn.Module, mesh: TrainerMesh, platform: Platform) 
 
     layout = mesh.layout
     partial = _apply_tensor_parallel(model, mesh) if layout.tp > 1 else set()
-    experts = {id(m) for m in install_expert_parallel(model, mesh.ep, mesh_device(mesh.ep))} if layout.ep > 1 else set()
+    experts = set()
+    if layout.ep > 1:
+        tp_group = mesh.tp_group if experts_over_tp(layout.ep, layout.tp) > 1 else None
+        installed = install_expert_parallel(model, mesh.ep, mesh_device(mesh.ep), mesh.ep_dispatch, tp_group)
+        experts = {id(m) for m in installed}
     if layout.recompute == "full":
         # Whole decoder layers are recomputed in backward (non-reentrant checkpointing works under FSDP2).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -251,12 +251,6 @@ MEASURED_TOLERANCE = 0.15
 #: sequence parallelism splitting the activations over TP, which FSDP2's DTensor TP does not do.
 MEGATRON_ONLY_KEYS = ("backend", "recompute", "micro_batch_tokens")
 
-#: Published Megatron layouts whose degrees the fsdp2 trainer cannot run, and what the planner says.
-FSDP2_REFUSED = {
-    "areal-tau2-qwen3-30b-a3b-a3": "EP 8 with TP 4, PP 4, CP 1 on 32 devices leaves DP 2",
-    "msrl-verl-dapo-deepseekv3-671b-megatron-a3": "EP 16 with TP 8, PP 16, CP 1 on 256 devices leaves DP 2",
-}
-
 
 def _text(dep_id: str) -> tuple[str, str]:
     target, body = PINNED[dep_id]
@@ -301,15 +295,7 @@ def test_published_megatron_layout_is_refused_naming_its_fsdp2_layout(dep_id: st
     assert f"placement.train: {{backend: fsdp2, {degrees}}}" in refusals[0].hint
 
 
-@pytest.mark.parametrize("dep_id", sorted(FSDP2_REFUSED))
-def test_published_degrees_fsdp2_cannot_run_are_refused_with_the_reason(dep_id: str) -> None:
-    checked = _problem(dep_id)
-    plan, diags = build_plan(checked.problem, checked.lines, "spec.yaml")
-    assert plan is None
-    assert any(d.code == "RLC301" and FSDP2_REFUSED[dep_id] in d.message for d in diags), [d.message for d in diags]
-
-
-@pytest.mark.parametrize("dep_id", sorted(set(PINNED) - set(FSDP2_REFUSED)))
+@pytest.mark.parametrize("dep_id", sorted(set(PINNED)))
 def test_published_layout_fits(dep_id: str) -> None:
     checked = _problem(dep_id)
     plan, diags = build_plan(checked.problem, checked.lines, "spec.yaml")
@@ -381,7 +367,7 @@ def _engine_width(summary: str) -> tuple[int, int]:
     return tp, max(tp, int(m.group(2) or 1))
 
 
-@pytest.mark.parametrize("dep_id", sorted(set(PINNED) - set(ROLLOUT_WIDTH_EXCEPTIONS) - set(FSDP2_REFUSED)))
+@pytest.mark.parametrize("dep_id", sorted(set(PINNED) - set(ROLLOUT_WIDTH_EXCEPTIONS)))
 def test_free_rollout_width_close_to_published(dep_id: str) -> None:
     """The free planner's rollout engines are within 2x of the published width: TP for dense models; devices
     per engine (TP × attention-DP = EP) for MoE, where the published and free engines trade TP for EP."""
@@ -506,7 +492,7 @@ def test_measured_step_time_reproduced(dep_id: str) -> None:
 # --------------------------------------------------------------------------------------------- free vs pinned
 
 
-@pytest.mark.parametrize("dep_id", sorted(set(PINNED) - set(FSDP2_REFUSED)))
+@pytest.mark.parametrize("dep_id", sorted(set(PINNED)))
 def test_free_plan_at_least_as_fast_as_published(dep_id: str) -> None:
     """By the planner's own model, its free plan on the same hardware is no slower than the published layout
     pinned (the published layout is one the free search may choose, up to the memory shares pinned)."""

@@ -155,8 +155,12 @@ MOE_LAYOUTS = {
     "ep2": {"world_size": 2, "ep": 2},
     "ep2-cp2": {"world_size": 2, "ep": 2, "cp": 2},
     "ep2-dp4": {"world_size": 4, "ep": 2},
-    # TP splits the attention; the experts stay whole (ETP 1), split over EP within each TP column.
+    # TP splits the attention; the experts stay whole (ETP 1) and are split over the TP ranks first (TP divides
+    # EP), each TP rank serving its share and the outputs summed over TP; the rest of EP dispatches by all-to-all
+    # within each TP column: over the TP pair alone, over TP and the two data-parallel ranks, over TP and CP.
     "ep2-tp2": {"world_size": 4, "ep": 2, "tp": 2},
+    "ep4-tp2": {"world_size": 4, "ep": 4, "tp": 2},
+    "ep4-tp2-cp2": {"world_size": 4, "ep": 4, "tp": 2, "cp": 2},
     "pp2-recompute": {"world_size": 2, "pp": 2, "recompute": "full"},
     "ep2-pp2": {"world_size": 4, "ep": 2, "pp": 2},
 }
