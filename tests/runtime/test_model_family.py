@@ -105,7 +105,7 @@ def test_other_families_and_mismatched_layers_are_refused(tmp_path: Path, config
 
 
 def test_the_dry_run_refuses_moe_layouts_the_fsdp2_trainer_does_not_build(tmp_path: Path) -> None:
-    """Pinned EP and CP that the trainer's EP groups cannot take compile (with RLC303) and the plan-only dry run
+    """Pinned EP, CP and TP 1 that the trainer's EP groups cannot take compile (with RLC303) and the plan-only dry run
     refuses them; with TP 2 beside the (whole) experts it runs. LoRA on an MoE model never gets that far (RLC224)."""
     from typer.testing import CliRunner
 
@@ -118,7 +118,7 @@ def test_the_dry_run_refuses_moe_layouts_the_fsdp2_trainer_does_not_build(tmp_pa
     runner = CliRunner()
     outcomes = {}
     for name, tail in (
-        ("ep-cp", "placement: {train: {devices: 8, ep: 2, cp: 4}}\n"),
+        ("ep-cp", "placement: {train: {devices: 8, ep: 2, cp: 4, tp: 1}}\n"),
         ("tp", "placement: {train: {tp: 2}}\n"),
         ("lora", "lora: {rank: 8}\n"),
     ):
@@ -128,7 +128,7 @@ def test_the_dry_run_refuses_moe_layouts_the_fsdp2_trainer_does_not_build(tmp_pa
         outcomes[name] = (compiled, dry)
     compiled, dry = outcomes["ep-cp"]
     assert compiled.exit_code == 0 and dry is not None and dry.exit_code == 2
-    assert "EP 2 with CP 4" in dry.output
+    assert "EP 2 with TP 1, CP 4" in dry.output
     compiled, dry = outcomes["tp"]
     assert dry is not None and dry.exit_code == 0, dry.output  # TP beside the (whole) experts is built
     compiled, dry = outcomes["lora"]
