@@ -24,7 +24,7 @@ def prepare_model(plan: Plan, log) -> tuple[Path, Weights]:  # type: ignore[no-u
     if plan.model.build_tiny and not (path / "config.json").is_file():
         from rlc.runtime.tasks.model_builder import build_tiny_model, tiny_architecture
 
-        log(f"building the quickstart model in {path} (one-time, a few seconds)")
+        log(f"building the quickstart model in {path} (one-time, under a minute)")
         try:
             build_tiny_model(
                 path,
