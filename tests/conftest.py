@@ -84,9 +84,9 @@ def tiny_shared_moe_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict
 def tiny_mla_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny DeepSeek-V3 (latent attention, 8 grouped experts top-2, a shared expert), randomly initialised, once
     per session."""
-    from rlc.runtime.tasks.tiny_mla_model import build_tiny_mla_model
+    from rlc.runtime.tasks.model_builder import build_tiny_model
 
-    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny-mla") / "model")
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-mla") / "model", seed=0, warmup_steps=0, architecture="mla")
 
 
 @pytest.fixture(scope="session")

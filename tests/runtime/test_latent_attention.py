@@ -9,11 +9,11 @@ far above the rounding of the router, which scores in float32 (about 1e-9).
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import pytest
 from click.testing import Result
+from packed_rows import alone, packed, random_sequences, worst, worst_relative_grad
 from typer.testing import CliRunner
 
 from rlc.cli import app
@@ -40,73 +40,16 @@ def mla(tiny_mla_model_dir: Path):
     return model
 
 
-def _sequences():
-    import torch
-
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, 32, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-def _token_logprobs(logits, ids):
-    return logits.log_softmax(-1)[:-1].gather(-1, ids[1:, None])[:, 0]
-
-
-def _alone(model, seqs):
-    """Each sequence on its own through transformers' forward: log-probs and the summed loss's gradients."""
-    import torch
-
-    model.zero_grad(set_to_none=True)
-    model.config._attn_implementation = "sdpa"
-    out = []
-    for s in seqs:
-        ids = torch.tensor(s)
-        out.append(_token_logprobs(model(input_ids=ids[None]).logits[0], ids))
-    torch.stack([x.sum() for x in out]).sum().backward()
-    return [x.detach() for x in out], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _packed(model, seqs, mode: str):
-    """The sequences as one packed row with rlc's packed-attention inputs (`mode`: varlen or mask); ``"none"`` passes
-    none, so the row runs as one sequence."""
-    import torch
-
-    from rlc.runtime.packing import pack_sequences
-    from rlc.runtime.platform import get_platform
-    from rlc.runtime.train.packed_forward import VARLEN_SDPA, packed_attention_inputs
-
-    model.zero_grad(set_to_none=True)
-    model.config._attn_implementation = VARLEN_SDPA if mode == "varlen" else "sdpa"
-    packed = pack_sequences(seqs)
-    kwargs = {}
-    if mode != "none":
-        kwargs = packed_attention_inputs(packed, get_platform("cpu"), torch.device("cpu"), mode)  # type: ignore[arg-type]
-        kwargs.pop("rlc_seq_bounds", None)
-    logits = model(input_ids=packed.input_ids, **kwargs).logits[0]
-    bounds = packed.cu_seqlens.tolist()
-    out = [_token_logprobs(logits[a:b], packed.input_ids[0, a:b]) for a, b in itertools.pairwise(bounds)]
-    torch.stack([x.sum() for x in out]).sum().backward()
-    return [x.detach() for x in out], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _worst(a, b) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
-
-
-def _worst_relative_grad(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in b)
-
-
 @pytest.mark.parametrize("mode", ["varlen", "mask"])
 def test_packed_row_equals_each_sequence_alone(mla, mode: str) -> None:
     cfg = mla.config
     assert cfg.qk_nope_head_dim + cfg.qk_rope_head_dim != cfg.v_head_dim  # the case under test
-    seqs = _sequences()
-    ref_lp, ref_grads = _alone(mla, seqs)
-    lp, grads = _packed(mla, seqs, mode)
+    seqs = random_sequences(LENGTHS)
+    ref_lp, ref_grads = alone(mla, seqs)
+    lp, grads = packed(mla, seqs, mode, drop=("rlc_seq_bounds",))
     # DeepSeek's router scores in float32 whatever the model's dtype, so agreement stops near float32's rounding
-    assert _worst(lp, ref_lp) < 1e-6
-    assert _worst_relative_grad(grads, ref_grads) < 1e-5
+    assert worst(lp, ref_lp) < 1e-6
+    assert worst_relative_grad(grads, ref_grads) < 1e-5
     # every weight kind took part: latent projections and norms, routed and shared experts, the router
     for part in ("kv_a_proj_with_mqa", "kv_b_proj", "q_a_layernorm", "experts.gate_up_proj", "shared_experts", "gate."):
         assert any(part in name for name in grads), part
@@ -114,11 +57,11 @@ def test_packed_row_equals_each_sequence_alone(mla, mode: str) -> None:
 
 def test_without_the_packed_inputs_the_row_leaks(mla) -> None:
     """The check above can fail: without the packed inputs each sequence attends to the ones before it."""
-    seqs = _sequences()
-    ref_lp, _ = _alone(mla, seqs)
-    lp, _ = _packed(mla, seqs, "none")
-    assert _worst(lp[:1], ref_lp[:1]) < 1e-9  # the row's first sequence has nothing before it
-    assert _worst(lp, ref_lp) > 1e-3
+    seqs = random_sequences(LENGTHS)
+    ref_lp, _ = alone(mla, seqs)
+    lp, _ = packed(mla, seqs, "none")
+    assert worst(lp[:1], ref_lp[:1]) < 1e-9  # the row's first sequence has nothing before it
+    assert worst(lp, ref_lp) > 1e-3
 
 
 # --------------------------------------------------------------------------------------------- plans

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from packed_rows import alone, packed, random_sequences, worst, worst_relative_grad
 from paths import REPO
 from typer.testing import CliRunner
 
@@ -39,81 +40,29 @@ def hybrid(tiny_hybrid_model_dir: Path):
     return model
 
 
-def _sequences():
-    import torch
-
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, 32, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-def _token_logprobs(logits, ids):
-    return logits.log_softmax(-1)[:-1].gather(-1, ids[1:, None])[:, 0]
-
-
-def _alone(model, seqs):
-    """Each sequence on its own through transformers' forward: log-probs and the summed loss's gradients."""
-    import torch
-
-    model.zero_grad(set_to_none=True)
-    model.config._attn_implementation = "sdpa"
-    out = []
-    for s in seqs:
-        ids = torch.tensor(s)
-        out.append(_token_logprobs(model(input_ids=ids[None]).logits[0], ids))
-    torch.stack([x.sum() for x in out]).sum().backward()
-    return [x.detach() for x in out], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _packed(model, seqs, mode: str):
-    import torch
-
-    from rlc.runtime.packing import pack_sequences
-    from rlc.runtime.platform import get_platform
-    from rlc.runtime.train.packed_forward import VARLEN_SDPA, packed_attention_inputs
-
-    model.zero_grad(set_to_none=True)
-    model.config._attn_implementation = VARLEN_SDPA if mode == "varlen" else "sdpa"
-    packed = pack_sequences(seqs)
-    kwargs = packed_attention_inputs(packed, get_platform("cpu"), torch.device("cpu"), mode)  # type: ignore[arg-type]
-    logits = model(input_ids=packed.input_ids, **kwargs).logits[0]
-    bounds = packed.cu_seqlens.tolist()
-    out = [_token_logprobs(logits[a:b], packed.input_ids[0, a:b]) for a, b in itertools.pairwise(bounds)]
-    torch.stack([x.sum() for x in out]).sum().backward()
-    return [x.detach() for x in out], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _worst(a, b) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
-
-
-def _worst_relative_grad(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in b)
-
-
 @pytest.mark.parametrize("mode", ["varlen", "mask"])
 def test_packed_row_equals_each_sequence_alone(hybrid, mode: str) -> None:
     from rlc.runtime.train.linear_attention import install_packed_linear_attention
 
-    seqs = _sequences()
-    ref_lp, ref_grads = _alone(hybrid, seqs)
+    seqs = random_sequences(LENGTHS)
+    ref_lp, ref_grads = alone(hybrid, seqs)
     kernels = install_packed_linear_attention(hybrid, "cpu")
     try:
-        lp, grads = _packed(hybrid, seqs, mode)
+        lp, grads = packed(hybrid, seqs, mode)
     finally:
         _uninstall(hybrid)
     assert kernels is not None and kernels.name == "torch (split at cu_seqlens)"
-    assert _worst(lp, ref_lp) < 1e-6
-    assert _worst_relative_grad(grads, ref_grads) < 1e-4
+    assert worst(lp, ref_lp) < 1e-6
+    assert worst_relative_grad(grads, ref_grads) < 1e-4
 
 
 def test_without_rlcs_forward_the_packed_row_leaks(hybrid) -> None:
     """The check above can fail: transformers' own Gated-DeltaNet forward runs the row as one sequence."""
-    seqs = _sequences()
-    ref_lp, _ = _alone(hybrid, seqs)
-    lp, _ = _packed(hybrid, seqs, "varlen")
-    assert _worst(lp[:1], ref_lp[:1]) < 1e-9  # the row's first sequence starts from a zero state either way
-    assert _worst(lp, ref_lp) > 1e-3
+    seqs = random_sequences(LENGTHS)
+    ref_lp, _ = alone(hybrid, seqs)
+    lp, _ = packed(hybrid, seqs, "varlen")
+    assert worst(lp[:1], ref_lp[:1]) < 1e-9  # the row's first sequence starts from a zero state either way
+    assert worst(lp, ref_lp) > 1e-3
 
 
 def _uninstall(model) -> None:
