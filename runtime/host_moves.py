@@ -49,24 +49,30 @@ def weight_bytes(meta: list[tuple[str, tuple[int, ...], str]]) -> int:
     return sum(math.prod(shape) * dtype_from_str(dtype).itemsize for _, shape, dtype in meta)
 
 
-def plan_host_moves(ranks: list[dict[str, Any]], engine_nodes: list[str], needed_bytes: int, tag: str) -> HostMoves:
-    """Writers and readers from each trainer rank's ``{rank, node_id, shm_free}`` and each engine's node id.
+def plan_host_moves(
+    ranks: list[dict[str, Any]], engine_nodes: list[list[str]], needed_bytes: int, tag: str
+) -> HostMoves:
+    """Writers and readers from each trainer rank's ``{rank, node_id, shm_free}`` and each engine's worker nodes
+    (one node, or several for an engine across nodes).
 
-    `tag` makes the folders unique to this run (several runs may share a node).
+    `tag` makes the folders unique to this run (several runs may share a node). An engine across nodes loads
+    through every worker at once, each from its own node's /dev/shm, so then every writer uses one folder name
+    (one writer per node, so one folder per node still).
     """
     first: dict[str, dict[str, Any]] = {}
     for info in sorted(ranks, key=lambda r: r["rank"]):
         first.setdefault(info["node_id"], info)
     readers: dict[int, list[int]] = {}
-    for index, node in enumerate(engine_nodes):
-        writer = first.get(node)
-        if writer is None:
-            raise HostMovesError(
-                f"rollout engine {index} runs on a node without a trainer rank, so colocated weights cannot reach "
-                "it through host memory; the plan's placement put every engine beside a trainer rank, so Ray "
-                "placed them apart: check that every node runs `launch.sh`"
-            )
-        readers.setdefault(writer["rank"], []).append(index)
+    for index, nodes in enumerate(engine_nodes):
+        for node in nodes:
+            writer = first.get(node)
+            if writer is None:
+                raise HostMovesError(
+                    f"rollout engine {index} runs on a node without a trainer rank, so colocated weights cannot "
+                    "reach it through host memory; the plan's placement put every engine beside a trainer rank, so "
+                    "Ray placed them apart: check that every node runs `launch.sh`"
+                )
+            readers.setdefault(writer["rank"], []).append(index)
     want = SHM_HEADROOM * needed_bytes
     for rank in readers:
         info = next(r for r in ranks if r["rank"] == rank)
@@ -76,5 +82,6 @@ def plan_host_moves(ranks: list[dict[str, Any]], engine_nodes: list[str], needed
                 f"weight moves need {want / 2**30:.2f} GiB: mount a larger /dev/shm (in Kubernetes an emptyDir with "
                 "medium: Memory), or compile with rollout.weight_sync: disk"
             )
-    dirs = {rank: str(Path("/dev/shm") / f"rlc-{tag}-r{rank}") for rank in readers}
+    across = any(len(nodes) > 1 for nodes in engine_nodes)
+    dirs = {rank: str(Path("/dev/shm") / (f"rlc-{tag}" if across else f"rlc-{tag}-r{rank}")) for rank in readers}
     return HostMoves(dirs, readers)

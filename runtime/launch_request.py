@@ -44,6 +44,10 @@ class ActorRequest:
     devices: tuple[int, ...] = ()
     #: The plan node this actor runs on (its bundle's node; environments: -1, anywhere).
     node: int = 0
+    #: An engine across nodes: the bundles of its vLLM workers (one device each) and what each takes; its actor
+    #: drives no device and its placement group is captured, so vLLM's Ray executor starts the workers there.
+    worker_bundles: tuple[int, ...] = ()
+    worker_resources: dict[str, float] = field(default_factory=dict)
 
     def device_env(self, platform: str) -> dict[str, str]:
         """The env that binds this actor to its planned devices: the visible-devices mask, and Ray's opt-out
@@ -53,6 +57,17 @@ class ActorRequest:
         if not self.devices or name is None:
             return {}
         return {name: ",".join(map(str, self.devices)), f"RAY_EXPERIMENTAL_NOSET_{name}": "1"}
+
+    def worker_env(self) -> dict[str, str]:
+        """The env that puts an engine's vLLM Ray workers on its planned bundles, each taking its planned share
+        (vLLM reads both when it starts its Ray executor); empty for an engine that drives its own devices."""
+        if not self.worker_bundles:
+            return {}
+        (share,) = self.worker_resources.values()
+        return {
+            "VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, self.worker_bundles)),
+            "VLLM_RAY_PER_WORKER_GPUS": repr(float(share)),
+        }
 
 
 @dataclass(frozen=True)
@@ -249,14 +264,29 @@ def launch_request(plan: Plan) -> LaunchRequest:
                 )
         else:
             kind = "rollout" if role.kind == "rollout" else "teacher"
-            devices = _device_slices(plan, role, len(ray.bundle_indices), refusals)
+            # An engine across nodes binds no device itself: its vLLM workers take their bundles' devices.
+            across = ray.engine_workers
+            devices = (
+                [()] * len(ray.bundle_indices)
+                if across
+                else _device_slices(plan, role, len(ray.bundle_indices), refusals)
+            )
             for index, bundle in enumerate(ray.bundle_indices):
-                name = f"rlc-{role.name}-{index}"
-                resources = dict(ray.actor_resources)
-                node = node_of(ray.placement_group, bundle)
                 actors.append(
                     ActorRequest(
-                        name, role.name, kind, ray.placement_group, bundle, resources, {}, devices[index], node
+                        f"rlc-{role.name}-{index}",
+                        role.name,
+                        kind,
+                        ray.placement_group,
+                        bundle,
+                        dict(ray.actor_resources),
+                        {"worker_nodes": sorted({node_of(ray.placement_group, b) for b in across[index]})}
+                        if across
+                        else {},
+                        devices[index],
+                        node_of(ray.placement_group, bundle),
+                        tuple(across[index]) if across else (),
+                        dict(ray.worker_resources) if across else {},
                     )
                 )
     linear = plan.model.linear_attention
@@ -399,6 +429,12 @@ def render_request(req: LaunchRequest) -> str:
             extra = f"  runs {a.detail['agent']}"
         if a.devices:
             extra += f"  devices {','.join(map(str, a.devices))}"
+        if a.worker_bundles:
+            nodes = ",".join(f"n{n}" for n in a.detail["worker_nodes"])
+            extra += (
+                f"  vLLM Ray workers on bundles {a.worker_bundles[0]}-{a.worker_bundles[-1]} (nodes {nodes}), "
+                f"{_resources(a.worker_resources)} each"
+            )
         if len({b.node for b in req.actors}) > 1 and a.node >= 0:
             extra += f"  node n{a.node}"
         lines.append(f"  {a.name:<24} {a.kind:<9} {where}  {_resources(a.resources)}{extra}")

@@ -40,10 +40,14 @@ def _placement_groups(request: LaunchRequest, created: list[Any]) -> dict[str, A
 
 
 def _strategy(groups: dict[str, Any], actor: ActorRequest) -> Any:
+    """The actor's planned bundle. An engine across nodes also captures the group for what it starts: vLLM reads
+    the captured group in its actor, picks its Ray executor and places its workers on the planned bundles."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     return PlacementGroupSchedulingStrategy(
-        placement_group=groups[actor.placement_group], placement_group_bundle_index=actor.bundle_index
+        placement_group=groups[actor.placement_group],
+        placement_group_bundle_index=actor.bundle_index,
+        placement_group_capture_child_tasks=True if actor.worker_bundles else None,
     )
 
 
@@ -121,7 +125,7 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
         generation = generations.get(index, 0)
         generations[index] = generation + 1
         spec = engines[index]
-        env = {**engine_env, **spec.device_env(plan.platform)}
+        env = {**engine_env, **spec.device_env(plan.platform), **spec.worker_env()}
         cls = _engine_actor_class(spec, generation, groups, env)
         # Agents call vLLM's OpenAI server inside the actor.
         agent = (plan.agent.model_dump(), plan.sampling.model_dump()) if plan.agent is not None else (None, None)
@@ -184,7 +188,7 @@ def build_teachers(plan: Plan, request: LaunchRequest, groups: dict[str, Any]) -
         generations[(role_name, index)] = generation + 1
         role = plan.role(role_name)
         spec = [a for a in request.actors if a.role == role_name][index]
-        env = {**plan.env, **role.env, **spec.device_env(plan.platform)}
+        env = {**plan.env, **role.env, **spec.device_env(plan.platform), **spec.worker_env()}
         cls = _engine_actor_class(spec, generation, groups, env)
         return cls.remote(dict(role.engine), plan.platform, env, 0)
 

@@ -163,7 +163,7 @@ class WeightPush:
             import ray
 
             ranks = self.trainer.hosts_info()
-            nodes = ray.get([e.node_id() for e in self.rollout.engines])
+            nodes = ray.get([e.node_ids() for e in self.rollout.engines])
             tag = f"{os.getpid()}-{abs(hash(str(self.run_dir))) % 10**8}"
             self._host_moves = plan_host_moves(ranks, nodes, weight_bytes(self.meta()), tag)
             self.message(f"colocated weight moves through host memory: {self._host_moves.describe()}")

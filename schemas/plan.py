@@ -60,6 +60,17 @@ class RayPlacement(PlanModel):
         description="Train roles with a separate KL reference policy: what each reference rank (one per trainer "
         "rank, on the same bundle) takes.",
     )
+    engine_workers: list[list[int]] = Field(
+        default_factory=list,
+        description="Engines across nodes only: each engine's worker bundles (one device each, whole nodes), in "
+        "engine order. The engine's actor drives no device; vLLM's Ray executor starts one worker on each of these "
+        "bundles (VLLM_RAY_BUNDLE_INDICES). Empty: each engine's actor drives its devices itself.",
+    )
+    worker_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Engines across nodes only: what each vLLM worker takes from its bundle (its device, or a "
+        "colocated share of it; VLLM_RAY_PER_WORKER_GPUS).",
+    )
 
 
 class Role(PlanModel):

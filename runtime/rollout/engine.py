@@ -119,6 +119,14 @@ def engine_setup(
     return resolved, dict(engine_args)
 
 
+def _engine_core_joins_this_cluster() -> None:
+    """An engine on vLLM's Ray executor starts its workers from its engine-core process, a new Ray driver that,
+    without an address, would start a Ray of its own (where this actor's placement group does not exist)."""
+    import ray
+
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+
+
 class RolloutEngine:
     """vLLM's `AsyncLLM` with the RL operations, built from a plan's engine args; a Ray async actor in runs."""
 
@@ -187,6 +195,8 @@ class RolloutEngine:
         self._open = asyncio.Event()
         self._open.set()
         self._joined = asyncio.Event()
+        if self.engine_args.get("distributed_executor_backend") == "ray":
+            _engine_core_joins_this_cluster()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
         await self.llm.update_weight_version(str(self.version))
         if self._needs_repair:
@@ -481,6 +491,19 @@ class RolloutEngine:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+    def node_ids(self) -> list[str]:
+        """The Ray nodes this engine's model runs on: its own, or, for an engine across nodes, its vLLM workers'
+        (the planned bundles, `VLLM_RAY_BUNDLE_INDICES`, of the placement group it captured)."""
+        import ray
+        from ray.util import get_current_placement_group, placement_group_table
+
+        bundles = os.environ.get("VLLM_RAY_BUNDLE_INDICES", "")
+        group = get_current_placement_group()
+        if not bundles or group is None:
+            return [ray.get_runtime_context().get_node_id()]
+        where = placement_group_table(group)["bundles_to_node_id"]
+        return sorted({where[int(b)] for b in bundles.split(",")})
 
     async def shutdown(self) -> None:
         """Stop serving and the engine-core process now rather than at garbage collection."""

@@ -495,12 +495,19 @@ def test_measured_step_time_reproduced(dep_id: str) -> None:
 @pytest.mark.parametrize("dep_id", sorted(set(PINNED)))
 def test_free_plan_at_least_as_fast_as_published(dep_id: str) -> None:
     """By the planner's own model, its free plan on the same hardware is no slower than the published layout
-    pinned (the published layout is one the free search may choose, up to the memory shares pinned)."""
+    pinned (the published layout is one the free search may choose, up to the memory shares pinned). The free
+    search offers only engines `rlc run` starts, so a published engine it does not (attention data parallelism
+    across nodes) may be faster by the model: then that plan states the gap, and the free one has none."""
     from rlc.compiler import search
+    from rlc.compiler.planner import plan_gaps
 
-    pinned = search.search(_problem(dep_id).problem).best
-    free = search.search(_problem(dep_id, free=True).problem).best
+    pinned_problem, free_problem = _problem(dep_id).problem, _problem(dep_id, free=True).problem
+    pinned = search.search(pinned_problem).best
+    free = search.search(free_problem).best
     assert pinned is not None and free is not None
+    if any("attention DP" in gap for gap in plan_gaps(pinned_problem, pinned)):
+        assert not [g for g in plan_gaps(free_problem, free) if "engines" in g], free.summary
+        return
     assert free.step.step_s <= pinned.step.step_s * (1 + 1e-6), (free.summary, pinned.summary)
 
 

