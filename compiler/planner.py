@@ -13,7 +13,7 @@ import rlc
 from rlc.compiler import agent_plan, refusal, search
 from rlc.compiler.candidates import loser_term
 from rlc.compiler.diagnostics import Diagnostic
-from rlc.compiler.engine_config import cpu_rollout_gaps
+from rlc.compiler.engine_config import CPU_ENGINE_EP_GAP, cpu_rollout_gaps
 from rlc.compiler.load import LineMap
 from rlc.compiler.memory import RolloutLayout
 from rlc.compiler.plan_sections import (
@@ -108,14 +108,17 @@ def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
         )
     gaps += cpu_rollout_gaps(problem, platform)
     for name, lay in [("rollout", best.rollout.layout)] + [(f"teacher-{t.name}", t.layout) for t in best.teachers]:
-        gaps += engine_span_gaps(name, lay, problem.devices_per_node, platform)
+        gaps += engine_gaps(name, lay, problem.devices_per_node, platform)
     return gaps
 
 
-def engine_span_gaps(name: str, lay: RolloutLayout, dpn: int, platform: str) -> list[str]:
-    """What `rlc run` cannot start about engines wider than a node. Their TP runs across whole nodes on vLLM's
-    Ray executor (a worker per device bundle, `ray_placement`); vLLM runs attention data parallelism across
-    nodes differently, as one engine core per node joined over its data-parallel RPC, which rlc does not start."""
+def engine_gaps(name: str, lay: RolloutLayout, dpn: int, platform: str) -> list[str]:
+    """What `rlc run` cannot start about a role's engines: expert parallelism on cpu (`CPU_ENGINE_EP_GAP`), and,
+    for engines wider than a node, all but TP across whole nodes, which runs on vLLM's Ray executor (a worker per
+    device bundle, `ray_placement`): vLLM runs attention data parallelism across nodes differently, as one engine
+    core per node joined over its data-parallel RPC, which rlc does not start."""
+    if platform == "cpu" and lay.ep > 1:
+        return [f"{name} engines with expert parallelism (EP {lay.ep}) on the cpu target: {CPU_ENGINE_EP_GAP}"]
     if lay.engine_devices <= dpn:
         return []
     nodes = lay.engine_devices // dpn

