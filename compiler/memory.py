@@ -91,6 +91,9 @@ class ModelSizes:
     #: Layers with full attention (a KV cache); hybrid models' linear layers excluded. Counted once here
     #: because the search asks for it per candidate layout.
     full_attention_layers: int = 0
+    #: Decoder-layer parameters (every layer) the fsdp2 trainer's TP keeps whole on each TP rank, beyond the norms
+    #: the model counts as split: latent attention's down-projections and latent norms (`tp_whole_params`).
+    tp_whole: int = 0
 
     @property
     def layers(self) -> int:
@@ -126,7 +129,20 @@ def model_sizes(arch: ModelArch) -> ModelSizes:
         act={rc: activation_elements_per_token_layer(arch, rc) for rc in ("none", "selective", "full")},
         act_hf=hf_activation_elements_per_token_layer(arch),
         full_attention_layers=arch.num_full_attention_layers(),
+        tp_whole=arch.num_layers * tp_whole_params(arch),
     )
+
+
+def tp_whole_params(arch: ModelArch) -> int:
+    """Parameters of one decoder layer that the fsdp2 trainer's tensor parallelism keeps whole on every TP rank
+    (and computes on each): latent attention's down-projections h·r_q + h·(r_kv + rope) and the latents' norms
+    r_q + r_kv, whose outputs every head shares (`runtime/train/parallelize`); 0 for other attention."""
+    a, h = arch.attention, arch.hidden_size
+    if a.kind != "mla":
+        return 0
+    q = (h + 1) * a.q_lora_rank if a.q_lora_rank else 0
+    r_kv = a.kv_lora_rank or 0
+    return q + h * (r_kv + (a.qk_rope_head_dim or 0)) + r_kv
 
 
 def lora_params(arch: ModelArch, rank: int, targets: str | list[str]) -> int:
@@ -207,11 +223,13 @@ class MemoryBreakdown:
 
 def fsdp2_gathered_layer(sizes: ModelSizes, layout: TrainLayout) -> float:
     """Parameters of the largest decoder layer as FSDP2 all-gathers it on one device: its dense part over TP, and
-    under expert parallelism only the rank's 1/ep of the routed experts (they are gathered over the efsdp ranks)."""
+    under expert parallelism only the rank's 1/ep of the routed experts (they are gathered over the efsdp ranks).
+    What TP keeps whole (`tp_whole_params`) is gathered whole."""
+    whole = sizes.tp_whole / sizes.layers
     if sizes.arch.moe is None or layout.ep == 1:
-        return sizes.max_layer / layout.tp
+        return (sizes.max_layer - whole) / layout.tp + whole
     experts = sizes.expert / max(1, sizes.layers - sizes.arch.moe.first_dense_layers)
-    return (sizes.max_layer - experts) / layout.tp + experts / layout.ep
+    return (sizes.max_layer - experts - whole) / layout.tp + whole + experts / layout.ep
 
 
 def train_param_shard(sizes: ModelSizes, layout: TrainLayout) -> tuple[float, float]:
@@ -219,14 +237,16 @@ def train_param_shard(sizes: ModelSizes, layout: TrainLayout) -> tuple[float, fl
 
     FSDP2 (ZeRO-3, Rajbhandari et al. 2020; rlc's trainer): decoder-layer weights are split by TP (colwise
     q/k/v/gate/up, rowwise o/down) and every parameter is sharded over the dp·cp ranks, so a device holds
-    (layers/t + embedding + head)/(dp·cp); embeddings and norms are not tensor-parallel there.
+    (layers/t + embedding + head)/(dp·cp); embeddings and norms are not tensor-parallel there (norms are counted
+    split, they are small), nor latent attention's down-projections (`tp_whole_params`, counted whole).
     Megatron (Narayanan et al. 2021; megatron/training/theoretical_memory_usage.py): a stage holds
     ceil(L/p) layers; dense parts split by t, routed experts by ep·etp; the first stage adds the embedding and
     the last the LM head (both when p == 1), vocab-parallel over t.
     """
     if layout.backend == "fsdp2":  # a pipeline stage holds its 1/pp of the layers and every root weight
         layers = sizes.total - sizes.embedding - sizes.head
-        return (layers / layout.tp / layout.pp + sizes.embedding + sizes.head) / layout.shard_group, 0.0
+        split = ((layers - sizes.tp_whole) / layout.tp + sizes.tp_whole) / layout.pp
+        return (split + sizes.embedding + sizes.head) / layout.shard_group, 0.0
     per_layer = 1 / sizes.layers
     stage_layers = ceil(sizes.layers / layout.pp)
     vocab = sizes.embedding + sizes.head if layout.pp == 1 else max(sizes.embedding, sizes.head or sizes.embedding)
@@ -266,10 +286,15 @@ def replicated_activation_elements(arch: ModelArch, recompute: str) -> float:
     """The part of a layer's stored activations that tensor parallelism without sequence parallelism does not
     split: the RMSNorms' inputs, normalised values and outputs and the two all-reduced projection outputs (8h;
     4h under selective recompute, which drops the norms' values), or the layer input under full recompute
-    (h). FSDP2's DTensor TP in rlc splits only the attention heads and the FFN width; Megatron with sequence
+    (h). FSDP2's DTensor TP in rlc splits only the attention heads and the FFN width, so latent attention's
+    latents (r_q + r_kv + rope, as `_fused_attention` counts them) stay whole too; Megatron with sequence
     parallelism splits everything."""
     h = arch.hidden_size
-    return {"none": 8.0 * h, "selective": 4.0 * h, "full": float(h)}[recompute]
+    if recompute == "full":
+        return float(h)
+    a = arch.attention
+    latents = (a.q_lora_rank or 0) + (a.kv_lora_rank or 0) + (a.qk_rope_head_dim or 0) if a.kind == "mla" else 0
+    return {"none": 8.0 * h, "selective": 4.0 * h}[recompute] + latents
 
 
 def _linear_attention_elements(arch: ModelArch) -> float:

@@ -258,11 +258,11 @@ def backend_recomputes(backend: str) -> tuple[str, ...]:
     return FSDP2_RECOMPUTE if backend == "fsdp2" else ("none", "selective", "full")
 
 
-def fsdp2_runs_tp(tp: int, kv_heads: int, lora: bool, hybrid: bool = False, latent: bool = False) -> bool:
+def fsdp2_runs_tp(tp: int, kv_heads: int, lora: bool, hybrid: bool = False) -> bool:
     """FSDP2's DTensor TP splits K/V projections by head (no KV-head replication), does not wrap LoRA layers and
-    has no plan for Gated-DeltaNet layers or latent attention, so it runs TP only where tp divides the KV heads,
-    without LoRA, and on models without linear attention (`hybrid`) or latent attention (`latent`)."""
-    return tp == 1 or (kv_heads % tp == 0 and not lora and not hybrid and not latent)
+    has no plan for Gated-DeltaNet layers, so it runs TP only where tp divides the KV heads, without LoRA, and on
+    models without linear attention (`hybrid`). Latent attention splits its up-projections by heads."""
+    return tp == 1 or (kv_heads % tp == 0 and not lora and not hybrid)
 
 
 def linear_heads(arch: ModelArch) -> tuple[int, int] | None:
@@ -374,20 +374,16 @@ def linear_attention_gaps(layout: TrainLayout, heads: tuple[int, int]) -> list[s
 
 
 def latent_attention_gaps(layout: TrainLayout) -> list[str]:
-    """What the fsdp2 runtime cannot build for a multi-head latent attention (DeepSeek-V3/R1) model under `layout`.
+    """What the fsdp2 runtime cannot build for a multi-head latent attention (DeepSeek-V3/R1) model under `layout`:
+    nothing beyond what other models lack.
 
     Its packed forward runs transformers' MLA with query/key heads wider than value heads, under data, Ulysses
     and ring context (values zero-padded to the key width in the ring's blocks), expert and pipeline
-    parallelism. TP is not built: its plan splits q/k/v projections by heads, while MLA's down-projections
-    (`q_a_proj`, `kv_a_proj_with_mqa`) and their norms produce latents every head shares.
+    parallelism, and tensor parallelism: the up-projections split by heads, the down-projections and their norms
+    whole on every TP rank, the shared rotary key's gradient summed over TP (`runtime/train/parallelize`).
     """
-    if layout.tp == 1:
-        return []
-    return [
-        f"tensor parallelism (TP {layout.tp}) over multi-head latent attention is not built on the fsdp2 backend "
-        "(the q and kv latents are shared by every head, and the TP plan splits projections by heads): DeepSeek "
-        "models train with data, context, expert and pipeline parallelism"
-    ]
+    del layout
+    return []
 
 
 def runtime_gaps(

@@ -244,7 +244,7 @@ class LinearAttentionLayers(PlanModel):
 
 class LatentAttention(PlanModel):
     """A multi-head latent attention (DeepSeek's MLA) model's attention: what the trainer's packed forward runs
-    (query/key heads wider than value heads) and what its layouts cannot split (`layout.latent_attention_gaps`)."""
+    (query/key heads wider than value heads) and which layouts split it (`layout.latent_attention_gaps`)."""
 
     kv_lora_rank: int = Field(ge=1, description="Rank of the compressed key/value latent, shared by every head.")
     q_lora_rank: int | None = Field(None, description="Rank of the query latent; None for a full-rank query.")

@@ -144,7 +144,8 @@ def train_time(
     compute. Offload: parameters cross the host link per micro-batch (forward, backward), also
     for a LoRA run's frozen base; offloaded optimizer moments are brought to the device for each update and back.
     CP ring (Liu et al. 2023): K/V blocks passed cp − 1 times per layer and pass. Expert GEMMs that see too
-    few tokens run below peak (`expert_gemm_efficiency`).
+    few tokens run below peak (`expert_gemm_efficiency`). Under FSDP2's TP, the weights it keeps whole
+    (`memory.tp_whole_params`: latent attention's down-projections) are computed on every TP rank.
     """
     arch = sizes.arch
     fsdp = layout.backend == "fsdp2"
@@ -159,6 +160,10 @@ def train_time(
         # done tp times. (Where it does, each TP rank serves its share of the experts, and TP's all-reduce after the
         # FFN, which `_tp_s` counts for every layer, sums their outputs.)
         expert_s += compute * expert_share * (layout.tp - 1) / efficiency
+    if fsdp and layout.tp > 1 and sizes.tp_whole and sizes.active:
+        # What TP keeps whole (latent attention's down-projections, `memory.tp_whole_params`) each TP rank
+        # computes for the tokens its TP group shares: done tp times, where `compute` divides it over them.
+        compute += compute * sizes.tp_whole / sizes.active * (layout.tp - 1)
     per_step = work.micro_batches_per_step(layout.dp, layout.micro_batch_tokens)
     micro = work.minibatches * per_step
     bubble = (layout.pp - 1) / (per_step + layout.pp - 1)

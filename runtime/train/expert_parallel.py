@@ -15,7 +15,7 @@ The pattern is torchtitan's (`torchtitan/distributed/expert_parallel.py`), on tr
 * **With TP.** Where TP divides EP the experts are split over the TP ranks first (Megatron's EP groups take the
   TP ranks at expert TP 1): TP peers hold the same tokens, so each serves only its own experts, dispatching by
   all-to-all within its TP column, and the outputs are summed over TP. Backward sums the gradients of the input
-  and of the router's weights over TP (`_CopyToTP`), each rank having seen only its experts' share.
+  and of the router's weights over TP (`CopyToTP`), each rank having seen only its experts' share.
 * **Gradients.** The trainer scales its loss by the dp·cp rank count and FSDP2 averages over its mesh; an expert
   weight is reduced over its efsdp ranks only, having already received the gradients of every EP peer's tokens
   through the backward all-to-all, so its divide factor is set to the whole dp·cp count, as for the other weights.
@@ -39,6 +39,7 @@ from rlc.schemas.layout import TORCH_EXPERT_KERNEL_NAME
 
 __all__ = [
     "TORCH_EXPERT_KERNEL",
+    "CopyToTP",
     "ExpertKernel",
     "expert_modules",
     "install_expert_parallel",
@@ -82,9 +83,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the TP group. The MoE input (replicated over TP) feeds
-    each TP rank's own experts only, so each rank's gradient of it is a part of the whole."""
+class CopyToTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the TP group. For a tensor replicated over TP that each
+    TP rank uses only in part (the MoE input feeding the rank's own experts, latent attention's rotary key feeding
+    its own heads), each rank's gradient of it is a part of the whole."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -135,8 +137,8 @@ def _ep_forward(
 
     tp_group = self._rlc_tp_group
     if tp_group is not None:
-        hidden_states = _CopyToTP.apply(hidden_states, tp_group)
-        top_k_weights = _CopyToTP.apply(top_k_weights, tp_group)
+        hidden_states = CopyToTP.apply(hidden_states, tp_group)
+        top_k_weights = CopyToTP.apply(top_k_weights, tp_group)
     group, size = self._rlc_ep_group, self._rlc_ep_size
     gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
     local_experts = gate_up.shape[0]

@@ -14,13 +14,23 @@ Tensor parallelism on Qwen-style layers: q/k/v and gate/up are split column-wise
 o and down row-wise, so each layer does one all-reduce after attention and one after the FFN; embeddings,
 norms and the LM head stay whole (sharded by FSDP only). Qwen3's per-head q/k RMSNorm then sees only local
 heads, so the gradients of its (shared) weights are partial per TP rank and are summed over the TP group
-after backward (`sum_partial_grads`).
+after backward (`sum_partial_grads`). A whole module feeding a column-wise one gets its full gradient on every
+TP rank: the column-wise input is replicated, so its backward all-reduces the input gradient.
+
+Multi-head latent attention (DeepSeek-V2/V3) makes every head's query, key and value from latents all heads
+share: the up-projections (``q_b_proj``, or ``q_proj`` without a query latent, and ``kv_b_proj``) are split
+column-wise by heads and ``o_proj`` row-wise, while the down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``)
+and the latents' norms stay whole, computed alike on every TP rank. The rotary part of the key is the one latent
+that reaches the heads without a column-wise projection (every head adds the same rotary key), so its gradient is
+summed over TP where the down-projection makes it (`CopyToTP`). DeepSeek's shared expert is split like a dense
+MLP.
 
 Expert parallelism (`expert_parallel`) splits the dp·cp ranks into EP groups of `ep` neighbours (torchtitan's
 layout: EP spans data-parallel ranks and every context-parallel rank of them) and the ``efsdp`` ranks that hold
-the same experts; each MoE layer's experts are their own FSDP unit over the efsdp ranks. Under pipeline
-parallelism (`pipeline`) the stages are the outermost mesh dimension and each stage shards only its own layers.
-EP with TP is not built on this backend (`schemas/layout.runtime_gaps` refuses such plans before anything starts).
+the same experts; each MoE layer's experts are their own FSDP unit over the efsdp ranks. With TP the experts are
+split over the TP ranks first where TP divides EP (`schemas/layout.experts_over_tp`), else each TP rank computes
+them whole. Under pipeline parallelism (`pipeline`) the stages are the outermost mesh dimension and each stage
+shards only its own layers.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import torch.distributed as dist
 from rlc.schemas.layout import TrainLayout, ep_column, experts_over_tp, fsdp2_runs_ep
 
 from ..platform import Platform
-from .expert_parallel import expert_modules, install_expert_parallel
+from .expert_parallel import CopyToTP, expert_modules, install_expert_parallel
 from .linear_attention import linear_attention_modules
 
 __all__ = [
@@ -47,9 +57,22 @@ __all__ = [
     "sum_partial_grads",
 ]
 
-#: Column-wise (output-split) and row-wise (input-split) projections of a Qwen/Llama decoder layer.
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+#: Column-wise (output-split) and row-wise (input-split) projections of a Qwen/Llama decoder layer, and of a
+#: DeepSeek one: latent attention's up-projections (by heads) and the shared expert (by width).
+COLWISE = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.q_b_proj",
+    "self_attn.kv_b_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.shared_experts.gate_proj",
+    "mlp.shared_experts.up_proj",
+)
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj", "mlp.shared_experts.down_proj")
+#: Latent attention's kv down-projection: its output ends in the rotary key every head shares.
+LATENT_KV_DOWN = "self_attn.kv_a_proj_with_mqa"
 #: Per-head norms whose weights are shared by all heads: partial gradients under tensor parallelism.
 PER_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
@@ -178,11 +201,26 @@ def _apply_tensor_parallel(model: torch.nn.Module, mesh: TrainerMesh) -> set[str
         plan: dict[str, Any] = {name: ColwiseParallel() for name in COLWISE if _has(layer, name)}
         plan.update({name: RowwiseParallel() for name in ROWWISE if _has(layer, name)})
         parallelize_module(layer, mesh.tp_mesh, plan)
+        if _has(layer, LATENT_KV_DOWN):
+            rope = int(cfg.qk_rope_head_dim)
+            layer.get_submodule(LATENT_KV_DOWN).register_forward_hook(_sum_rotary_key_grad(rope, mesh.tp_group))
     return {
         name
         for name, p in model.named_parameters()
         if p.requires_grad and any(f"{norm}." in name for norm in PER_HEAD_NORMS)
     }
+
+
+def _sum_rotary_key_grad(rope: int, group: Any) -> Any:
+    """A forward hook for latent attention's kv down-projection under TP: its output's last `rope` features, the
+    rotary key, feed only this rank's heads, so their gradient is summed over the TP group; the latent before them
+    reaches ``kv_b_proj``, whose column-wise input already sums its gradient."""
+
+    def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        latent, key = output.split([output.shape[-1] - rope, rope], dim=-1)
+        return torch.cat([latent, CopyToTP.apply(key, group)], dim=-1)
+
+    return hook
 
 
 def mesh_device(mesh: Any) -> torch.device:

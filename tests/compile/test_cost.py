@@ -224,3 +224,17 @@ def test_hybrid_training_runs_at_the_targets_linear_attention_share_of_train_mfu
     hybrid, dense = memory.model_sizes(load_arch("rlc-tiny-hybrid-mtp")), memory.model_sizes(load_arch("rlc-tiny"))
     assert cost.train_mfu(hybrid, cpu) == pytest.approx(0.15 * cost.train_mfu(dense, cpu))
     assert cost.train_mfu(memory.model_sizes(load_arch("qwen3.6-27b")), a3) == a3.efficiency.train_mfu
+
+
+def test_tensor_parallel_ranks_each_compute_the_latent_down_projections() -> None:
+    """DeepSeek-V3 on FSDP2 with TP 4: every TP rank computes the down-projections TP keeps whole, so their share
+    of the FLOPs is done 4 times; a dense model's compute does not change with TP."""
+    ds, w = memory.model_sizes(load_arch("deepseek-v3")), _work()
+    flat = cost.train_compute_s(ds, TrainLayout(world_size=256, tp=4, ep=64), A2, w)
+    tp4 = cost.train_time(ds, TrainLayout(world_size=256, tp=4, ep=64), A2, w, 8)
+    assert tp4.compute_s == pytest.approx(flat * (1 + 3 * ds.tp_whole / ds.active))
+    assert 0.01 < ds.tp_whole / ds.active < 0.05  # about 2.5% of DeepSeek-V3's active parameters
+    one = cost.train_time(ds, TrainLayout(world_size=256, ep=64), A2, w, 8)
+    assert one.compute_s == pytest.approx(flat)
+    dense = cost.train_time(SIZES, TrainLayout(world_size=8, tp=4), A2, w, 8)
+    assert dense.compute_s == pytest.approx(cost.train_compute_s(SIZES, TrainLayout(world_size=8, tp=4), A2, w))

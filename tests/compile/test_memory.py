@@ -53,6 +53,28 @@ def test_fsdp2_tensor_parallel_splits_heads_and_ffn_not_norms() -> None:
     assert abs((two.items["weights"] - one.items["weights"]) * GIB - 4 * (emb / 4 - emb / 8)) < 1e3
 
 
+def test_fsdp2_tensor_parallel_keeps_latent_attention_down_projections_whole() -> None:
+    """DeepSeek-V3 under TP: q_a_proj (7168 x 1536), kv_a_proj_with_mqa (7168 x (512 + 64)) and the two latent norms
+    stay whole on each TP rank, in the weights, the gathered layer and the latents among the activations; a dense
+    model keeps nothing of the kind."""
+    ds = memory.model_sizes(load_arch("deepseek-v3"))
+    per_layer = 7168 * 1536 + 1536 + 7168 * (512 + 64) + 512
+    assert memory.tp_whole_params(ds.arch) == per_layer and ds.tp_whole == 61 * per_layer
+    assert QWEN3_8B.tp_whole == 0
+    layout = L(256, tp=4, ep=64)
+    dense, _ = memory.train_param_shard(ds, layout)
+    layers = ds.total - ds.embedding - ds.head
+    naive = (layers / 4 + ds.embedding + ds.head) / layout.shard_group
+    assert abs(dense - naive - 61 * per_layer * 3 / 4 / layout.shard_group) < 1e-3
+    assert memory.train_param_shard(ds, L(256, ep=64))[0] == ds.total / 256
+    experts = ds.expert / (61 - 3)  # the routed experts of one of the 58 MoE layers
+    gathered = (ds.max_layer - experts - per_layer) / 4 + per_layer + experts / 64
+    assert abs(memory.fsdp2_gathered_layer(ds, layout) - gathered) < 1e-3
+    latents = 1536 + 512 + 64
+    assert memory.replicated_activation_elements(ds.arch, "none") == 8 * 7168 + latents
+    assert memory.replicated_activation_elements(ds.arch, "full") == 7168
+
+
 def test_fsdp2_counts_what_hf_layers_keep() -> None:
     """Qwen3-8B: the RMSNorms' normalised values, QK-norm and rotary copies of q/k, the attention output's copy
     and SwiGLU's product come on top of the fused-kernel count: 6h + 5(n_q + n_kv)d + n_kv d + 2 n_q d + 4f

@@ -67,17 +67,22 @@ def test_without_the_packed_inputs_the_row_leaks(mla) -> None:
 # --------------------------------------------------------------------------------------------- plans
 
 
-def test_tensor_parallelism_over_latent_attention_is_a_gap() -> None:
-    tp = TrainLayout(world_size=4, tp=2)
-    assert any("over multi-head latent attention" in g for g in runtime_gaps(tp, "cuda", latent=True))
-    assert not any("latent" in g for g in runtime_gaps(tp, "cuda"))  # a dense model's TP says nothing of it
-
-
 @pytest.mark.parametrize(
     "pins",
-    [{}, {"cp": 2}, {"ep": 4}, {"ep": 2, "cp": 2}, {"pp": 2}, {"pp": 2, "ep": 2}],
+    [
+        {},
+        {"cp": 2},
+        {"ep": 4},
+        {"ep": 2, "cp": 2},
+        {"pp": 2},
+        {"pp": 2, "ep": 2},
+        {"tp": 2},
+        {"tp": 2, "ep": 4},
+        {"tp": 2, "cp": 2},
+        {"tp": 2, "pp": 2},
+    ],
 )
-def test_data_context_expert_and_pipeline_parallelism_are_built_for_latent_attention(pins: dict) -> None:
+def test_data_tensor_context_expert_and_pipeline_parallelism_are_built_for_latent_attention(pins: dict) -> None:
     layout = TrainLayout(world_size=8, **pins)
     assert runtime_gaps(layout, "cuda", moe=True, latent=True) == []
 
@@ -110,7 +115,7 @@ def test_the_planner_gives_deepseek_a_layout_the_trainer_builds_and_the_dry_run_
     assert compiled.exit_code == 0 and dry is not None, compiled.output
     plan = load_plan(tmp_path / "plan")
     train = plan.roles_of("train")[0].layout
-    assert train is not None and train.tp == 1 and train.ep > 1
+    assert train is not None and train.ep > 1
     latent = plan.model.latent_attention
     assert latent is not None and (latent.qk_head_dim, latent.v_head_dim, latent.kv_lora_rank) == (192, 128, 512)
     assert "latent attention (MLA): q/k heads of 192 (rotary 64), v heads of 128" in dry.output
@@ -118,11 +123,15 @@ def test_the_planner_gives_deepseek_a_layout_the_trainer_builds_and_the_dry_run_
     assert "latent attention" not in dry.output.partition("refused:")[2]  # nothing about MLA is refused
 
 
-def test_pinned_tensor_parallelism_over_latent_attention_is_refused_before_anything_starts(tmp_path: Path) -> None:
+def test_pinned_tensor_parallelism_over_latent_attention_plans_and_nothing_refuses_it(tmp_path: Path) -> None:
     compiled, dry = _compile_and_dry_run(tmp_path, "placement: {train: {devices: 128, tp: 2}}\n")
-    assert compiled.exit_code == 0 and "RLC303" in compiled.output and "latent attention" in compiled.output
-    assert dry is not None and dry.exit_code == 2
-    assert "tensor parallelism (TP 2) over multi-head latent attention" in dry.output
+    assert compiled.exit_code == 0 and dry is not None, compiled.output
+    assert "latent attention" not in compiled.output and "tensor parallelism" not in compiled.output
+    train = load_plan(tmp_path / "plan").roles_of("train")[0].layout
+    assert train is not None and train.tp == 2
+    assert "trainer layout: fsdp2 tp2" in dry.output
+    refused = dry.output.partition("refused:")[2]
+    assert "latent attention" not in refused and "tensor parallelism" not in refused
 
 
 def test_rollout_of_latent_attention_on_the_cpu_target_is_a_gap() -> None:

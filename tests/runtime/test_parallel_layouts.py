@@ -208,6 +208,12 @@ MLA_LAYOUTS = {
     "ep2-cp2": {"world_size": 2, "ep": 2, "cp": 2},
     "cp2-ring": {"world_size": 2, "cp": 2, "cp_kind": "ring"},
     "pp2-recompute": {"world_size": 2, "pp": 2, "recompute": "full"},
+    # TP splits the up-projections by heads and the shared expert by width; the down-projections and their norms
+    # stay whole on both TP ranks, the rotary key's gradient summed over them. With EP 2 the experts split over
+    # the TP pair; with Ulysses CP 2 each rank attends with one of the four heads.
+    "tp2": {"world_size": 2, "tp": 2},
+    "tp2-ep2": {"world_size": 2, "tp": 2, "ep": 2},
+    "tp2-cp2": {"world_size": 4, "tp": 2, "cp": 2},
 }
 
 
