@@ -12,7 +12,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rlc.schemas.cluster_nodes import node_resource
-from rlc.schemas.layout import LINEAR_KERNELS, TORCH_EXPERT_KERNEL_NAME, TrainLayout, runtime_gaps, split_layers
+from rlc.schemas.layout import (
+    LINEAR_KERNELS,
+    TORCH_EXPERT_KERNEL_NAME,
+    TrainLayout,
+    ep_column,
+    runtime_gaps,
+    split_layers,
+)
 from rlc.schemas.plan import ExpertLayers, Plan, Role
 from rlc.schemas.platforms import PLATFORM_FACTS
 
@@ -397,10 +404,9 @@ def _experts_line(experts: ExpertLayers, train: TrainLayout) -> str:
         return text + staged + "every rank of a stage computes every expert (sharded by FSDP2 like any weight)"
     held = experts.num_experts // train.ep
     return (
-        text
-        + staged
-        + f"EP {train.ep}: each rank holds {held} experts (FSDP2 shards them over {train.shard_group // train.ep}"
-        f" rank(s)), tokens reach them by all-to-all; expert kernel: {TORCH_EXPERT_KERNEL_NAME}"
+        text + staged + f"EP {train.ep}: each rank holds {held} experts (FSDP2 shards them over "
+        f"{max(1, train.shard_group // ep_column(train.ep, train.tp))} rank(s)), tokens reach them by all-to-all; "
+        f"expert kernel: {TORCH_EXPERT_KERNEL_NAME}"
     )
 
 

@@ -67,3 +67,24 @@ def test_the_trainer_runs_with_the_plan_settings_and_no_default(plan_dir: Path) 
         set() if plan.model.experts else {"router_aux_loss_coef", "routing_replay"}
     )
     assert set(DEFAULT_TRAIN_CFG) - set(cfg) - unstated == set()
+
+
+@pytest.mark.parametrize(
+    ("tp", "dp", "ep", "sharded_over"),
+    [
+        (1, 4, 2, 2),  # experts split over 2 of 4 data-parallel ranks: each expert's shard spans the other 2
+        (2, 2, 4, 1),  # EP over the TP pair, then over both data-parallel ranks: each expert on one rank
+        (2, 4, 2, 4),  # EP 2 over the TP pair alone: every data-parallel rank holds a copy, FSDP2 shards over 4
+    ],
+)
+def test_the_dry_run_states_over_how_many_ranks_fsdp2_shards_each_expert(
+    tp: int, dp: int, ep: int, sharded_over: int
+) -> None:
+    """The dry run's MoE line counts the ranks that hold one expert: dp·cp over EP's share of a TP column."""
+    from rlc.runtime.launch_request import _experts_line
+    from rlc.schemas.layout import TrainLayout
+    from rlc.schemas.plan import ExpertLayers
+
+    layout = TrainLayout(world_size=tp * dp, tp=tp, ep=ep)
+    line = _experts_line(ExpertLayers(layers=2, num_experts=8, experts_per_token=2), layout)
+    assert f"each rank holds {8 // ep} experts (FSDP2 shards them over {sharded_over} rank(s))" in line
