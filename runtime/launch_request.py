@@ -23,7 +23,14 @@ from rlc.schemas.layout import (
 from rlc.schemas.plan import ExpertLayers, Plan, Role
 from rlc.schemas.platforms import PLATFORM_FACTS
 
-__all__ = ["ActorRequest", "LaunchRequest", "PlacementGroupRequest", "launch_request", "render_request"]
+__all__ = [
+    "ActorRequest",
+    "LaunchRequest",
+    "PlacementGroupRequest",
+    "engine_workers",
+    "launch_request",
+    "render_request",
+]
 
 #: The env var that restricts a process's visible devices, per platform (as runtime.platform.PLATFORMS, which
 #: imports torch; tests/plan/test_device_binding.py checks that the two agree).
@@ -147,6 +154,12 @@ def _groups(plan: Plan) -> list[PlacementGroupRequest]:
     return list(out.values())
 
 
+def engine_workers(role: Role) -> int:
+    """The vLLM workers of one of the role's engines, each a rank of the broadcast group: TP workers of each of its
+    data-parallel engine cores (attention DP, for expert parallelism beyond TP)."""
+    return int(role.engine["tensor_parallel_size"]) * int(role.engine.get("data_parallel_size", 1))
+
+
 def weight_sync_path(plan: Plan) -> dict[str, Any]:
     """How new weights reach the engines, as the plan fixes it."""
     rollout = plan.roles_of("rollout")[0]
@@ -159,11 +172,14 @@ def weight_sync_path(plan: Plan) -> dict[str, Any]:
         }
     method = plan.schedule.weight_sync
     if method == "broadcast":
-        world = 1 + rollout.replicas * rollout.parallel.tp
+        workers = engine_workers(rollout)
+        world = 1 + rollout.replicas * workers
+        dp = rollout.engine.get("data_parallel_size", 1)
+        shape = f"TP {rollout.parallel.tp}" + (f" × attention DP {dp}" if dp > 1 else "")
         return {
             "method": "broadcast",
             "how": f"trainer rank 0 gathers the weights and broadcasts them over a {backend} group of {world} "
-            f"ranks (itself + {rollout.replicas} engine(s) × TP {rollout.parallel.tp})",
+            f"ranks (itself + {rollout.replicas} engine(s) × {shape})",
             "group_size": world,
             "backend": backend,
         }

@@ -200,7 +200,7 @@ class WeightPush:
             self.push_files(list(range(len(engines))), version)
             return
         meta = self.meta()
-        world = 1 + len(engines) * self.rollout.tp
+        world = 1 + len(engines) * self.rollout.workers
         refs: list[Any] = []
         if self._group is None:
             for index in sorted(self._in_group):  # leave the old group; a broken one may refuse politely
@@ -209,7 +209,7 @@ class WeightPush:
             self._group = self.trainer.weight_sync_address()
             host, port = self._group
             refs = [
-                e.init_sync_group(host, port, 1 + i * self.rollout.tp, world, self.rollout.sync_backend)
+                e.init_sync_group(host, port, 1 + i * self.rollout.workers, world, self.rollout.sync_backend)
                 for i, e in enumerate(engines)
             ]
             self._calls = {i: [ref] for i, ref in enumerate(refs)}

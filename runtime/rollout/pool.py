@@ -6,6 +6,7 @@ import contextlib
 import threading
 from typing import Any
 
+from rlc.runtime.launch_request import engine_workers
 from rlc.runtime.rollout.client import EngineClient
 from rlc.schemas.plan import Plan
 from rlc.schemas.platforms import PLATFORM_FACTS
@@ -29,7 +30,7 @@ class RolloutPool:
         self._make = make_engine
         role = plan.roles_of("rollout")[0]
         self.replicas = role.replicas
-        self.tp = role.parallel.tp
+        self.workers = engine_workers(role)  # each a rank of the broadcast group
         self.sync_backend = PLATFORM_FACTS[plan.platform].dist_backend
         self.engines = [EngineClient(make_engine(i, 0)) for i in range(self.replicas)]
         self.restarts = 0

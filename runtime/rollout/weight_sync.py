@@ -174,12 +174,18 @@ class WeightSyncExtension:
     def init_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> int:
         """Join the trainer's weight-sync group; ``rank`` is this engine's first rank in it.
 
-        A tensor-parallel engine has several workers; each takes ``rank + its worker rank`` so one
-        call covers the whole engine. Blocks until all ``world_size`` members have joined, so the
-        caller issues it concurrently with the trainer's ``SyncSender``. Returns the rank taken.
+        A tensor-parallel engine has several workers, and a data-parallel one several engine cores of them (vLLM
+        sends a collective call to every core); each worker takes ``rank + its core's DP rank x workers per core +
+        its worker rank`` (a worker's own rank counts within its core), so one call covers the whole engine.
+        Blocks until all ``world_size`` members have joined, so the caller issues it concurrently with the
+        trainer's ``SyncSender``. Returns the rank taken.
         """
         self.close_sync_group()
-        my_rank = rank + int(getattr(self, "rank", 0))
+        # A core's DP rank is `data_parallel_index` (vLLM resets `data_parallel_rank` to 0 in the cores of a dense
+        # model's DP, which it runs as independent engines).
+        parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        core = int(parallel.data_parallel_index) * int(parallel.world_size)
+        my_rank = rank + core + int(getattr(self, "rank", 0))
         self._rlc_sync_pg = _init_group(host, port, my_rank, world_size, backend)
         self._rlc_sync_backend = backend
         return my_rank
