@@ -130,7 +130,7 @@ def _train_search(ctx: Context, n: int, resident_gib: float, colocated: bool, li
     tps = [pin.tp] if pin.tp else [t for t in pow2_upto(min(dpn, n)) if tp_problem(arch, t) is None]
     if not pin.tp and not megatron:  # only what the fsdp2 runtime executes (`layout.runtime_gaps`)
         hybrid = linear_heads(arch) is not None
-        tps = [t for t in tps if fsdp2_runs_tp(t, arch.num_kv_heads, ctx.lora_rank is not None, hybrid)]
+        tps = [t for t in tps if fsdp2_runs_tp(t, arch.num_kv_heads, hybrid)]
     # FSDP2 runs pipeline stages when the plan pins them (`layout.pipeline_gaps` says with what); its free search
     # shards instead.
     pps = [pin.pp] if pin.pp else list(pow2_upto(min(arch.num_layers, n))) if megatron else [1]

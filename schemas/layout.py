@@ -258,11 +258,11 @@ def backend_recomputes(backend: str) -> tuple[str, ...]:
     return FSDP2_RECOMPUTE if backend == "fsdp2" else ("none", "selective", "full")
 
 
-def fsdp2_runs_tp(tp: int, kv_heads: int, lora: bool, hybrid: bool = False) -> bool:
-    """FSDP2's DTensor TP splits K/V projections by head (no KV-head replication), does not wrap LoRA layers and
-    has no plan for Gated-DeltaNet layers, so it runs TP only where tp divides the KV heads, without LoRA, and on
-    models without linear attention (`hybrid`). Latent attention splits its up-projections by heads."""
-    return tp == 1 or (kv_heads % tp == 0 and not lora and not hybrid)
+def fsdp2_runs_tp(tp: int, kv_heads: int, hybrid: bool = False) -> bool:
+    """FSDP2's DTensor TP splits K/V projections by head (no KV-head replication; LoRA adapters split with the
+    projection they wrap) and has no plan for Gated-DeltaNet layers, so it runs TP only where tp divides the KV
+    heads, on models without linear attention (`hybrid`). Latent attention splits its up-projections by heads."""
+    return tp == 1 or (kv_heads % tp == 0 and not hybrid)
 
 
 def linear_heads(arch: ModelArch) -> tuple[int, int] | None:
@@ -306,23 +306,13 @@ def fsdp2_runs_ep(ep: int, tp: int, cp: int, dp: int) -> bool:
     return ep == 1 or column == 1 or (column % cp == 0 and dp % (column // cp) == 0)
 
 
-def pipeline_gaps(layout: TrainLayout, lora: bool, hybrid: bool, colocated: bool) -> list[str]:
+def pipeline_gaps(layout: TrainLayout, hybrid: bool, colocated: bool) -> list[str]:
     """What the fsdp2 runtime's pipeline parallelism (`runtime/train/pipeline`, 1F1B) cannot build under `layout`:
-    it splits the layers of a model without linear attention into stages, composed with data, tensor, context and
-    expert parallelism and recompute, without LoRA."""
-    if layout.pp == 1:
+    it splits the layers of a model without linear attention into stages (each stage with its layers' LoRA
+    adapters, if any), composed with data, tensor, context and expert parallelism and recompute."""
+    if layout.pp == 1 or not hybrid:
         return []
-    found = [
-        what
-        for what, present in (
-            ("LoRA", lora),
-            ("Gated-DeltaNet layers", hybrid),
-        )
-        if present
-    ]
-    if not found:
-        return []
-    return [f"pipeline parallelism (PP {layout.pp}) on the fsdp2 backend is not built with {', '.join(found)}"]
+    return [f"pipeline parallelism (PP {layout.pp}) on the fsdp2 backend is not built with Gated-DeltaNet layers"]
 
 
 def moe_gaps(layout: TrainLayout, lora: bool) -> list[str]:
@@ -399,14 +389,15 @@ def runtime_gaps(
 ) -> list[str]:
     """What `rlc run` cannot execute about this layout on `platform`, one sentence each (empty: it runs).
 
-    The capability table: FSDP2 runs data, tensor (DTensor, KV heads split not replicated, no LoRA) and
+    The capability table: FSDP2 runs data, tensor (DTensor, KV heads split not replicated) and
     context parallelism (Ulysses everywhere; ring on cpu), expert parallelism for MoE models (`moe_gaps`),
     pipeline parallelism (`pipeline_gaps`), full
     or no recompute, parameter and optimizer offload, fp32 or bf16 compute. The Megatron backend is planned (its
     memory and time models size very large runs) but not executed yet. `kv_heads` is checked when known;
     `linear_heads` (key, value) marks a hybrid model, whose Gated-DeltaNet layers add `linear_attention_gaps`;
     `moe` marks a mixture-of-experts model; `latent` a multi-head latent attention model (`latent_attention_gaps`);
-    `colocated` a plan whose engines share the trainer's devices.
+    `colocated` a plan whose engines share the trainer's devices; `lora` a LoRA run (its adapters are split with the
+    projections they wrap under TP and stay with their layers' pipeline stage; only MoE models refuse them).
     """
     gaps: list[str] = []
     if layout.backend == "megatron":
@@ -415,13 +406,11 @@ def runtime_gaps(
             f"(this layout: {layout.summary()})"
         )
         return gaps
-    gaps += pipeline_gaps(layout, lora, linear_heads is not None, colocated)
+    gaps += pipeline_gaps(layout, linear_heads is not None, colocated)
     if moe:
         gaps += moe_gaps(layout, lora)
     elif layout.ep > 1:
         gaps.append(f"expert parallelism (EP {layout.ep}) needs a mixture-of-experts model")
-    if layout.tp > 1 and lora:
-        gaps.append(f"LoRA with tensor parallelism (TP {layout.tp}) is not implemented on the fsdp2 backend")
     if layout.tp > 1 and kv_heads is not None and kv_heads % layout.tp:
         gaps.append(
             f"TP {layout.tp} beyond the model's {kv_heads} KV heads needs KV-head replication, which the fsdp2 "

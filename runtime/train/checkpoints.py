@@ -71,9 +71,19 @@ class TrainerCheckpoints:
         return root / "optim" if pipe is None else root / "optim" / f"stage-{pipe.stage}"
 
     def _optim_group(self) -> Any:
-        """The ranks that save one optimizer folder together: every rank, or one pipeline stage's."""
+        """The ranks that save one optimizer folder together: every rank, or one pipeline stage's (its data, context
+        and tensor-parallel ranks: TP peers hold different slices of the same weights, which one folder must hold
+        together; made on first use, by every rank, as checkpoints are collective)."""
         pipe = getattr(self, "pipeline", None)
-        return None if pipe is None else self.mesh.shard_group  # type: ignore[attr-defined]
+        if pipe is None:
+            return None
+        group = getattr(self, "_stage_group", None)
+        if group is None:
+            world = self.mesh.world  # type: ignore[attr-defined]
+            inner = tuple(name for name in world.mesh_dim_names if name != "pp")
+            group = world[inner]._flatten("stage").get_group()
+            self._stage_group = group
+        return group
 
     def load_checkpoint(self, ckpt_dir: str) -> int:
         """Restore weights, optimizer state and step from ``save_checkpoint``'s folder. Collective."""

@@ -25,6 +25,7 @@ __all__ = [
     "ADAPTER_NAME",
     "PEFT_PREFIX",
     "is_draft_key",
+    "is_lora_key",
     "lora_config",
     "merged_meta",
     "merged_state_dict",
@@ -37,6 +38,11 @@ __all__ = [
 ADAPTER_NAME = "default"
 PEFT_PREFIX = "base_model.model."
 _DRAFT_MARKERS = ("mtp", "draft")
+
+
+def is_lora_key(name: str) -> bool:
+    """A LoRA factor (``lora_A`` / ``lora_B``) in model names: what an adapter file holds and what trains."""
+    return ".lora_" in name
 
 
 def is_draft_key(name: str) -> bool:
@@ -107,7 +113,7 @@ def read_adapter(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict
 
 def _merged_name(name: str) -> str | None:
     """HF name of a model-named key in the merged model; None for LoRA factors (folded into the base)."""
-    if ".lora_" in name:
+    if is_lora_key(name):
         return None
     return name.replace(".base_layer.", ".")
 

@@ -14,8 +14,10 @@ Tensor parallelism on Qwen-style layers: q/k/v and gate/up are split column-wise
 o and down row-wise, so each layer does one all-reduce after attention and one after the FFN; embeddings,
 norms and the LM head stay whole (sharded by FSDP only). Qwen3's per-head q/k RMSNorm then sees only local
 heads, so the gradients of its (shared) weights are partial per TP rank and are summed over the TP group
-after backward (`sum_partial_grads`). A whole module feeding a column-wise one gets its full gradient on every
-TP rank: the column-wise input is replicated, so its backward all-reduces the input gradient.
+after backward (`sum_partial_grads`). A LoRA-wrapped projection is split through its parts (`_lora_tp_plan`):
+lora_B with a column-wise base, lora_A with a row-wise one (one more, rank-sized, all-reduce), the other factor
+whole. A whole module feeding a column-wise one gets its full gradient on every TP rank: the column-wise input
+is replicated, so its backward all-reduces the input gradient.
 
 Multi-head latent attention (DeepSeek-V2/V3) makes every head's query, key and value from latents all heads
 share: the up-projections (``q_b_proj``, or ``q_proj`` without a query latent, and ``kv_b_proj``) are split
@@ -200,7 +202,7 @@ def _apply_tensor_parallel(model: torch.nn.Module, mesh: TrainerMesh) -> set[str
             continue
         plan: dict[str, Any] = {name: ColwiseParallel() for name in COLWISE if _has(layer, name)}
         plan.update({name: RowwiseParallel() for name in ROWWISE if _has(layer, name)})
-        parallelize_module(layer, mesh.tp_mesh, plan)
+        parallelize_module(layer, mesh.tp_mesh, _lora_tp_plan(layer, plan))
         if _has(layer, LATENT_KV_DOWN):
             rope = int(cfg.qk_rope_head_dim)
             layer.get_submodule(LATENT_KV_DOWN).register_forward_hook(_sum_rotary_key_grad(rope, mesh.tp_group))
@@ -221,6 +223,30 @@ def _sum_rotary_key_grad(rope: int, group: Any) -> Any:
         return torch.cat([latent, CopyToTP.apply(key, group)], dim=-1)
 
     return hook
+
+
+def _lora_tp_plan(layer: torch.nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """`plan` with each LoRA-wrapped projection's entry split over its parts (a PEFT ``LoraLayer`` is no Linear).
+
+    ``y = W x + s · B (A x)``. Column-wise W: B column-wise too, so both terms come out split alike, and A whole
+    (its input is the replicated x, and B's input gradient is all-reduced before it reaches A, so A's gradient is
+    whole and equal on every TP rank). Row-wise W: A row-wise over the split input with its rank-r output
+    all-reduced, then B whole; W's own all-reduce makes the sum whole. With LoRA dropout, TP peers draw the same
+    masks (every rank seeds torch alike and draws alike), so the whole factor's copies stay equal.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out: dict[str, Any] = {}
+    for name, style in plan.items():
+        module = layer.get_submodule(name)
+        if not (hasattr(module, "base_layer") and hasattr(module, "lora_A")):
+            out[name] = style
+            continue
+        out[f"{name}.base_layer"] = style
+        split = "lora_B" if isinstance(style, ColwiseParallel) else "lora_A"
+        for adapter in getattr(module, split):
+            out[f"{name}.{split}.{adapter}"] = ColwiseParallel() if split == "lora_B" else RowwiseParallel()
+    return out
 
 
 def mesh_device(mesh: Any) -> torch.device:

@@ -18,7 +18,9 @@ never wait on each other's sends (on NCCL/HCCL a large send waits for its receiv
 The root weights (embeddings, final norm, tied or separate LM head) live on every stage and are used by the first
 (embedding) and the last (norm, head); after backward their gradients are summed over the stages, so every
 stage's copy takes the same step and stays identical (Megatron's embedding group, generalised). The gradient
-norm counts each stage's own layers once and the root weights once.
+norm counts each stage's own layers once and the root weights once. LoRA adapters live inside the layers, so
+each stage trains its own (the frozen root weights then take no step); every stage disables its adapters for a
+reference pass, and an adapter export gathers each stage's factors on rank 0 (`gather_to_first`), as full weights.
 """
 
 from __future__ import annotations
@@ -228,19 +230,26 @@ class Pipeline:
         ]
         return _in_model_order(parts)
 
-    def gather_to_first(self, local: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor] | None:
+    def gather_to_first(
+        self, local: dict[str, torch.Tensor], device: torch.device, only: Callable[[str], bool] | None = None
+    ) -> dict[str, torch.Tensor] | None:
         """The whole model's tensors on the first stage, in model order (None on the others); collective over the
         stage leaders. Each later stage sends its layers' tensors point to point from `device` (the group's: nccl
         and hccl take device tensors only), and the first stage receives them into buffers of the shapes and
-        dtypes `merge_across_stages` recorded, then keeps them on the host like its own."""
+        dtypes `merge_across_stages` recorded, then keeps them on the host like its own. `only` picks the layer
+        entries that travel (LoRA factors alone for an adapter); `local` then holds just those."""
+
+        def wanted(stage: int) -> list[tuple[str, tuple[int, ...], str]]:
+            return [m for m in self.layer_meta[stage] if only is None or only(m[0])]
+
         if not self.first:
-            for name, _, _ in self.layer_meta[self.stage]:
+            for name, _, _ in wanted(self.stage):
                 dist.send(local[name].to(device), dst=self.ranks[0], group=self.group)
             return None
         parts: list[dict[str, torch.Tensor]] = [local]
         for stage in range(1, self.stages):
             part = {}
-            for name, shape, dtype in self.layer_meta[stage]:
+            for name, shape, dtype in wanted(stage):
                 buf = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
                 dist.recv(buf, src=self.ranks[stage], group=self.group)
                 part[name] = buf.to("cpu")

@@ -165,14 +165,12 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         if self.lora:
             from peft import get_peft_model
 
-            if self.layout.tp > 1:
-                raise ValueError("LoRA with tensor parallelism is not implemented on the fsdp2 backend")
             self.peft = get_peft_model(model, lora_lib.lora_config(self.lora))
             self.lora_scaling = float(self.lora["alpha"]) / float(self.lora["rank"])
         # Pipeline parallelism: this rank keeps its stage's layers (`pipeline`), before anything shards them.
         self.pipeline: Pipeline | None = None
         if self.layout.pp > 1:
-            _check_pipeline_layout(self.layout, self.lora, model)
+            _check_pipeline_layout(model)
             self.pipeline = split_model(model, self.mesh.pp)
         # The model stays on the host: `apply_layout` moves it to the device shard by shard.
         # MoE routers count expert load, compare passes, replay and add the load-balancing loss (`router`).
@@ -682,12 +680,12 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             dist.destroy_process_group()
 
 
-def _check_pipeline_layout(layout: TrainLayout, lora: Any, model: torch.nn.Module) -> None:
+def _check_pipeline_layout(model: torch.nn.Module) -> None:
     """What this trainer's pipeline parallelism is built for (`schemas/layout.pipeline_gaps` says it to the plan)."""
     from .linear_attention import linear_attention_modules
 
-    if lora or linear_attention_modules(model):
-        raise ValueError("pipeline parallelism on the fsdp2 backend is built without LoRA and linear-attention layers")
+    if linear_attention_modules(model):
+        raise ValueError("pipeline parallelism on the fsdp2 backend is built without linear-attention layers")
 
 
 def _fsdp_units(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:

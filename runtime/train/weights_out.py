@@ -34,6 +34,7 @@ class WeightExport:
     lora: dict[str, Any] | None
     lora_scaling: float
     peft: Any
+    mesh: Any
     model_path: str
     platform: Any
     device: torch.device
@@ -107,15 +108,24 @@ class WeightExport:
         return {names.outward(k): v for k, v in sd.items() if not lora_lib.is_draft_key(k)}
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The LoRA factors, unsharded, in model names, on rank 0. Collective (gathers only the adapters)."""
+        """The LoRA factors, unsharded, in model names, on rank 0. Collective (gathers only the adapters).
+
+        FSDP2 and TP shards are gathered per tensor; under pipeline parallelism each stage holds its own layers'
+        factors, so the first data-parallel rank of each stage collects them and rank 0 merges every stage's."""
         if not self.lora:
             raise RuntimeError("adapter_state_dict without lora")
+        pipe = getattr(self, "pipeline", None)
+        coords = self.mesh.coords
+        leader = pipe is not None and coords["dp"] == coords["cp"] == coords["tp"] == 0
         out = {}
         for name, param in self.model.named_parameters():
-            if ".lora_" in name:
-                full = param.full_tensor() if hasattr(param, "full_tensor") else param
-                out[name] = full.detach().to("cpu")
-        return out if self.rank == 0 else None
+            if lora_lib.is_lora_key(name):
+                full = _unsharded(param)
+                if (self.rank == 0 and pipe is None) or leader:
+                    out[name] = full.detach().to("cpu")
+        if pipe is None:
+            return out if self.rank == 0 else None
+        return pipe.gather_to_first(out, self.device, only=lora_lib.is_lora_key) if leader else None
 
     def save_adapter(self, out_dir: str) -> str | None:
         """The LoRA adapter in PEFT format (what vLLM's LoRARequest and PeftModel load). Collective."""

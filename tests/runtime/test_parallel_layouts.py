@@ -56,19 +56,43 @@ def _batch() -> dict:
     }
 
 
-def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str, layout: dict, packing: bool) -> None:
+def _random_lora_init() -> None:
+    """Random A and B in this process's trainers: PEFT's default zero B would leave A's gradient zero and the adapter
+    a no-op (the trainer seeds torch before PEFT injects the adapters, so every rank and layout draws the same)."""
+    from rlc.runtime.train import lora as lora_lib
+
+    plain = lora_lib.lora_config
+
+    def random_init(settings: dict) -> object:
+        config = plain(settings)
+        config.init_lora_weights = False
+        return config
+
+    lora_lib.lora_config = random_init
+
+
+def _rank_main(
+    rank: int, world: int, port: int, model_dir: str, out: str, layout: dict, packing: bool, lora: dict | None = None
+) -> None:
     torch.set_num_threads(1)
+    from rlc.runtime.train import lora as lora_lib
     from rlc.runtime.train.group import split_batch
     from rlc.runtime.train.trainer import TrainerWorker
     from rlc.schemas.layout import TrainLayout
 
+    if lora:
+        _random_lora_init()
     lay = TrainLayout(**{"micro_batch_tokens": BUDGET, **layout})
-    cfg = {"lr": LR, "logprob_chunk_tokens": 7, "packing": packing, "max_grad_norm": 1e9}
+    cfg = {"lr": LR, "logprob_chunk_tokens": 7, "packing": packing, "max_grad_norm": 1e9, "lora": lora}
     w = TrainerWorker(rank, world, "127.0.0.1", port, model_dir, "cpu", cfg, lay)
     share = split_batch(_batch(), lay.dp)[lay.coordinates(rank)["dp"]]
     lp = w.compute_logprobs(share)
     # A pipeline stage before the last computes no log-probs (empty rows); its loss inputs go unused.
     lp = [row or [0.0] * len(ids) for row, ids in zip(lp, share["input_ids"], strict=True)]
+    extra: dict = {}
+    if lora:  # the KL reference (adapters off, through every stage) and the adapter the engines load, before the step
+        base = w.compute_logprobs(share, adapters=False)
+        extra["base_lp"] = [row or [0.0] * len(ids) for row, ids in zip(base, share["input_ids"], strict=True)]
     # Behaviour log-probs a little off the proximal ones, so the importance weights are not all 1.
     beh = [
         [x + 0.01 * ((t * 7 + j) % 5 - 2) for j, (x, t) in enumerate(zip(r, s, strict=True))]
@@ -81,6 +105,10 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str, layou
         if p.grad is not None
     }
     weights = w.full_state_dict()
+    if lora:  # the trained adapter, as weight sync and checkpoints gather and write it
+        extra["adapter"] = w.adapter_state_dict()
+        written = w.save_adapter(f"{out}/adapter")
+        extra["written"] = lora_lib.read_adapter(written)[0] if written else None
     # torch's canonical gather, which the trainer's own walk over its state dict must equal (names and values)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -93,18 +121,19 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str, layou
             "weights": weights,
             "canonical": canonical if rank == 0 else None,
             "built": w.built_layout(),
+            **extra,
         },
         f"{out}/rank{rank}.pt",
     )
     leave_together(w)
 
 
-def _run(model_dir: Path, out: Path, layout: dict, packing: bool = True) -> list[dict]:
+def _run(model_dir: Path, out: Path, layout: dict, packing: bool = True, lora: dict | None = None) -> list[dict]:
     import torch.multiprocessing as mp
 
     world = layout["world_size"]
     out.mkdir(parents=True, exist_ok=True)
-    args = (world, free_port(), str(model_dir), str(out), layout, packing)
+    args = (world, free_port(), str(model_dir), str(out), layout, packing, lora)
     mp.spawn(_rank_main, args=args, nprocs=world, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
@@ -118,6 +147,61 @@ def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def test_layout_matches_one_rank(name: str, reference: dict, tiny_model_dir: Path, tmp_path: Path) -> None:
     layout = LAYOUTS[name]
     _assert_matches(_run(tiny_model_dir, tmp_path, layout), reference, layout)
+
+
+#: LoRA (rank 4, alpha 8: scaling 2, on every linear layer) split into pipeline stages, over tensor-parallel ranks
+#: (base and lora_B column-wise with lora_A whole for q/k/v/gate/up; base and lora_A row-wise with lora_B whole for
+#: o/down), and both, against one rank running the sequences unpacked.
+LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
+LORA_LAYOUTS = {
+    "one-rank-packed": {"world_size": 1},
+    "pp2": {"world_size": 2, "pp": 2},
+    "tp2": {"world_size": 2, "tp": 2},
+    "pp2-tp2": {"world_size": 4, "pp": 2, "tp": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _run(tiny_model_dir, tmp_path_factory.mktemp("lora-ref"), {"world_size": 1}, packing=False, lora=LORA)[0]
+
+
+@pytest.mark.parametrize("name", list(LORA_LAYOUTS))
+def test_lora_layout_matches_one_unpacked_rank(
+    name: str, lora_reference: dict, reference: dict, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Only the adapters train and their gradients, the log-probs with and without them, and the adapter written for
+    the engines (every stage's layers, TP shards gathered) equal one rank's."""
+    layout = LORA_LAYOUTS[name]
+    ranks = _run(tiny_model_dir, tmp_path, layout, lora=LORA)
+    _assert_matches(ranks, lora_reference, layout)
+    assert lora_reference["grads"] and all(".lora_" in k for k in lora_reference["grads"])
+    # the factor each TP rank holds whole (lora_A beside a column-wise base, lora_B beside a row-wise one) gets the
+    # same gradient on every TP rank, so its copies stay equal
+    for r in ranks:
+        peer = next(o for o in ranks if o["built"]["built"]["coords"]["pp"] == r["built"]["built"]["coords"]["pp"])
+        assert all(torch.equal(g, peer["grads"][k]) for k, g in r["grads"].items())
+    speakers = [r for r in ranks if r["built"]["built"]["coords"]["pp"] == layout.get("pp", 1) - 1]
+    speakers = [
+        r for r in speakers if (r["built"]["built"]["coords"]["cp"], r["built"]["built"]["coords"]["tp"]) == (0, 0)
+    ]
+    base = [row for r in speakers for row in r["base_lp"]]
+    # adapters off is the base model, whose log-probs the plain trainer computes; the adapters do change them
+    assert (
+        max(abs(a - b) for x, y in zip(base, reference["lp"], strict=True) for a, b in zip(x, y, strict=True)) < LP_TOL
+    )
+    assert (
+        max(abs(a - b) for x, y in zip(base, lora_reference["lp"], strict=True) for a, b in zip(x, y, strict=True))
+        > 1e-2
+    )
+    base_ref = lora_reference["base_lp"]
+    assert max(abs(a - b) for x, y in zip(base, base_ref, strict=True) for a, b in zip(x, y, strict=True)) < LP_TOL
+    # the adapter is every layer's trained factors, exactly the gathered weights (which match one rank's, above)
+    for key in ("adapter", "written"):
+        got = ranks[0][key]
+        assert list(got) == list(lora_reference[key]), key
+        assert all(torch.equal(v, ranks[0]["weights"][k]) for k, v in got.items()), key
+    assert all(r["adapter"] is None and r["written"] is None for r in ranks[1:])
 
 
 #: Layouts the capability table accepts for a hybrid (Gated-DeltaNet) model, checked against one rank running the
@@ -277,13 +361,18 @@ def _assert_matches(ranks: list[dict], reference: dict, layout: dict) -> None:
     assert set(ranks[0]["built"]["memory"]["peak_gib"]) >= {"load", "logprobs", "train"}
 
 
-def _resume_rank_main(rank: int, world: int, port: int, model_dir: str, out: str, reload: bool) -> None:
+def _resume_rank_main(
+    rank: int, world: int, port: int, model_dir: str, out: str, reload: bool, layout: dict, lora: dict | None
+) -> None:
     torch.set_num_threads(1)
     from rlc.runtime.train.trainer import TrainerWorker
     from rlc.schemas.layout import TrainLayout
 
-    lay = TrainLayout(world_size=world, pp=2, micro_batch_tokens=BUDGET)
-    w = TrainerWorker(rank, world, "127.0.0.1", port, model_dir, "cpu", {"lr": LR, "logprob_chunk_tokens": 7}, lay)
+    if lora:
+        _random_lora_init()
+    lay = TrainLayout(micro_batch_tokens=BUDGET, **layout)
+    cfg = {"lr": LR, "logprob_chunk_tokens": 7, "lora": lora}
+    w = TrainerWorker(rank, world, "127.0.0.1", port, model_dir, "cpu", cfg, lay)
     batch = _batch()
     stats = []
     for step in range(2):
@@ -296,20 +385,35 @@ def _resume_rank_main(rank: int, world: int, port: int, model_dir: str, out: str
     leave_together(w)
 
 
-def test_pipeline_stages_resume_from_a_checkpoint_exactly(tiny_moe_model_dir: Path, tmp_path: Path) -> None:
+#: (model fixture, layout, lora): MoE stages, and LoRA stages over TP ranks (whose slices of the same adapters share
+#: their stage's optimizer folder, the replicated factors too).
+RESUMES = {
+    "moe-pp2": ("tiny_moe_model_dir", {"world_size": 2, "pp": 2}, None),
+    "lora-pp2-tp2": ("tiny_model_dir", {"world_size": 4, "pp": 2, "tp": 2}, LORA),
+}
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_pipeline_stages_resume_from_a_checkpoint_exactly(
+    name: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """Each stage saves its own optimizer state: saving and loading between two steps changes nothing."""
     import torch.multiprocessing as mp
 
+    fixture, layout, lora = RESUMES[name]
+    model_dir = str(request.getfixturevalue(fixture))
+    world = layout["world_size"]
     runs = {}
     for reload in (False, True):
         out = tmp_path / str(reload)
         out.mkdir()
-        mp.spawn(_resume_rank_main, args=(2, free_port(), str(tiny_moe_model_dir), str(out), reload), nprocs=2)
+        args = (world, free_port(), model_dir, str(out), reload, layout, lora)
+        mp.spawn(_resume_rank_main, args=args, nprocs=world)
         runs[reload] = torch.load(out / "rank0.pt", weights_only=False)
     assert runs[True]["stats"][1]["loss"] == pytest.approx(runs[False]["stats"][1]["loss"], rel=1e-6)
     assert runs[True]["stats"][1]["grad_norm"] == pytest.approx(runs[False]["stats"][1]["grad_norm"], rel=1e-6)
-    for name, value in runs[False]["weights"].items():
-        assert torch.allclose(runs[True]["weights"][name], value, atol=1e-7), name
+    for key, value in runs[False]["weights"].items():
+        assert torch.allclose(runs[True]["weights"][key], value, atol=1e-7), key
 
 
 def _share_rank_main(rank: int, world: int, port: int, out: str) -> None:
