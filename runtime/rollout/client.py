@@ -39,6 +39,10 @@ class EngineClient:
         """→ str: the Ray node the engine runs on."""
         return self.actor.node_id.remote()
 
+    def node_ids(self) -> Ref:
+        """→ list[str]: the Ray nodes the engine's model runs on (its workers' nodes for an engine across nodes)."""
+        return self.actor.node_ids.remote()
+
     def process_facts(self) -> Ref:
         """→ dict: the actor's and its vLLM workers' threads and determinism settings."""
         return self.actor.process_facts.remote()
