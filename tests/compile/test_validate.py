@@ -388,9 +388,11 @@ def test_rule_megatron_refused_naming_the_fsdp2_layout() -> None:
     assert d.severity == "error" and d.hint.endswith("{backend: fsdp2, devices: 8, tp: 2, pp: 2} (DP 2)")
 
 
-def test_rule_lora_on_a_moe_model_refused() -> None:
-    d = only(check(GOOD.replace("qwen3-8b", "qwen3-30b-a3b") + "lora: {rank: 8}\n"), "RLC224")
-    assert d.severity == "error" and d.path == "lora"
+def test_rule_lora_on_a_moe_model_router_refused() -> None:
+    moe = GOOD.replace("qwen3-8b", "qwen3-30b-a3b")
+    assert not [d for d in check(moe + "lora: {rank: 8}\n").diagnostics if d.code == "RLC224"]
+    d = only(check(moe + "lora: {rank: 8, target_modules: [q_proj, gate]}\n"), "RLC224")
+    assert d.severity == "error" and d.path == "lora.target_modules"
 
 
 def test_every_rule_is_exercised() -> None:

@@ -1,5 +1,5 @@
-"""`rlc run` of the cpu MoE example: expert parallelism in the trainer, MoE rollout in vLLM, and the post-sync
-check that stops a run whose engine serves other weights than the trainer's.
+"""`rlc run` of the cpu MoE example: expert parallelism in the trainer (with and without LoRA), MoE rollout in
+vLLM, and the post-sync check that stops a run whose engine serves other weights than the trainer's.
 
 Each test starts a Ray, one vLLM engine and two trainer ranks (about a minute on two cores); marked slow.
 """
@@ -29,10 +29,12 @@ def test_the_probe_takes_the_first_scoreable_sequences_cut_short() -> None:
     assert mean_gap([[0.0, -1.0, -2.0]], [[-1.5, -2.0]]) == pytest.approx(0.25)
 
 
-def _compile(tmp_path: Path, steps: int, example: Path = EXAMPLE) -> Path:
+def _compile(tmp_path: Path, steps: int, example: Path = EXAMPLE, sets: tuple[str, ...] = ()) -> Path:
     plan = tmp_path / "plan"
     args = [*RLC, "compile", str(example), "-o", str(plan), "--set", f"output.dir={tmp_path / 'run'}"]
     args += ["--set", f"algorithm.steps={steps}", "--set", "output.checkpoint_every=100"]
+    for setting in sets:
+        args += ["--set", setting]
     subprocess.run(args, check=True, capture_output=True, text=True)
     return plan
 
@@ -52,6 +54,19 @@ def test_cpu_moe_trains_with_expert_parallelism_as_planned(tmp_path: Path) -> No
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
     # The engine serves the trainer's weights after every sync: probe and sampled tokens alike.
+    assert all(r["sync_check/gap"] < 1e-4 for r in rows), [r["sync_check/gap"] for r in rows]
+    assert all(r["logprob_gap/max"] < 1e-4 for r in rows), [r["logprob_gap/max"] for r in rows]
+
+
+@pytest.mark.slow
+def test_cpu_moe_trains_lora_adapters_beside_the_experts(tmp_path: Path) -> None:
+    """LoRA on the MoE example under EP 2: the attention adapters train, the experts and routers stay frozen, and
+    the engine, given the merged weights after every sync, serves what the trainer computes."""
+    plan_dir = _compile(tmp_path, steps=4, sets=("lora.rank=4", "lora.alpha=8"))
+    result = subprocess.run([*RLC, "run", str(plan_dir)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 5))
     assert all(r["sync_check/gap"] < 1e-4 for r in rows), [r["sync_check/gap"] for r in rows]
     assert all(r["logprob_gap/max"] < 1e-4 for r in rows), [r["logprob_gap/max"] for r in rows]
 

@@ -173,7 +173,12 @@ def test_lora_layout_matches_one_unpacked_rank(
     """Only the adapters train and their gradients, the log-probs with and without them, and the adapter written for
     the engines (every stage's layers, TP shards gathered) equal one rank's."""
     layout = LORA_LAYOUTS[name]
-    ranks = _run(tiny_model_dir, tmp_path, layout, lora=LORA)
+    _assert_lora_matches(_run(tiny_model_dir, tmp_path, layout, lora=LORA), lora_reference, reference, layout)
+
+
+def _assert_lora_matches(ranks: list[dict], lora_reference: dict, reference: dict, layout: dict) -> None:
+    """`_assert_matches` for a LoRA run, then: only the adapters have gradients, adapters off is the plain
+    trainer's base model, and the adapter the engines load is every trained factor, gathered."""
     _assert_matches(ranks, lora_reference, layout)
     assert lora_reference["grads"] and all(".lora_" in k for k in lora_reference["grads"])
     # the factor each TP rank holds whole (lora_A beside a column-wise base, lora_B beside a row-wise one) gets the
@@ -264,6 +269,57 @@ def test_moe_layout_matches_one_rank(name: str, moe_reference: dict, tiny_moe_mo
     ep = layout.get("ep", 1)
     assert all(r["built"]["built"]["ep"] == ep for r in ranks)
     assert ranks[0]["weights"]["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8
+
+
+#: LoRA on mixture-of-experts models, against one rank running the sequences unpacked: on the tiny Qwen3-MoE
+#: all-linear means the attention projections (the routers, fused experts and head are left out), on the tiny
+#: DeepSeek-V3 also the dense first layer's MLP and the shared experts. Under plain data parallelism, EP 2 and TP
+#: beside EP the experts and routers stay frozen and adapter-free, and expert parallelism still finds them after
+#: PEFT wrapped the model. (model, layout)
+MOE_LORA_LAYOUTS = {
+    "one-rank-packed": ("moe", {"world_size": 1}),
+    "dp2": ("moe", {"world_size": 2}),
+    "ep2": ("moe", {"world_size": 2, "ep": 2}),
+    "ep2-tp2": ("moe", {"world_size": 4, "ep": 2, "tp": 2}),
+    "mla-ep2": ("mla", {"world_size": 2, "ep": 2}),
+    "mla-tp2-ep2": ("mla", {"world_size": 2, "tp": 2, "ep": 2}),
+}
+MOE_LORA_ADAPTED = {
+    "moe": {f"self_attn.{p}_proj" for p in "qkvo"},
+    "mla": {f"self_attn.{p}" for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}
+    | {f"mlp.{p}_proj" for p in ("gate", "up", "down")}
+    | {f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")},
+}
+
+
+@pytest.fixture(scope="module")
+def moe_lora_reference(tiny_moe_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("moe-lora-ref")
+    return _run(tiny_moe_model_dir, out, {"world_size": 1}, packing=False, lora=LORA)[0]
+
+
+@pytest.fixture(scope="module")
+def mla_lora_reference(tiny_mla_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("mla-lora-ref")
+    return _run(tiny_mla_model_dir, out, {"world_size": 1}, packing=False, lora=LORA)[0]
+
+
+@pytest.mark.parametrize("name", list(MOE_LORA_LAYOUTS))
+def test_moe_lora_layout_matches_one_unpacked_rank(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    model, layout = MOE_LORA_LAYOUTS[name]
+    lora_reference = request.getfixturevalue(f"{model}_lora_reference")
+    ranks = _run(request.getfixturevalue(f"tiny_{model}_model_dir"), tmp_path, layout, lora=LORA)
+    _assert_lora_matches(ranks, lora_reference, request.getfixturevalue(f"{model}_reference"), layout)
+    adapted = {k.split(".lora_")[0].split(".", 3)[-1] for k in lora_reference["grads"]}
+    assert adapted == MOE_LORA_ADAPTED[model], adapted
+    for r in ranks:  # each adapter's gradient within 1e-4 of one rank's, relative to its size
+        worst = max(
+            (g - lora_reference["grads"][k]).norm() / lora_reference["grads"][k].norm() for k, g in r["grads"].items()
+        )
+        assert worst < GRAD_TOL, worst
+    assert all(r["built"]["built"]["ep"] == layout.get("ep", 1) for r in ranks)
+    experts = next(k for k in ranks[0]["weights"] if k.endswith("mlp.experts.gate_up_proj"))
+    assert ranks[0]["weights"][experts].shape[0] == 8
 
 
 #: MoE families with an always-on shared expert, under EP 2 across both CP ranks, against one rank running the
