@@ -273,14 +273,16 @@ def test_moe_layout_matches_one_rank(name: str, moe_reference: dict, tiny_moe_mo
 
 #: LoRA on mixture-of-experts models, against one rank running the sequences unpacked: on the tiny Qwen3-MoE
 #: all-linear means the attention projections (the routers, fused experts and head are left out), on the tiny
-#: DeepSeek-V3 also the dense first layer's MLP and the shared experts. Under plain data parallelism, EP 2 and TP
-#: beside EP the experts and routers stay frozen and adapter-free, and expert parallelism still finds them after
-#: PEFT wrapped the model. (model, layout)
+#: DeepSeek-V3 also the dense first layer's MLP and the shared experts. Under plain data parallelism, EP 2, TP
+#: beside EP, EP across both CP ranks and EP beside pipeline stages the experts and routers stay frozen and
+#: adapter-free, and expert parallelism still finds them after PEFT wrapped the model. (model, layout)
 MOE_LORA_LAYOUTS = {
     "one-rank-packed": ("moe", {"world_size": 1}),
     "dp2": ("moe", {"world_size": 2}),
     "ep2": ("moe", {"world_size": 2, "ep": 2}),
     "ep2-tp2": ("moe", {"world_size": 4, "ep": 2, "tp": 2}),
+    "ep2-cp2": ("moe", {"world_size": 2, "ep": 2, "cp": 2}),
+    "ep2-pp2": ("moe", {"world_size": 4, "ep": 2, "pp": 2}),
     "mla-ep2": ("mla", {"world_size": 2, "ep": 2}),
     "mla-tp2-ep2": ("mla", {"world_size": 2, "tp": 2, "ep": 2}),
 }
