@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import sys
 import tempfile
 import textwrap
@@ -73,15 +72,10 @@ def _hf_logprobs(model, ids: list[int]) -> list[float]:  # type: ignore[no-untyp
         return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def main(model: Path, out: Path) -> None:
     import ray
     import torch
+    from ranks import free_port
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
@@ -150,7 +144,7 @@ def main(model: Path, out: Path) -> None:
             param.add_(0.05 * torch.randn(param.shape, generator=gen))
     state = hf.state_dict()
     meta = tensor_meta(state)
-    host, port = ray.util.get_node_ip_address(), _free_port()
+    host, port = ray.util.get_node_ip_address(), free_port()
     joined = engine.init_sync_group.remote(host, port, 1, 3, "gloo")
     sender = SyncSender(host, port, 3, "gloo")
     received = engine.update_weights_broadcast.remote(meta, 2)

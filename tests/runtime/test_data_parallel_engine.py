@@ -5,11 +5,11 @@ model (its expert kernel has no expert map), which is enough to see each core lo
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from ranks import free_port
 
 from rlc.compiler.engine_config import CPU_ENGINE_ARGS
 from rlc.runtime.rollout.weight_sync import SyncSender, tensor_meta, write_safetensors
@@ -19,12 +19,6 @@ pytestmark = pytest.mark.slow
 
 TOL = 1e-4
 DP = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def _hf(model_dir: Path):  # type: ignore[no-untyped-def]
@@ -83,7 +77,7 @@ def test_every_engine_core_takes_each_update(ray_cluster, tiny_model_dir: Path, 
         _perturb(model, 2)  # by broadcast: trainer rank 0 here, then each core's worker (ranks 1 and 2)
         state = model.state_dict()
         meta = tensor_meta(state)
-        host, port = "127.0.0.1", _free_port()
+        host, port = "127.0.0.1", free_port()
         joined = engine.init_sync_group.remote(host, port, 1, 1 + DP, "gloo")
         sender = SyncSender(host, port, 1 + DP, "gloo")
         received = engine.update_weights_broadcast.remote(meta, 2)
