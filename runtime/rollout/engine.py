@@ -29,9 +29,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlc.schemas.engine_args import PROCESSED_LOGPROBS, SPEC_DECODE_EXTENSION_CLS
+from rlc.schemas.engine_args import SPEC_DECODE_EXTENSION_CLS
 
-from ..platform import Platform, get_platform
+from ..platform import Platform
+from .engine_setup import engine_setup
 from .served import AgentServer
 from .versions import token_versions
 from .weight_sync import DEFAULT_BUCKET_BYTES, TensorMeta
@@ -52,6 +53,8 @@ WEIGHT_UPDATE_MODES: tuple[str, ...] = ("interrupt", "wait")
 UPDATE_TIMEOUT_S = 600
 #: Seconds a weight-sync group join may take (the trainer joins as soon as it sends).
 JOIN_TIMEOUT_S = 300
+#: Seconds an engine-core host on another node may take to start its cores (they then wait for the front end).
+HOST_START_TIMEOUT_S = 300
 
 
 class NotSupported(RuntimeError):
@@ -94,31 +97,6 @@ class Sample:
         return len(set(self.versions)) > 1
 
 
-def engine_setup(
-    engine_args: Mapping[str, Any], platform: str | Platform, env: Mapping[str, str] | None
-) -> tuple[Platform, dict[str, Any]]:
-    """Apply ``env`` (before vLLM reads its settings); the plan's engine args are vLLM's, as they are, and must
-    state the RL ones (`schemas.engine_args`): a behaviour log-prob of another distribution than the sampled one
-    would bias every importance weight, silently."""
-    for k, v in (env or {}).items():
-        os.environ[k] = str(v)
-    from rlc.runtime.rollout.cpu_gemm import apply_cpu_gemm_choice
-
-    apply_cpu_gemm_choice()
-    resolved = get_platform(platform)
-    if engine_args.get("logprobs_mode") != PROCESSED_LOGPROBS:
-        raise ValueError(
-            f"engine args state logprobs_mode {engine_args.get('logprobs_mode')!r}, not {PROCESSED_LOGPROBS!r}: "
-            "the behaviour log-probs must be those of the distribution sampled from (recompile the plan)"
-        )
-    if engine_args.get("dtype") in (None, "auto"):
-        raise ValueError(
-            "engine args state no dtype: vLLM's 'auto' casts a float32 checkpoint to half precision, which the "
-            "trainer's log-probs would not match (recompile the plan)"
-        )
-    return resolved, dict(engine_args)
-
-
 def _engine_core_joins_this_cluster() -> None:
     """An engine on vLLM's Ray executor starts its workers from its engine-core process, a new Ray driver that,
     without an address, would start a Ray of its own (where this actor's placement group does not exist)."""
@@ -139,8 +117,11 @@ class RolloutEngine:
         weight_update: WeightUpdateMode = "interrupt",
         agent: Mapping[str, Any] | None = None,
         sampling: Mapping[str, Any] | None = None,
+        core_hosts: Sequence[Mapping[str, Any]] = (),
     ) -> None:
-        """Check the arguments; ``ready`` starts vLLM (tens of seconds). ``env`` is applied before vLLM reads it."""
+        """Check the arguments; ``ready`` starts vLLM (tens of seconds). ``env`` is applied before vLLM reads it.
+        ``core_hosts``: an engine whose attention data parallelism spans nodes starts the engine cores of its
+        other nodes there (`launch_request.ActorRequest.core_host_starts`), and this actor is their front end."""
         from rlc.runtime.raylet_watch import exit_with_raylet
 
         exit_with_raylet()  # an engine whose node's Ray is gone must not hold its devices for minutes
@@ -175,6 +156,10 @@ class RolloutEngine:
         # init_sync_group may start first, so it waits (bounded) until the group is joined.
         self._joined: asyncio.Event | None = None
         self._ids = itertools.count()
+        self.core_hosts = [dict(h) for h in core_hosts]
+        self._hosts: list[Any] = []  # the core hosts' actors, once started
+        self._host_watches: list[Any] = []  # each host's `watch` call: done once a core there has exited
+        self._host_nodes: list[str] = []  # the Ray node of each started host
 
     # ---------------------------------------------------------------- start
 
@@ -197,6 +182,8 @@ class RolloutEngine:
         self._joined = asyncio.Event()
         if self.engine_args.get("distributed_executor_backend") == "ray":
             _engine_core_joins_this_cluster()
+        if self.core_hosts:
+            await self._start_core_hosts()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
         await self.llm.update_weight_version(str(self.version))
         if self._needs_repair:
@@ -215,6 +202,54 @@ class RolloutEngine:
         if self.agent is not None:
             await self.agent.start(self.llm, lambda: self.version)
         self.startup_s = time.perf_counter() - t0
+
+    async def _start_core_hosts(self) -> None:
+        """Start the engine cores of the engine's other nodes (each on its planned bundle, binding its planned
+        devices) and have them join this front end, which listens on this node's address and a free port."""
+        import ray
+        from ray.util import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from vllm.utils.network_utils import get_open_port
+
+        from .core_host import core_host_actor
+
+        address, port = ray.util.get_node_ip_address(), get_open_port()
+        self.engine_args.update(data_parallel_address=address, data_parallel_rpc_port=port)
+        group = get_current_placement_group()
+        for host in self.core_hosts:
+            actor = core_host_actor(
+                resources=dict(host["resources"]),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, int(host["bundle_index"])),
+                runtime_env={"env_vars": dict(host["env"])},
+            ).remote(
+                self.engine_args, self.platform.name, host["env"], host["start_rank"], host["cores"], address, port
+            )
+            self._hosts.append(actor)
+            self._host_watches.append(actor.watch.remote())
+        # Each host's cores are started once its constructor returns; a host that cannot start fails here, named.
+        for host, actor in zip(self.core_hosts, self._hosts, strict=True):
+            try:
+                started = asyncio.wrap_future(actor.node_id.remote().future())
+                self._host_nodes.append(await asyncio.wait_for(started, HOST_START_TIMEOUT_S))
+            except TimeoutError:
+                raise RuntimeError(
+                    f"the engine-core host on bundle {host['bundle_index']} did not start within "
+                    f"{HOST_START_TIMEOUT_S} s"
+                ) from None
+
+    def _host_failure(self) -> str | None:
+        """Why a core host's engine cores stopped (a core exited, or the host's actor died); None while all run."""
+        import ray
+
+        if not self._host_watches:
+            return None
+        done, _ = ray.wait(self._host_watches, num_returns=1, timeout=0)
+        if not done:
+            return None
+        try:
+            return ray.get(done[0]) or "an engine-core host stopped"
+        except Exception as exc:  # the host's actor died (its node lost, or killed)
+            return f"an engine-core host died: {type(exc).__name__}"
 
     # ---------------------------------------------------------------- generation and scoring
 
@@ -473,6 +508,8 @@ class RolloutEngine:
             return self._start is None or not self._start.done() or self._start.exception() is None
         if self.agent is not None and self._start is not None and self._start.done() and not self.agent.serving:
             return False
+        if self._host_failure() is not None:
+            return False
         return not bool(getattr(self.llm, "errored", False))
 
     async def process_facts(self) -> dict[str, Any]:
@@ -493,13 +530,16 @@ class RolloutEngine:
         return ray.get_runtime_context().get_node_id()
 
     def node_ids(self) -> list[str]:
-        """The Ray nodes this engine's model runs on: its own, or, for an engine across nodes, its vLLM workers'
-        (the planned bundles, `VLLM_RAY_BUNDLE_INDICES`, of the placement group it captured)."""
+        """The Ray nodes this engine's model runs on: its own, and its core hosts' (attention DP across nodes); or,
+        for TP across nodes, its vLLM workers' (the planned bundles, `VLLM_RAY_BUNDLE_INDICES`, of the placement
+        group it captured)."""
         import ray
         from ray.util import get_current_placement_group, placement_group_table
 
         bundles = os.environ.get("VLLM_RAY_BUNDLE_INDICES", "")
         group = get_current_placement_group()
+        if self._host_nodes:  # attention DP across nodes: this node and each core host's
+            return sorted({ray.get_runtime_context().get_node_id(), *self._host_nodes})
         if not bundles or group is None:
             return [ray.get_runtime_context().get_node_id()]
         where = placement_group_table(group)["bundles_to_node_id"]
@@ -512,6 +552,14 @@ class RolloutEngine:
         llm, self.llm = self.llm, None
         if llm is not None:
             llm.shutdown()
+        hosts, self._hosts, self._host_watches, self._host_nodes = self._hosts, [], [], []
+        if hosts:
+            import ray
+
+            with contextlib.suppress(Exception):  # a host already gone has nothing left to stop
+                ray.get([h.close.remote() for h in hosts], timeout=60)
+            for h in hosts:
+                ray.kill(h)
 
 
 def _metric_sums(names: set[str], kind: str) -> dict[str, float]:
@@ -536,6 +584,8 @@ def rollout_engine_actor(**options: Any) -> Any:
     """
     import ray
 
+    from rlc.runtime.ray_resources import ray_options
+
     options.setdefault("num_cpus", 1)
     options["max_concurrency"] = max(1000, int(options.get("max_concurrency") or 0))
-    return ray.remote(RolloutEngine).options(**options)
+    return ray.remote(RolloutEngine).options(**ray_options(options))

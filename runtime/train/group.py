@@ -15,6 +15,7 @@ from typing import Any
 from rlc.schemas.layout import TrainLayout
 
 from ..platform import Platform, get_platform
+from ..ray_resources import ray_options
 from ..rollout.weight_sync import TensorMeta
 from .rendezvous import probe_address
 
@@ -103,7 +104,7 @@ class TrainerGroup:
                     placement_group=placement_group,
                     placement_group_bundle_index=bundle_indices[rank] if bundle_indices is not None else rank,
                 )
-            return opts
+            return ray_options(opts)
 
         # A group of one needs no address; a larger one meets on the node of rank 0, found by a probe task
         # (a Ray worker of its own, which then idles for the whole run: ~1.5 CPU-s of start-up, measured).

@@ -177,11 +177,13 @@ def test_moe_rollout_engines_stay_within_a_node_when_one_fits() -> None:
     assert "distributed_executor_backend" not in rollout.engine and rollout.ray.engine_workers == []
 
 
-def test_an_engine_no_node_holds_spans_whole_nodes_on_vllms_ray_executor() -> None:
-    """DeepSeek-V3's bf16 weights fit no node, so each engine's TP spans whole nodes: vLLM's Ray executor (data
-    parallel 1), one device bundle per worker on the planned node, the engine's actor holding no device, and the
-    run starts it (no gap, no refusal) with the workers' bundles in its env."""
-    plan, _ = plan_for("model: {name: deepseek-v3, path: /m}\ncluster: {nodes: 16}\n", "a3")
+def test_an_engine_whose_tp_spans_whole_nodes_runs_on_vllms_ray_executor() -> None:
+    """DeepSeek-V3's bf16 weights fit no node; with rollout TP pinned to 32 each engine's TP spans two whole
+    nodes: vLLM's Ray executor (data parallel 1), one device bundle per worker on the planned node, the engine's
+    actor holding no device, and the run starts it (no gap, no refusal) with the workers' bundles in its env."""
+    plan, _ = plan_for(
+        "model: {name: deepseek-v3, path: /m}\ncluster: {nodes: 16}\nplacement: {rollout: {tp: 32}}\n", "a3"
+    )
     assert plan is not None and plan.runtime_gaps == [], plan.runtime_gaps
     rollout = plan.role("rollout")
     dpn = plan.cluster.devices_per_node
@@ -233,17 +235,55 @@ def test_cpu_engines_serve_every_expert() -> None:
     assert "no expert map" in gap
 
 
-def test_attention_data_parallel_across_nodes_is_refused_with_the_layout_that_runs() -> None:
-    """A pinned engine of TP 2 x EP 64 is attention DP 32 across nodes (vLLM: an engine core per node), which the
-    run does not start; the gap says so and names what runs instead."""
-    plan, _ = plan_for(
-        "model: {name: deepseek-v3, path: /m}\ncluster: {nodes: 16}\n"
+def test_attention_data_parallel_over_whole_nodes_runs_as_a_front_end_and_core_hosts() -> None:
+    """DeepSeek-V3 on 16 A3 nodes, left free: no node holds its weights, and the search picks EP over whole nodes
+    with TP in a node (attention DP across nodes). A pinned TP 2 x EP 64 is the same shape. Each engine's actor is
+    the front end with its node's cores; a core host on every further node drives that node's, binding its devices;
+    the broadcast group counts every core's workers."""
+    free, _ = plan_for("model: {name: deepseek-v3, path: /m}\ncluster: {nodes: 16}\n", "a3")
+    assert free is not None and free.runtime_gaps == []
+    engine = free.role("rollout").engine
+    assert engine["data_parallel_size"] > 1 and engine["tensor_parallel_size"] <= free.cluster.devices_per_node
+    pinned, _ = plan_for(
+        "model: {name: deepseek-v3, path: /m}\ncluster: {nodes: 16}\nmode: disaggregated\n"
         "placement: {rollout: {devices: 128, tp: 2, ep: 64}}\n",
         "a3",
     )
+    assert pinned is not None and pinned.runtime_gaps == [], pinned.runtime_gaps
+    rollout = pinned.role("rollout")
+    dpn = pinned.cluster.devices_per_node
+    engine = rollout.engine
+    assert engine["data_parallel_size"] == 32 and engine["data_parallel_size_local"] == dpn // 2
+    assert engine["distributed_executor_backend"] == "mp"  # each core's TP workers within its node
+    ray = rollout.ray
+    assert ray.bundles == [{"NPU": float(dpn)}] * (128 // dpn) and ray.actor_resources == {"NPU": float(dpn)}
+    assert ray.bundle_indices == [0, 4] and ray.engine_hosts == [[1, 2, 3], [5, 6, 7]]
+    request = launch_request(pinned)
+    assert request.refusals == []
+    planned = sorted({p.node for p in rollout.placement})
+    engines = [a for a in request.actors if a.kind == "rollout"]
+    for index, actor in enumerate(engines):
+        nodes = planned[index * 4 : (index + 1) * 4]
+        assert actor.node == nodes[0] and actor.devices == tuple(range(dpn))
+        assert [(h.node, h.start_rank, h.cores, h.devices) for h in actor.core_hosts] == [
+            (n, k * 8, 8, tuple(range(dpn))) for k, n in enumerate(nodes[1:], start=1)
+        ]
+        (start,) = actor.core_host_starts("npu", {"A": "1"})[:1]
+        assert start["env"]["ASCEND_RT_VISIBLE_DEVICES"] == ",".join(map(str, range(dpn))) and start["env"]["A"] == "1"
+        assert start["resources"] == {"NPU": float(dpn)} and start["bundle_index"] == ray.engine_hosts[index][0]
+    assert request.weight_sync["group_size"] == 1 + 2 * 64
+    assert "core hosts on bundles 1 (n" in render_request(request)
+
+
+def test_attention_data_parallel_across_part_nodes_is_refused() -> None:
+    """vLLM runs the same number of engine cores on every node of such an engine: one starting mid-node is a gap."""
+    plan, _ = plan_for(
+        "model: {name: qwen3-30b-a3b, path: /m}\ncluster: {nodes: 3}\nmode: disaggregated\n"
+        "placement: {train: {devices: 4}, rollout: {devices: 16, tp: 2, ep: 16}}\n",
+        "a2",
+    )
     assert plan is not None
-    (gap,) = [g for g in plan.runtime_gaps if "engines of TP 2 x attention DP 32" in g]
-    assert "pin rollout tp" in gap
+    (gap,) = [g for g in plan.runtime_gaps if "attention DP 8 (EP 16) span nodes without taking whole ones" in g]
     assert any(gap in r for r in launch_request(plan).refusals)
 
 

