@@ -155,6 +155,12 @@ def dry_run(name: str, target: str, spec: dict[str, Any], workdir: Path) -> Outc
     train = plan.role("actor").layout
     if train is not None:
         summary += f"; train {train.summary()}"
+    engine = plan.role("rollout").engine
+    summary += f"; rollout engines TP {engine['tensor_parallel_size']} x DP {engine.get('data_parallel_size', 1)}"
+    if engine.get("data_parallel_size_local"):
+        summary += f" ({engine['data_parallel_size_local']} cores per node)"
+    elif engine.get("distributed_executor_backend") == "ray":
+        summary += " (TP across nodes)"
     if request.refusals:
         return Outcome("refused", list(request.refusals), summary)
     return Outcome("ok", [], summary)

@@ -63,25 +63,10 @@ def _plan(model: Path, shape: str):  # type: ignore[no-untyped-def]
     return plan
 
 
-def _hf(model_dir: Path):  # type: ignore[no-untyped-def]
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-def _hf_logprobs(model, ids: list[int]) -> list[float]:  # type: ignore[no-untyped-def]
-    import torch
-
-    with torch.no_grad():
-        x = torch.tensor([ids])
-        logits = model(input_ids=x).logits[0, :-1].float()
-        return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
-
-
 def main(model: Path, out: Path, shape: str, planned_model: Path) -> None:
     import ray
     import torch
+    from hf_reference import hf_logprobs, hf_model
     from ranks import free_port
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
@@ -141,12 +126,14 @@ def main(model: Path, out: Path, shape: str, planned_model: Path) -> None:
 
     def errors(hf) -> float:  # type: ignore[no-untyped-def]
         got = ray.get(engine.prompt_logprobs.remote(seqs), timeout=120)
-        pairs = [(a, b) for g, s in zip(got, seqs, strict=True) for a, b in zip(g, _hf_logprobs(hf, s), strict=True)]
+        pairs = [
+            (a, b) for g, s in zip(got, seqs, strict=True) for a, b in zip(g, hf_logprobs(hf, s).tolist(), strict=True)
+        ]
         return max(abs(a - b) for a, b in pairs)
 
     before = ray.get(engine.prompt_logprobs.remote([seq]))[0]
-    hf = _hf(model)
-    base = _hf_logprobs(hf, seq)
+    hf = hf_model(model)
+    base = hf_logprobs(hf, seq).tolist()
     base_all = errors(hf)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -155,7 +142,7 @@ def main(model: Path, out: Path, shape: str, planned_model: Path) -> None:
     path = write_safetensors(hf.state_dict(), Path(tempfile.mkdtemp()) / "v1")
     ray.get(engine.update_weights_from_path.remote(str(path), 1), timeout=120)
     after = ray.get(engine.prompt_logprobs.remote([seq]))[0]
-    updated = _hf_logprobs(hf, seq)
+    updated = hf_logprobs(hf, seq).tolist()
     update_all = errors(hf)
     sample = ray.get(engine.generate.remote([{"prompt_ids": seq[:4], "max_tokens": 3}]), timeout=120)[0][0]
     # The plan's sync path (broadcast): this process as trainer rank 0, the engine's two workers as ranks 1 and 2.
@@ -171,7 +158,7 @@ def main(model: Path, out: Path, shape: str, planned_model: Path) -> None:
     sender.broadcast(state, meta)
     ray.get([joined, received], timeout=120)
     broadcast = ray.get(engine.prompt_logprobs.remote([seq]))[0]
-    after_broadcast = _hf_logprobs(hf, seq)
+    after_broadcast = hf_logprobs(hf, seq).tolist()
     broadcast_all = errors(hf)
     sender.close()
     result = {

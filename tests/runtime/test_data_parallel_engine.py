@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import hf_logprobs, hf_model
 from ranks import free_port
 
 from rlc.compiler.engine_config import CPU_ENGINE_ARGS
@@ -21,19 +22,6 @@ TOL = 1e-4
 DP = 2
 
 
-def _hf(model_dir: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    x = torch.tensor([ids])
-    logits = model(input_ids=x).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1)
-
-
 @torch.no_grad()
 def _perturb(model, seed: int) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(seed)
@@ -44,7 +32,7 @@ def _perturb(model, seed: int) -> None:  # type: ignore[no-untyped-def]
 def _worst(ray, engine, model, seqs: list[list[int]]) -> float:  # type: ignore[no-untyped-def]
     """Largest |engine - HF| over sequences scored at once, so vLLM's balancer spreads them over the cores."""
     got = ray.get(engine.prompt_logprobs.remote(seqs), timeout=120)
-    return max((torch.tensor(g) - _hf_logprobs(model, s)).abs().max().item() for g, s in zip(got, seqs, strict=True))
+    return max((torch.tensor(g) - hf_logprobs(model, s)).abs().max().item() for g, s in zip(got, seqs, strict=True))
 
 
 def test_every_engine_core_takes_each_update(ray_cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -66,7 +54,7 @@ def test_every_engine_core_takes_each_update(ray_cluster, tiny_model_dir: Path, 
     try:
         ray.get(engine.ready.remote(), timeout=420)
         seqs = [list(range(3 + k, 13 + k)) for k in range(8)]
-        model = _hf(tiny_model_dir)
+        model = hf_model(tiny_model_dir)
         assert _worst(ray, engine, model, seqs) < TOL
 
         _perturb(model, 1)  # by file: every core reloads it

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import hf_logprobs, hf_model
 
 from rlc.compiler.engine_config import CPU_ENGINE_ARGS
 from rlc.runtime.platform import get_platform
@@ -167,20 +168,6 @@ def tokenizer(tiny_model_dir: Path):
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
-def _hf(model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def _hf_logprobs(model, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
-    """log p(x_t | x_<t) for t ≥ 1 under softmax(logits / T)."""
-    x = torch.tensor([ids])
-    logits = model(input_ids=x).logits[0, :-1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1)
-
-
 def _reset_to_base(ray, engine, tiny_model_dir: Path) -> None:
     ray.get(engine.update_weights_from_path.remote(str(tiny_model_dir / "model.safetensors"), 0))
 
@@ -201,7 +188,7 @@ def test_generate_returns_ids_logprobs_and_version(ray_cluster, engine, tiny_mod
     groups = ray.get(engine.generate.remote(reqs))
     dt = time.perf_counter() - t0
     assert len(groups) == len(PROMPTS) and all(len(g) == 4 for g in groups)
-    model = _hf(tiny_model_dir)
+    model = hf_model(tiny_model_dir)
     worst = 0.0
     n_tokens = 0
     for req, group in zip(reqs, groups, strict=True):
@@ -214,7 +201,7 @@ def test_generate_returns_ids_logprobs_and_version(ray_cluster, engine, tiny_mod
             if s.finish_reason == "stop":
                 assert s.output_ids[-1] == eos
             # processed_logprobs: the sampled token's log-prob under the tempered distribution.
-            ref = _hf_logprobs(model, s.prompt_ids + s.output_ids, 0.7)[len(s.prompt_ids) - 1 :]
+            ref = hf_logprobs(model, s.prompt_ids + s.output_ids, 0.7)[len(s.prompt_ids) - 1 :]
             worst = max(worst, (ref - torch.tensor(s.logprobs)).abs().max().item())
     print(f"sampling log-prob max |vLLM - HF| at T=0.7: {worst:.2e}; {n_tokens} tokens in {dt:.2f}s")
     assert worst < TOL
@@ -223,7 +210,7 @@ def test_generate_returns_ids_logprobs_and_version(ray_cluster, engine, tiny_mod
 @pytest.mark.slow
 def test_update_from_path_matches_hf(ray_cluster, engine, tiny_model_dir, tokenizer, tmp_path) -> None:
     ray = ray_cluster
-    model = _hf(tiny_model_dir)
+    model = hf_model(tiny_model_dir)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -233,7 +220,7 @@ def test_update_from_path_matches_hf(ray_cluster, engine, tiny_model_dir, tokeni
     before = torch.tensor(ray.get(engine.prompt_logprobs.remote([seq]))[0])
     took = ray.get(engine.update_weights_from_path.remote(str(path), 1))
     after = torch.tensor(ray.get(engine.prompt_logprobs.remote([seq]))[0])
-    ref = _hf_logprobs(model, seq)
+    ref = hf_logprobs(model, seq)
     diff = (after - ref).abs().max().item()
     print(f"reload from path {took * 1e3:.1f} ms; prompt log-prob max |vLLM - HF| {diff:.2e}")
     assert (before - ref).abs().max().item() > 1e-3  # the update really changed something
@@ -250,8 +237,8 @@ def test_interrupted_samples_continue_under_the_new_weights(ray_cluster, engine,
     policy's log-probs and those after the new policy's on the whole prefix, so the frozen sequences were
     prefilled again under the new weights (their cached KV was the old weights')."""
     ray = ray_cluster
-    base = _hf(tiny_model_dir)
-    new = _hf(tiny_model_dir)
+    base = hf_model(tiny_model_dir)
+    new = hf_model(tiny_model_dir)
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for p in new.parameters():
@@ -279,8 +266,8 @@ def test_interrupted_samples_continue_under_the_new_weights(ray_cluster, engine,
         switch = s.versions.index(1)
         assert s.versions == [0] * switch + [1] * (120 - switch) and s.version == 0
         ids = s.prompt_ids + s.output_ids
-        old_ref = _hf_logprobs(base, ids)[len(prompt) - 1 :]
-        new_ref = _hf_logprobs(new, ids)[len(prompt) - 1 :]
+        old_ref = hf_logprobs(base, ids)[len(prompt) - 1 :]
+        new_ref = hf_logprobs(new, ids)[len(prompt) - 1 :]
         got = torch.tensor(s.logprobs)
         worst_old = max(worst_old, (got[:switch] - old_ref[:switch]).abs().max().item())
         worst_new = max(worst_new, (got[switch:] - new_ref[switch:]).abs().max().item())

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import hf_model
 
 pytestmark = pytest.mark.slow
 
@@ -42,19 +43,13 @@ def batch(tiny_model_dir: Path) -> dict:
     return {"input_ids": seqs, "loss_mask": masks, "advantages": [1.0, 1.0, 1.0, 1.0, -1.0]}
 
 
-def _hf(model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
 def _padded(rows, width, fill=0.0) -> torch.Tensor:
     return torch.tensor([list(r) + [fill] * (width - len(r)) for r in rows], dtype=torch.float32)
 
 
 def test_compute_logprobs_match_hf(group, batch, tiny_model_dir) -> None:
     lp = group.compute_logprobs(batch)
-    model = _hf(tiny_model_dir)
+    model = hf_model(tiny_model_dir)
     for ids, row in zip(batch["input_ids"], lp, strict=True):
         assert len(row) == len(ids) and row[0] == 0.0
         x = torch.tensor([ids])
@@ -92,7 +87,7 @@ def test_train_step_loss_matches_one_process_and_decreases(group, batch) -> None
 
 def test_full_state_dict_matches_hf_shapes(group, tiny_model_dir) -> None:
     sd = group.full_state_dict()
-    ref = _hf(tiny_model_dir).state_dict()
+    ref = hf_model(tiny_model_dir).state_dict()
     assert set(sd) == set(ref)
     assert all(tuple(sd[k].shape) == tuple(ref[k].shape) for k in ref)
     assert all(sd[k].device.type == "cpu" for k in sd)
@@ -119,6 +114,6 @@ def test_checkpoint_roundtrip(group, batch, tmp_path) -> None:
     assert b2["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
     assert all(torch.allclose(weights_a[k], weights_b[k], atol=1e-7) for k in weights_a)
     # The HF folder is a complete model that transformers loads.
-    loaded = _hf(tmp_path / "ckpt" / "hf").state_dict()
+    loaded = hf_model(tmp_path / "ckpt" / "hf").state_dict()
     saved = dict(iter_safetensors(tmp_path / "ckpt" / "hf"))
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
