@@ -1,11 +1,12 @@
 """After every weight sync, each engine must serve the trainer's weights: a probe scored on both sides says so.
 
 A sync can corrupt an engine's policy with no error: vLLM's CPU expert kernels kept their start-up weights after
-a reload (issue measured 1.9-5.8 nats off), a weight-name mapping can skip a tensor, a bucket can land in the wrong
+a reload (measured 1.9-5.8 nats off), a weight-name mapping can skip a tensor, a bucket can land in the wrong
 place. The log-probs the trainer then learns from would silently be another policy's. So, before the sync, the
 trainer scores a probe (the first sequences of the batch it just trained on, a few dozen tokens) with its new
 weights at temperature 1; after the sync every engine scores the same tokens (vLLM's prompt log-probs, which are
-untempered), and a mean |difference| above the plan's `schedule.sync_check_max_gap` stops the run, naming the
+untempered) on each of its engine cores (an engine with attention data parallelism holds a copy of the weights per
+core), and a mean |difference| above the plan's `schedule.sync_check_max_gap` stops the run, naming the
 engine. The cost is one short forward on each side per step.
 """
 
@@ -71,8 +72,8 @@ class SyncCheck:
         worst = float("nan")
         for index, engine in enumerate(self.rollout.engines):
             try:
-                held, rows = ray.get(
-                    [engine.get_version(), engine.prompt_logprobs(self._probe)], timeout=CHECK_TIMEOUT_S
+                held, by_core = ray.get(
+                    [engine.get_version(), engine.prompt_logprobs_by_core(self._probe)], timeout=CHECK_TIMEOUT_S
                 )
             except RayActorError:
                 continue
@@ -83,10 +84,12 @@ class SyncCheck:
                 ) from None
             if held != version:
                 continue
-            gap = mean_gap(self._expected, rows)
+            gaps = [mean_gap(self._expected, rows) for rows in by_core]
+            gap = max(gaps)
             if gap > self.max_gap:
+                where = f"engine {index}" + (f" (its engine core {gaps.index(gap)})" if len(gaps) > 1 else "")
                 raise RunError(
-                    f"after the weight sync to version {version}, engine {index} scores the trainer's tokens "
+                    f"after the weight sync to version {version}, {where} scores the trainer's tokens "
                     f"{gap:.3g} nats apart on average (bound {self.max_gap:g}, `schedule.sync_check_max_gap`): it "
                     "serves other weights than the trainer's, so its samples would train on another policy. The "
                     f"run stopped; `{resume_command('PLAN')}` restarts the engines from the last checkpoint"

