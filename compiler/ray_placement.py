@@ -49,7 +49,9 @@ def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPla
         for name, lay in engines:
             firsts = [i * lay.engine_devices for i in range(lay.replicas)]
             if lay.cores_per_node(problem.devices_per_node):
-                out[name] = _cores_across_nodes("rlc-colocated", bundles, lay, problem.devices_per_node, {res: share})
+                out[name] = _cores_across_nodes(
+                    "rlc-colocated", bundles, 1, lay, problem.devices_per_node, {res: share}
+                )
             elif lay.engine_devices > problem.devices_per_node:
                 out[name] = _across_nodes("rlc-colocated", bundles, lay, {res: share})
             else:
@@ -72,7 +74,7 @@ def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPla
         if lay.cores_per_node(dpn):
             # A bundle per node of each engine: the node's cores' devices, all taken by the actor there.
             node_bundles = [{res: float(dpn)}] * (lay.devices // dpn)
-            out[name] = _cores_across_nodes(f"rlc-{name}", node_bundles, lay, dpn, {res: float(dpn)})
+            out[name] = _cores_across_nodes(f"rlc-{name}", node_bundles, dpn, lay, dpn, {res: float(dpn)})
             continue
         if lay.engine_devices > problem.devices_per_node:
             out[name] = _across_nodes(f"rlc-{name}", [{res: 1.0}] * lay.devices, lay, {res: 1.0})
@@ -105,14 +107,13 @@ def _across_nodes(
 
 
 def _cores_across_nodes(
-    group: str, bundles: list[dict[str, float]], lay: RolloutLayout, dpn: int, taken: dict[str, float]
+    group: str, bundles: list[dict[str, float]], per_bundle: int, lay: RolloutLayout, dpn: int, taken: dict[str, float]
 ) -> RayPlacement:
     """Engines whose attention data parallelism spans whole nodes, as vLLM runs them: the engine's actor on its first
     node is the front end and drives that node's engine cores; on each further node a core host (`engine_hosts`)
     drives that node's cores, which join the front end over vLLM's data-parallel RPC. Every one of these actors
     takes `taken` of the first bundle of its node's devices, and binds the node's devices like any engine actor.
-    `bundles` holds a bundle per device (colocated) or per node of each engine (disaggregated)."""
-    per_bundle = lay.devices // len(bundles)
+    `bundles` holds a bundle of `per_bundle` devices: one (colocated) or a node's (disaggregated)."""
     nodes = lay.engine_devices // dpn
     first = [(i * lay.engine_devices + k * dpn) // per_bundle for i in range(lay.replicas) for k in range(nodes)]
     return RayPlacement(
