@@ -10,7 +10,7 @@ import pytest
 from paths import REPO
 from rich.console import Console
 
-from rlc.compiler.emit import emit_plan_dir
+from rlc.compiler.emit import emit_plan_dir, render_summary
 from rlc.compiler.explain import explain_json, explain_plan
 from rlc.compiler.planner import build_plan
 from rlc.compiler.provenance import compute_provenance
@@ -217,6 +217,9 @@ def test_an_engine_whose_tp_spans_whole_nodes_runs_on_vllms_ray_executor() -> No
         assert actor.detail["worker_nodes"] == sorted({planned[b] for b in workers})
         assert len(actor.detail["worker_nodes"]) == tp // dpn and actor.node == planned[workers[0]]
     assert "vLLM Ray workers on bundles 0-" in render_request(request)
+    assert f"engine's TP {tp} spans {tp // dpn} whole nodes on vLLM's Ray executor" in render_summary(
+        plan, plan_hash="h"
+    )
 
 
 def test_cpu_engines_serve_every_expert() -> None:
@@ -273,6 +276,8 @@ def test_attention_data_parallel_over_whole_nodes_runs_as_a_front_end_and_core_h
         assert start["resources"] == {"NPU": float(dpn)} and start["bundle_index"] == ray.engine_hosts[index][0]
     assert request.weight_sync["group_size"] == 1 + 2 * 64
     assert "core hosts on bundles 1 (n" in render_request(request)
+    summary = render_summary(pinned, plan_hash="h")
+    assert "spans 4 nodes as vLLM's data-parallel engine: 32 engine cores of TP 2 (EP 64), 8 per node" in summary
 
 
 def test_a_cpu_engine_across_nodes_is_refused() -> None:
