@@ -497,7 +497,7 @@ def test_free_plan_at_least_as_fast_as_published(dep_id: str) -> None:
     """By the planner's own model, its free plan on the same hardware is no slower than the published layout
     pinned (the published layout is one the free search may choose, up to the memory shares pinned). The free
     search offers only engines `rlc run` starts, so a published engine it does not (attention data parallelism
-    across nodes) may be faster by the model: then that plan states the gap, and the free one has none."""
+    over part nodes) may be faster by the model: then that plan states the gap, and the free one has none."""
     from rlc.compiler import search
     from rlc.compiler.planner import plan_gaps
 
