@@ -64,6 +64,21 @@ def _plan(model: Path, shape: str):  # type: ignore[no-untyped-def]
     return plan
 
 
+def _processes_under(pid: int) -> list:  # type: ignore[type-arg]
+    """The processes a core host started (its engine cores and their workers)."""
+    import psutil
+
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _alive_after(processes: list, seconds: float) -> int:  # type: ignore[type-arg]
+    """How many of `processes` still run `seconds` from now (a lost host's cores must not keep its devices)."""
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=seconds)
+    return len(alive)
+
+
 def main(model: Path, out: Path, shape: str, planned_model: Path) -> None:
     import ray
     import torch
@@ -179,12 +194,16 @@ def main(model: Path, out: Path, shape: str, planned_model: Path) -> None:
     }
     if hosts:  # a core host lost (its node, say) leaves the engine unhealthy, so the pool restarts it
         healthy = ray.get(engine.healthy.remote())
-        ray.kill(ray.get_actor(f"{spec.name}-cores1"))
+        host = ray.get_actor(f"{spec.name}-cores1")
+        cores = _processes_under(ray.get(host.__ray_call__.remote(lambda _: os.getpid())))
+        ray.kill(host)
         deadline = time.monotonic() + 60
         while ray.get(engine.healthy.remote()) and time.monotonic() < deadline:
             time.sleep(0.5)
         result["healthy_before_host_loss"] = healthy
         result["healthy_after_host_loss"] = ray.get(engine.healthy.remote())
+        result["host_processes"] = len(cores)
+        result["host_processes_left"] = _alive_after(cores, 20)
     out.write_text(json.dumps(result))
     ray.get(engine.shutdown.remote())
     ray.shutdown()

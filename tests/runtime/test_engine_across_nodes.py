@@ -102,3 +102,6 @@ def test_engine_cores_on_two_nodes_take_new_weights_on_both(
     assert got["broadcast_moved"] > 1e-3 and got["broadcast_error"] < TOL
     # The other node's cores lost (their host killed): the engine reports itself unhealthy.
     assert got["healthy_before_host_loss"] is True and got["healthy_after_host_loss"] is False
+    # ... and the processes it started (its engine core and the core's worker) went with it: nothing is left holding
+    # that node's devices.
+    assert got["host_processes"] >= 1 and got["host_processes_left"] == 0
