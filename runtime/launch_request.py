@@ -331,6 +331,11 @@ def launch_request(plan: Plan) -> LaunchRequest:
                 else _device_slices(plan, role, len(ray.bundle_indices) * per_engine, refusals)
             )
             cores = int(role.engine.get("data_parallel_size_local") or 0)
+            if ray.engine_hosts and cores * per_engine != int(role.engine.get("data_parallel_size") or 1):
+                refusals.append(
+                    f"role {role.name}: its engines span {per_engine} nodes of {cores} engine core(s) each, which is "
+                    f"not their data_parallel_size {role.engine.get('data_parallel_size')}: recompile the plan"
+                )
             for index, bundle in enumerate(ray.bundle_indices):
                 core_hosts = tuple(
                     CoreHost(b, devices[index * per_engine + k], node_of(ray.placement_group, b), k * cores, cores)

@@ -275,6 +275,10 @@ def test_attention_data_parallel_over_whole_nodes_runs_as_a_front_end_and_core_h
         assert start["env"]["ASCEND_RT_VISIBLE_DEVICES"] == ",".join(map(str, range(dpn))) and start["env"]["A"] == "1"
         assert start["resources"] == {"NPU": float(dpn)} and start["bundle_index"] == ray.engine_hosts[index][0]
     assert request.weight_sync["group_size"] == 1 + 2 * 64
+    # A plan edited by hand so the cores per node no longer add up is refused before anything starts.
+    edited = pinned.model_copy(deep=True)
+    edited.role("rollout").engine["data_parallel_size_local"] = 4
+    assert any("span 4 nodes of 4 engine core(s) each" in r for r in launch_request(edited).refusals)
     assert "core hosts on bundles 1 (n" in render_request(request)
     summary = render_summary(pinned, plan_hash="h")
     assert "spans 4 nodes as vLLM's data-parallel engine: 32 engine cores of TP 2 (EP 64), 8 per node" in summary
