@@ -184,7 +184,9 @@ class RolloutEngine:
             _engine_core_joins_this_cluster()
         if self.core_hosts:
             await self._start_core_hosts()
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+            self.llm = await self._start_front_end(AsyncEngineArgs(**self.engine_args))
+        else:
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
         await self.llm.update_weight_version(str(self.version))
         if self._needs_repair:
             t1 = time.perf_counter()
@@ -239,6 +241,23 @@ class RolloutEngine:
                     f"the engine-core host on bundle {host['bundle_index']} did not start within "
                     f"{HOST_START_TIMEOUT_S} s"
                 ) from None
+
+    async def _start_front_end(self, args: Any) -> Any:
+        """Build vLLM's front end while watching the core hosts: vLLM waits for every core's handshake without a
+        bound, and a core that exits on another node (out of memory, a bad checkpoint there) would otherwise leave
+        it waiting. The build runs in a thread (vLLM's client binds to this event loop on first use); a core host
+        that stops first fails the start, naming why."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        built = asyncio.ensure_future(asyncio.to_thread(AsyncLLM.from_engine_args, args))
+        watches = [asyncio.wrap_future(w.future()) for w in self._host_watches]
+        done, _ = await asyncio.wait([built, *watches], return_when=asyncio.FIRST_COMPLETED)
+        if built in done:
+            return built.result()
+        raise RuntimeError(
+            f"the engine could not start: {self._host_failure() or 'an engine-core host stopped'} before every "
+            "engine core joined the front end (see that host's log in the Ray session's logs folder)"
+        ) from None
 
     def _host_failure(self) -> str | None:
         """Why a core host's engine cores stopped (a core exited, or the host's actor died); None while all run."""

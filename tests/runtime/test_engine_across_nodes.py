@@ -105,3 +105,7 @@ def test_engine_cores_on_two_nodes_take_new_weights_on_both(
     # ... and the processes it started (its engine core and the core's worker) went with it: nothing is left holding
     # that node's devices.
     assert got["host_processes"] >= 1 and got["host_processes_left"] == 0
+    # A core that exits on the other node while the engine starts fails the start within seconds, naming it (vLLM
+    # alone would wait for its handshake without a bound).
+    assert "engine core EngineCore_DP1 on this node exited" in got["broken_start"], got["broken_start"]
+    assert got["broken_start_s"] < 120
