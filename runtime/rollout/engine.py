@@ -539,8 +539,8 @@ class RolloutEngine:
             raise NotSupported("engine was started without enable_sleep_mode=True")
 
     def healthy(self) -> bool:
-        """Whether vLLM's engine core (and the agent endpoint) still run: the core's process can die (e.g.
-        OOM-killed) under this live actor."""
+        """Whether vLLM's engine cores (those of the core hosts on other nodes too) and the agent endpoint still run:
+        a core's process can die (e.g. OOM-killed) under this live actor."""
         if self.llm is None:
             return self._start is None or not self._start.done() or self._start.exception() is None
         if self.agent is not None and self._start is not None and self._start.done() and not self.agent.serving:
