@@ -315,15 +315,13 @@ def pipeline_gaps(layout: TrainLayout, hybrid: bool, colocated: bool) -> list[st
     return [f"pipeline parallelism (PP {layout.pp}) on the fsdp2 backend is not built with Gated-DeltaNet layers"]
 
 
-def moe_gaps(layout: TrainLayout, lora: bool) -> list[str]:
+def moe_gaps(layout: TrainLayout) -> list[str]:
     """What the fsdp2 runtime cannot build for a mixture-of-experts model under `layout`.
 
     It runs the experts with data, context and expert parallelism (`fsdp2_runs_ep`), EP taking the TP ranks where
     TP divides it. LoRA runs under all of them: its adapters sit on the attention, dense and shared-expert linears
-    (`runtime/train/lora.moe_targets`), the routed experts and routers frozen without adapters, so `lora` adds
-    nothing here.
+    (`runtime/train/lora.moe_targets`), the routed experts and routers frozen without adapters.
     """
-    del lora
     gaps = []
     if not fsdp2_runs_ep(layout.ep, layout.tp, layout.cp, layout.dp):
         gaps.append(
@@ -408,7 +406,7 @@ def runtime_gaps(
         return gaps
     gaps += pipeline_gaps(layout, linear_heads is not None, colocated)
     if moe:
-        gaps += moe_gaps(layout, lora)
+        gaps += moe_gaps(layout)
     elif layout.ep > 1:
         gaps.append(f"expert parallelism (EP {layout.ep}) needs a mixture-of-experts model")
     if layout.tp > 1 and kv_heads is not None and kv_heads % layout.tp:

@@ -46,6 +46,7 @@ def build_runners(plan: Plan, request: LaunchRequest) -> RunnerPool:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from rlc.runtime.agent.runner import agent_runner_actor
+    from rlc.runtime.ray_resources import ray_options
 
     agent = plan.agent
     assert agent is not None
@@ -64,8 +65,7 @@ def build_runners(plan: Plan, request: LaunchRequest) -> RunnerPool:
                 placement_group=get_placement_group(spec.placement_group),
                 placement_group_bundle_index=spec.bundle_index,
             )
-            options["resources"] = {k: v for k, v in spec.resources.items() if k not in ("CPU", "memory")}
-            options["num_cpus"] = spec.resources.get("CPU", 0)
+            options.update(ray_options({"resources": {k: v for k, v in spec.resources.items() if k != "memory"}}))
             if spec.resources.get("memory"):
                 options["memory"] = spec.resources["memory"]
         actors.append(agent_runner_actor(**options).remote(agent.run, agent.concurrency_per_worker, env))

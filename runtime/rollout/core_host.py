@@ -51,10 +51,9 @@ class EngineCoreHost:
         )
         engine = AsyncEngineArgs(**args)
         config = engine.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT, headless=True)
-        self.start_rank, self.cores = int(start_rank), int(cores)
         self._manager = CoreEngineProcManager(
-            local_engine_count=self.cores,
-            start_index=self.start_rank,
+            local_engine_count=int(cores),
+            start_index=int(start_rank),
             local_start_index=0,
             vllm_config=config,
             local_client=False,

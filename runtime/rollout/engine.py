@@ -573,12 +573,13 @@ class RolloutEngine:
         import ray
         from ray.util import get_current_placement_group, placement_group_table
 
+        own = ray.get_runtime_context().get_node_id()
+        if self._host_nodes:  # attention DP across nodes: this node and each core host's
+            return sorted({own, *self._host_nodes})
         bundles = os.environ.get("VLLM_RAY_BUNDLE_INDICES", "")
         group = get_current_placement_group()
-        if self._host_nodes:  # attention DP across nodes: this node and each core host's
-            return sorted({ray.get_runtime_context().get_node_id(), *self._host_nodes})
         if not bundles or group is None:
-            return [ray.get_runtime_context().get_node_id()]
+            return [own]
         where = placement_group_table(group)["bundles_to_node_id"]
         return sorted({where[int(b)] for b in bundles.split(",")})
 

@@ -25,7 +25,6 @@ import torch
 __all__ = [
     "ADAPTER_NAME",
     "PEFT_PREFIX",
-    "check_not_routed",
     "inject",
     "is_draft_key",
     "is_lora_key",
@@ -109,7 +108,7 @@ def moe_targets(model: torch.nn.Module, targets: str | list[str]) -> list[str] |
     return names
 
 
-def check_not_routed(model: torch.nn.Module) -> None:
+def _check_not_routed(model: torch.nn.Module) -> None:
     """Refuse adapters on a router or inside an expert container (what `moe_targets` leaves out)."""
     routed = _routed(model)
     wrapped = [
@@ -140,7 +139,7 @@ def inject(model: torch.nn.Module, settings: Mapping[str, Any]) -> Any:
     config.target_modules = targets
     with _no_expert_renaming():
         peft = get_peft_model(model, config)
-    check_not_routed(model)
+    _check_not_routed(model)
     return peft
 
 
