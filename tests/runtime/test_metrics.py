@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -35,6 +36,9 @@ def test_tensorboard_holds_every_numeric_metric_per_step(tmp_path: Path) -> None
 
 def test_resume_replaces_the_steps_after_the_checkpoint(tmp_path: Path) -> None:
     _log_steps(tmp_path, range(1, 5), offset=0.0)
+    # A resumed run starts in a later second. Event files are named by second, then by a per-process counter that
+    # sorts as text (10 before 9), so two writers of one process within one second can be read in the wrong order.
+    time.sleep(1 - time.time() % 1 + 0.01)
     _log_steps(tmp_path, range(3, 5), offset=0.5, start_step=2)  # resumed from the step-2 checkpoint
     assert _scalars(tmp_path)["reward/mean"] == [(1, 1.0), (2, 2.0), (3, 3.5), (4, 4.5)]
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
