@@ -24,6 +24,7 @@ from rlc.runtime.user_code import load_callable
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "MAX_REWARD",
     "RewardFn",
     "RewardGuard",
     "RewardLoadError",
@@ -180,13 +181,18 @@ def _clip(text: object, limit: int = 120) -> str:
     return shown if len(shown) <= limit else f"{shown[: limit - 20]}...' ({len(str(text))} chars)"
 
 
-#: The largest finite float32: rewards become float32 advantages, and one beyond this turns them into inf and NaN.
-FLOAT32_MAX = 3.4028234663852886e38
+#: The largest reward magnitude accepted. Far beyond any real reward, yet small enough that every estimator's
+#: float32 statistics stay finite: a group's squared deviations (≤ (2e12)² × group size), REINFORCE++'s returns
+#: summed over a million-token response (≤ 1e18) and the loss over them. Rewards of 3e38 (finite in float32) gave
+#: NaN GRPO advantages, and every weight after the step NaN.
+MAX_REWARD = 1e12
+
+_BEYOND = f"beyond the largest reward magnitude accepted ({MAX_REWARD:g}), where the advantages would overflow"
 
 
 def as_score(value: object) -> tuple[float, str | None]:
     """`value` as a reward, and why it cannot be one (None when it can: ints, floats, bools, numpy/torch scalars
-    whose magnitude float32 holds)."""
+    of magnitude at most `MAX_REWARD`)."""
     if value is None:
         return 0.0, "returned None"
     if isinstance(value, str | bytes):
@@ -196,25 +202,25 @@ def as_score(value: object) -> tuple[float, str | None]:
     except OverflowError:  # an int or Fraction past float's range, e.g. 10**400
         shown = repr(value)
         shown = shown if len(shown) <= 40 else f"{shown[:20]}... ({len(shown)} characters)"
-        return 0.0, f"returned {shown}, beyond float32's range (±3.4e38) the advantages are computed in"
+        return 0.0, f"returned {shown}, {_BEYOND}"
     except (TypeError, ValueError):
         return 0.0, f"returned a {type(value).__name__}, not a number"
     except Exception as exc:  # the value's own __float__ failed: the user's code
         return 0.0, f"returned a {type(value).__name__} that does not convert to a number ({type(exc).__name__})"
     if not math.isfinite(number):
         return 0.0, f"returned {number}"
-    if abs(number) > FLOAT32_MAX:
-        return 0.0, f"returned {number:g}, beyond float32's range (±3.4e38) the advantages are computed in"
+    if abs(number) > MAX_REWARD:
+        return 0.0, f"returned {number:g}, {_BEYOND}"
     return number, None
 
 
 class RewardGuard:
     """Scores samples with the user's reward function, under the plan's policy for the ones it cannot score.
 
-    A sample whose reward raises, outlives `timeout_s` or is not a number finite in float32 scores 0 and is counted (the
-    first is reported with its prompt and completion); when more than `max_failed_share` of the last `window`
-    samples (one batch) failed, the run stops with a RunError naming the reward, the last failed sample and
-    the reason.
+    A sample whose reward raises, outlives `timeout_s` or is not a finite number within ±`MAX_REWARD` scores 0 and
+    is counted (the first is reported with its prompt and completion); when more than `max_failed_share` of the
+    last `window` samples (one batch) failed, the run stops with a RunError naming the reward, the last failed
+    sample and the reason.
     """
 
     def __init__(
