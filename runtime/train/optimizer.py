@@ -17,6 +17,7 @@ time, so each unit's parameters are grouped by the mesh they live on.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -122,9 +123,14 @@ def scale_grads(params: Iterable[torch.nn.Parameter], coef: float) -> None:
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip gradients to a global norm `max_norm` across every mesh they live on; returns the norm before."""
+    """Clip gradients to a global norm `max_norm` across every mesh they live on; returns the norm before.
+
+    A non-finite norm (a NaN or infinite gradient, or squares past float32) is returned as it is and nothing is
+    scaled: the caller must skip the optimizer step (`TrainerWorker._nonfinite`). NaN compares False with any
+    bound, so an unguarded clip would pass NaN gradients to AdamW, and scaling by max_norm/inf zeroes finite ones.
+    """
     params = list(params)
     total = grad_square_norm(params) ** 0.5
-    if max_norm > 0 and total > max_norm:
+    if max_norm > 0 and math.isfinite(total) and total > max_norm:
         scale_grads(params, max_norm / (total + 1e-6))
     return total

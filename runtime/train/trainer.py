@@ -18,6 +18,7 @@ Ranks that differ only in their cp or tp coordinate receive the same share of a 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from rlc.schemas.layout import TrainLayout
 
 from ..algo.policy import PolicyLoss, aggregation_weights
+from ..nonfinite import nonfinite_code
 from ..packing import padded_micro_batches
 from ..platform import Platform, get_platform
 from ..rollout.weight_sync import SyncSender, preload_sync_group
@@ -403,12 +405,16 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         maxima: dict[str, float] = {}
         norms: list[float] = []
         step_tokens = 0.0
+        skipped, first_nonfinite = 0, 0
         for i, share in enumerate(minibatches):
             # The weights have moved after the first update; only proximal log-probs say what they were before.
             before_known = i == 0 or "proximal_logprobs" in share
-            tokens, norm = self._optimizer_step(share, cfg, sums, maxima, before_known, minibatch=i)
+            tokens, norm, nonfinite = self._optimizer_step(share, cfg, sums, maxima, before_known, minibatch=i)
             step_tokens += tokens
             norms.append(norm)
+            if nonfinite:
+                skipped += 1
+                first_nonfinite = first_nonfinite or nonfinite
         self.step += 1
 
         keys = sorted(sums)
@@ -437,6 +443,10 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             grad_norm=sum(norms) / len(norms),
             n_tokens=max(step_tokens, 1.0),
             optimizer_steps=float(len(minibatches)),
+            # Optimizer steps skipped for a non-finite loss or gradient norm, and the first such quantity's code
+            # (`nonfinite.QUANTITIES`); the statistics above include the skipped minibatches' values as they were.
+            skipped_steps=float(skipped),
+            nonfinite=float(first_nonfinite),
             step=float(self.step),
             lr=self.optimizer.lr,
             time_s=time.perf_counter() - t0,
@@ -451,11 +461,13 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         maxima: dict[str, float],
         before_known: bool = True,
         minibatch: int = 0,
-    ) -> tuple[float, float]:
-        """Forward and backward over one minibatch share, then one optimizer step. Adds this rank's statistics
-        to ``sums`` (token-weighted) and ``maxima``; returns the minibatch's group-wide token count and the
-        gradient norm before clipping. ``before_known``: the log-probs under the step's first weights are at
-        hand (given, or the weights have not moved yet), so the engine-trainer gap can be measured."""
+    ) -> tuple[float, float, int]:
+        """Forward and backward over one minibatch share, then one optimizer step unless the loss or the gradient
+        norm is not finite on any rank. Adds this rank's statistics to ``sums`` (token-weighted) and ``maxima``;
+        returns the minibatch's group-wide token count, the gradient norm before clipping and the code of the
+        first non-finite quantity (`nonfinite.nonfinite_code`; 0: the step was taken). ``before_known``: the
+        log-probs under the step's first weights are at hand (given, or the weights have not moved yet), so the
+        engine-trainer gap can be measured."""
         from ..algo import loss as L
 
         cfg = dict(loss_fn_cfg)
@@ -488,6 +500,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         scale = float(self.layout.shard_group)
 
         self.optimizer.zero_grad()
+        loss_before = sums.get("loss", 0.0)
         micro = self._micro_batches(seqs)
         built = [self.batcher.build([seqs[i] for i in idx] if idx else [self._dummy]) for idx in micro]
 
@@ -565,8 +578,21 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             grad_norm = self._pipeline_clip(float(self.cfg["max_grad_norm"]))
         else:
             grad_norm = clip_grad_norm(self._trainable(), float(self.cfg["max_grad_norm"]))
-        self.optimizer.step()
-        return float(total[0].item()), float(grad_norm)
+        nonfinite = self._nonfinite(sums.get("loss", 0.0) - loss_before, grad_norm)
+        if nonfinite:  # no update: the weights and AdamW's moments and step count stay as they were
+            self.optimizer.zero_grad()
+        else:
+            self.optimizer.step()
+        return float(total[0].item()), float(grad_norm), nonfinite
+
+    def _nonfinite(self, loss: float, grad_norm: float) -> int:
+        """The first of this minibatch's loss and gradient norm that is not finite on some rank (its code, 0 for
+        none), the same on every rank: the ranks' flags are summed over the whole group, since a pipeline's loss
+        lives on its last stage and a data-parallel rank's NaN is its own."""
+        local = [float(not math.isfinite(loss)), float(not math.isfinite(grad_norm))]
+        flags = torch.tensor(local, dtype=torch.float64, device=self.device)
+        dist.all_reduce(flags)
+        return nonfinite_code([bool(flag) for flag in flags.tolist()])
 
     # ---------------------------------------------------------------- pipeline parallelism
 
@@ -627,7 +653,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         own_sq = torch.tensor([grad_square_norm(own)], dtype=torch.float64, device=self.device)
         dist.all_reduce(own_sq, group=pipe.group)
         total = (float(own_sq.item()) + grad_square_norm(pipe.root)) ** 0.5
-        if max_norm > 0 and total > max_norm:
+        if max_norm > 0 and math.isfinite(total) and total > max_norm:  # a non-finite norm skips the step instead
             scale_grads(self._trainable(), max_norm / (total + 1e-6))
         return total
 
