@@ -3,6 +3,8 @@ nothing a plan could have stated (the RL log-prob mode, the worker extension, th
 
 from __future__ import annotations
 
+import os
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -10,28 +12,85 @@ from paths import GOLDEN, REPO
 
 from rlc.compiler.manifest import load_plan
 from rlc.schemas.engine_args import RL_ENGINE_ARGS, SPEC_DECODE_EXTENSION_CLS
+from rlc.schemas.plan import Plan
 
 pytest.importorskip("vllm")
 
 PLANS = sorted(p.parent for p in GOLDEN.glob("*/plan/plan.json"))
 
 
-@pytest.mark.parametrize("plan_dir", PLANS, ids=lambda p: p.parent.name)
-def test_each_engine_runs_with_exactly_its_plan_role_arguments(plan_dir: Path) -> None:
-    from rlc.runtime.launch_request import launch_request, render_request
-    from rlc.runtime.rollout.engine_setup import engine_setup
+class _Built(Exception):
+    """Raised where vLLM's engine would start: the arguments are recorded by then."""
 
-    plan = load_plan(plan_dir)
-    request = launch_request(plan)
-    printed = render_request(request)
+
+def _engine_arguments_as_started(plan: Plan, model_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The keyword arguments each engine of `build_roles` (rollout and teachers) hands vLLM's `AsyncEngineArgs`:
+    the real role builders, the real `RolloutEngine` constructor and start, with Ray's actor and placement calls
+    and vLLM's engine itself left out."""
+    import asyncio
+
+    import vllm.engine.arg_utils as arg_utils
+
+    from rlc.runtime import role_actors
+    from rlc.runtime.rollout import engine as engine_module
+    from rlc.runtime.train import group as group_module
+
+    started: list[dict] = []
+
+    def record(**kwargs: object) -> None:
+        started.append(kwargs)
+        raise _Built
+
+    class Actor:
+        def remote(self, *args: object, **kwargs: object) -> object:
+            engine = engine_module.RolloutEngine(*args, **kwargs)
+            with pytest.raises(_Built):
+                asyncio.run(engine._start_engine())
+            return object()
+
+    async def no_hosts(self: object) -> None:
+        pass
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # engines apply their env here
+    monkeypatch.setattr(arg_utils, "AsyncEngineArgs", record)
+    monkeypatch.setattr(engine_module, "_engine_core_joins_this_cluster", lambda: None)
+    monkeypatch.setattr(engine_module.RolloutEngine, "_start_core_hosts", no_hosts)
+    monkeypatch.setattr(role_actors, "_placement_groups", lambda request, created: defaultdict(object))
+    monkeypatch.setattr(role_actors, "_engine_actor_class", lambda *a: Actor())
+    monkeypatch.setattr(role_actors, "_wait_started", lambda roles: None)
+    monkeypatch.setattr(group_module, "TrainerGroup", lambda *a, **k: object())
+    role_actors.build_roles(plan, model_path, 0, [])
+    return started
+
+
+@pytest.mark.parametrize("plan_dir", [*PLANS, "quickstart"], ids=lambda p: getattr(p, "parent", Path(p)).name)
+def test_each_engine_runs_with_exactly_its_plan_role_arguments(
+    plan_dir: Path | str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What each engine gives vLLM is its plan role's `engine`, key for key (the model folder aside: the run's,
+    which on resume is the checkpoint's), and the dry run prints exactly that."""
+    from rlc.compiler.pipeline import compile_file
+    from rlc.runtime.launch_request import launch_request, render_request
+
+    plan = (
+        load_plan(plan_dir) if isinstance(plan_dir, Path) else compile_file(REPO / "examples" / "quickstart.yaml").plan
+    )
+    assert plan is not None
     engine_roles = [r for r in plan.roles if r.kind in ("rollout", "teacher")]
     assert engine_roles
+    model_path = tmp_path / "model"
+    started = _engine_arguments_as_started(plan, model_path, monkeypatch)
+    expected = [
+        {**role.engine, "model": str(model_path)} if role.kind == "rollout" else dict(role.engine)
+        for role in engine_roles
+        for _ in range(role.replicas)
+    ]
+    assert started == expected
+    printed = render_request(launch_request(plan)).splitlines()
     for role in engine_roles:
-        _, built = engine_setup(request.engines[role.name], plan.platform, None)
-        assert built == role.engine, role.name
-        assert RL_ENGINE_ARGS["logprobs_mode"] == built["logprobs_mode"]
-        shown = ", ".join(f"{k}={v}" for k, v in sorted(built.items()) if k != "model")
-        assert f"engine {role.name}: model {built['model']}; {shown}" in printed.splitlines()
+        assert RL_ENGINE_ARGS["logprobs_mode"] == role.engine["logprobs_mode"]
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(role.engine.items()) if k != "model")
+        assert f"engine {role.name}: model {role.engine['model']}; {shown}" in printed
 
 
 def test_a_cpu_plan_with_speculative_decoding_states_the_repairing_extension() -> None:
