@@ -13,8 +13,7 @@ from typing import Any
 
 from rlc.schemas.cluster_nodes import node_resource
 from rlc.schemas.layout import (
-    LINEAR_KERNELS,
-    TORCH_EXPERT_KERNEL_NAME,
+    PLATFORM_KERNELS,
     TrainLayout,
     ep_column,
     runtime_gaps,
@@ -133,6 +132,8 @@ class LaunchRequest:
     optimizer_steps: int = 1
     #: How the trainer builds a hybrid model's linear-attention layers (None: every layer is attention).
     token_mixers: str | None = None
+    #: What runs at each of the trainer's kernel seams this model has (`schemas.layout.PLATFORM_KERNELS`).
+    trainer_kernels: dict[str, str] = field(default_factory=dict)
     pipeline: str | None = None
     #: How the controller feeds the rollout engines and what a weight update does to samples in flight.
     rollout_feed: str = ""
@@ -388,6 +389,7 @@ def launch_request(plan: Plan) -> LaunchRequest:
         refusals=refusals,
         optimizer_steps=plan.algorithm.minibatches,
         token_mixers=_token_mixers(plan),
+        trainer_kernels=_trainer_kernels(plan),
         pipeline=_pipeline_line(plan),
         rollout_feed=_feed_line(plan),
     )
@@ -452,9 +454,25 @@ def _token_mixers(plan: Plan) -> str | None:
     )
     return (
         f"hybrid: {linear.layers} Gated-DeltaNet + {full} attention layers; packed sequence boundaries reach "
-        f"attention, the causal conv and the delta rule; kernels: {LINEAR_KERNELS[plan.platform]}"
-        f"{'' if plan.platform == 'cpu' else ', which the trainer image must have'}{split}"
+        f"attention, the causal conv and the delta rule{split}"
     )
+
+
+#: The dry run's names of the kernel seams.
+SEAM_LABELS = {"attention": "attention", "gated_deltanet": "Gated-DeltaNet", "experts": "experts"}
+
+
+def _trainer_kernels(plan: Plan) -> dict[str, str]:
+    """The kernel each of the model's trainer seams runs on this platform: packed attention when the plan packs, the
+    Gated-DeltaNet token mixers of a hybrid, the experts' GEMMs of a MoE model (a dense model says it has none)."""
+    seams = PLATFORM_KERNELS[plan.platform]
+    found = {}
+    if plan.schedule.packing:
+        found["attention"] = seams["attention"].statement()
+    if plan.model.linear_attention is not None:
+        found["gated_deltanet"] = seams["gated_deltanet"].statement()
+    found["experts"] = seams["experts"].statement() if plan.model.experts is not None else "none (dense MLP)"
+    return found
 
 
 def _experts_line(experts: ExpertLayers, train: TrainLayout) -> str:
@@ -468,8 +486,7 @@ def _experts_line(experts: ExpertLayers, train: TrainLayout) -> str:
     held = experts.num_experts // train.ep
     return (
         text + staged + f"EP {train.ep}: each rank holds {held} experts (FSDP2 shards them over "
-        f"{max(1, train.shard_group // ep_column(train.ep, train.tp))} rank(s)), tokens reach them by all-to-all; "
-        f"expert kernel: {TORCH_EXPERT_KERNEL_NAME}"
+        f"{max(1, train.shard_group // ep_column(train.ep, train.tp))} rank(s)), tokens reach them by all-to-all"
     )
 
 
@@ -519,6 +536,8 @@ def render_request(req: LaunchRequest) -> str:
         lines.append(f"trainer layout: {trainers[0].detail['layout']}{steps}")
     if req.token_mixers:
         lines.append(f"trainer model: {req.token_mixers}")
+    for seam, kernel in req.trainer_kernels.items():
+        lines.append(f"trainer kernel, {SEAM_LABELS[seam]}: {kernel}")
     if req.pipeline:
         lines.append(f"trainer pipeline: {req.pipeline}")
     for role, args in req.engines.items():

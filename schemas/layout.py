@@ -273,16 +273,82 @@ def linear_heads(arch: ModelArch) -> tuple[int, int] | None:
     return (a.linear_num_key_heads or 1, a.linear_num_value_heads or 1)
 
 
-#: The packed linear-attention kernels the trainer uses per platform (`runtime/train/linear_attention.kernels_for`).
-TORCH_LINEAR_KERNELS = "torch (split at cu_seqlens)"
-FUSED_LINEAR_KERNELS = "flash-linear-attention and causal-conv1d varlen kernels (cu_seqlens)"
-LINEAR_KERNELS: dict[str, str] = {
-    "cpu": TORCH_LINEAR_KERNELS,
-    "cuda": FUSED_LINEAR_KERNELS,
-    "npu": FUSED_LINEAR_KERNELS,
+# The trainer's kernel seams, named per platform. The runtime picks from these names only (its kernels carry them:
+# `runtime/train/linear_attention.kernels_for`, `varlen_attention.attention_kernel_for`,
+# `expert_parallel.expert_kernel_for`) and the dry run prints the table, so what it says is what can run.
+#: Gated-DeltaNet token mixers (the short causal conv and the chunked gated delta rule) over packed rows.
+TORCH_LINEAR_KERNELS = "torch chunked delta rule and conv1d, split at cu_seqlens"
+FLA_LINEAR_KERNELS = "flash-linear-attention (fla-core) Triton varlen chunk_gated_delta_rule and causal_conv1d"
+FLA_ASCEND_LINEAR_KERNELS = (
+    "flash-linear-attention (fla-core) Triton-Ascend varlen chunk_gated_delta_rule and causal_conv1d"
+)
+#: Causal attention over packed rows.
+VARLEN_SDPA_ATTENTION = "rlc varlen SDPA (one causal SDPA call per sequence length)"
+FLASH_ATTN_ATTENTION = "flash-attn varlen (transformers flash_attention_2)"
+NPU_FUSION_ATTENTION = "torch_npu npu_fusion_attention TND varlen (transformers flash_attention_2)"
+#: The routed experts' GEMMs on rows grouped by expert.
+TORCH_EXPERT_KERNEL_NAME = "torch loop (one GEMM pair per local expert)"
+GROUPED_MM_EXPERT_KERNEL = "torch grouped_mm (bfloat16; the loop for other dtypes)"
+NPU_GROUPED_MATMUL_EXPERT_KERNEL = "torch_npu npu_grouped_matmul"
+
+#: Kernel seams of the trainer, in the order the dry run names them.
+KERNEL_SEAMS: tuple[str, ...] = ("gated_deltanet", "attention", "experts")
+
+
+class KernelChoice(BaseModel):
+    """What runs at one seam on one platform: `preferred` where its package imports, else `fallback` (None: the
+    trainer refuses to start, naming the package)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    preferred: str
+    needs: str = ""
+    fallback: str | None = None
+
+    def names(self) -> tuple[str, ...]:
+        """Every kernel name the runtime may report for this seam."""
+        return (self.preferred,) if self.fallback is None else (self.preferred, self.fallback)
+
+    def statement(self) -> str:
+        """The dry run's words: the kernel, what it needs, and what runs without it."""
+        if not self.needs:
+            return self.preferred
+        otherwise = f"else {self.fallback}" if self.fallback else "refused otherwise, naming the package"
+        return f"{self.preferred} where {self.needs}; {otherwise}"
+
+
+#: Per platform and seam, what the trainer runs. Nothing for one platform imports another's package: npu never
+#: reaches causal-conv1d, flash-attn or fla's CUDA backends (`tests/runtime/test_kernel_seams.py` walks it).
+PLATFORM_KERNELS: dict[str, dict[str, KernelChoice]] = {
+    "cpu": {
+        "gated_deltanet": KernelChoice(preferred=TORCH_LINEAR_KERNELS),
+        "attention": KernelChoice(preferred=VARLEN_SDPA_ATTENTION),
+        "experts": KernelChoice(preferred=TORCH_EXPERT_KERNEL_NAME),
+    },
+    "cuda": {
+        "gated_deltanet": KernelChoice(preferred=FLA_LINEAR_KERNELS, needs="fla-core 0.6 imports (import fla)"),
+        "attention": KernelChoice(
+            preferred=FLASH_ATTN_ATTENTION, needs="flash-attn imports", fallback=VARLEN_SDPA_ATTENTION
+        ),
+        "experts": KernelChoice(
+            preferred=GROUPED_MM_EXPERT_KERNEL, needs="torch has _grouped_mm", fallback=TORCH_EXPERT_KERNEL_NAME
+        ),
+    },
+    "npu": {
+        "gated_deltanet": KernelChoice(
+            preferred=FLA_ASCEND_LINEAR_KERNELS,
+            needs="fla-core 0.6 and triton-ascend import",
+            fallback=TORCH_LINEAR_KERNELS,
+        ),
+        "attention": KernelChoice(preferred=NPU_FUSION_ATTENTION),
+        "experts": KernelChoice(
+            preferred=NPU_GROUPED_MATMUL_EXPERT_KERNEL,
+            needs="torch_npu has npu_grouped_matmul",
+            fallback=TORCH_EXPERT_KERNEL_NAME,
+        ),
+    },
 }
-#: The expert kernel the trainer's expert parallelism uses (`runtime/train/expert_parallel.TORCH_EXPERT_KERNEL`).
-TORCH_EXPERT_KERNEL_NAME = "torch (one GEMM pair per local expert)"
+LINEAR_KERNELS: dict[str, str] = {name: seams["gated_deltanet"].statement() for name, seams in PLATFORM_KERNELS.items()}
 
 
 def experts_over_tp(ep: int, tp: int) -> int:

@@ -20,8 +20,10 @@ The pattern is torchtitan's (`torchtitan/distributed/expert_parallel.py`), on tr
   weight is reduced over its efsdp ranks only, having already received the gradients of every EP peer's tokens
   through the backward all-to-all, so its divide factor is set to the whole dp·cp count, as for the other weights.
 
-Expert compute goes through one seam (`ExpertKernel`): torch's per-expert GEMMs everywhere; a platform's grouped
-matmul (torch_npu's on Ascend) plugs in there without touching the dispatch.
+Expert compute goes through one seam (`ExpertKernel`, chosen per platform by `expert_kernel_for` from the names in
+`schemas.layout.PLATFORM_KERNELS`): torch's per-expert GEMM loop on cpu, torch's grouped GEMM on CUDA
+(``torch._grouped_mm``, bfloat16), torch_npu's ``npu_grouped_matmul`` on Ascend. `install_expert_kernel` gives a
+model's experts that seam on one rank too, so the kernel the dry run names runs with and without expert parallelism.
 """
 
 from __future__ import annotations
@@ -35,13 +37,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlc.schemas.layout import TORCH_EXPERT_KERNEL_NAME
+from rlc.schemas.layout import (
+    GROUPED_MM_EXPERT_KERNEL,
+    NPU_GROUPED_MATMUL_EXPERT_KERNEL,
+    TORCH_EXPERT_KERNEL_NAME,
+)
 
 __all__ = [
+    "GROUPED_MM_EXPERT_KERNEL_IMPL",
     "TORCH_EXPERT_KERNEL",
     "CopyToTP",
     "ExpertKernel",
+    "expert_kernel_for",
     "expert_modules",
+    "install_expert_kernel",
     "install_expert_parallel",
 ]
 
@@ -66,6 +75,93 @@ def _per_expert_gemms(
 
 
 TORCH_EXPERT_KERNEL = ExpertKernel(TORCH_EXPERT_KERNEL_NAME, _per_expert_gemms)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: ``torch._grouped_mm``'s backward rejects the
+    stride-0 gradients that a sum or an expand hands it (measured on torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _grouped_gemms(
+    rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor, act: Callable[..., Any]
+) -> torch.Tensor:
+    """The SwiGLU experts as two grouped GEMMs (``torch._grouped_mm``, ``offs`` = running row counts), bfloat16 only:
+    the dtype every torch build's grouped GEMM takes; other dtypes take the loop."""
+    if rows.dtype != torch.bfloat16 or gate_up.dtype != torch.bfloat16 or not counts:
+        return _per_expert_gemms(rows, counts, gate_up, down, act)
+    offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+    hidden = _ContiguousGrad.apply(torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offs))
+    gate, up = hidden.chunk(2, dim=-1)
+    return _ContiguousGrad.apply(torch._grouped_mm((act(gate) * up).contiguous(), down.transpose(-2, -1), offs=offs))
+
+
+GROUPED_MM_EXPERT_KERNEL_IMPL = ExpertKernel(GROUPED_MM_EXPERT_KERNEL, _grouped_gemms)
+
+
+class _NpuGroupedMatmul(torch.autograd.Function):
+    """``x [M, K] @ w[e] [K, N]`` per group of consecutive rows on torch_npu's grouped matmul, with its backward:
+    the input gradient is the same grouped matmul on the transposed weights, the weight gradient one split on K
+    (``group_type`` 2). ``counts`` are per-group row counts (``group_list_type`` 1)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        import torch_npu
+
+        ctx.save_for_backward(x, weight, counts)
+        return torch_npu.npu_grouped_matmul(
+            [x], [weight], group_list=counts, split_item=2, group_type=0, group_list_type=1
+        )[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        import torch_npu
+
+        x, weight, counts = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch_npu.npu_grouped_matmul(
+            [grad], [weight.transpose(1, 2)], group_list=counts, split_item=2, group_type=0, group_list_type=1
+        )[0]
+        grad_w = torch_npu.npu_grouped_matmul(
+            [x.T], [grad], group_list=counts, split_item=3, group_type=2, group_list_type=1
+        )[0]
+        return grad_x, grad_w, None
+
+
+def _npu_grouped_gemms(
+    rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor, act: Callable[..., Any]
+) -> torch.Tensor:
+    """The SwiGLU experts as two of torch_npu's grouped matmuls."""
+    if not counts:
+        return _per_expert_gemms(rows, counts, gate_up, down, act)
+    per_group = torch.tensor(counts, dtype=torch.int64, device=rows.device)
+    gate, up = _NpuGroupedMatmul.apply(rows, gate_up.transpose(-2, -1), per_group).chunk(2, dim=-1)
+    return _NpuGroupedMatmul.apply(act(gate) * up, down.transpose(-2, -1), per_group)
+
+
+NPU_GROUPED_MATMUL_KERNEL = ExpertKernel(NPU_GROUPED_MATMUL_EXPERT_KERNEL, _npu_grouped_gemms)
+
+
+def expert_kernel_for(platform: str) -> ExpertKernel:
+    """The experts' GEMMs for `platform` (`schemas.layout.PLATFORM_KERNELS`): the loop on cpu; torch's grouped GEMM
+    on CUDA where this torch has one; torch_npu's grouped matmul on Ascend where torch_npu ships it; else the loop."""
+    if platform == "cuda" and hasattr(torch, "_grouped_mm"):
+        return GROUPED_MM_EXPERT_KERNEL_IMPL
+    if platform == "npu":
+        try:
+            import torch_npu
+        except ImportError:
+            return TORCH_EXPERT_KERNEL
+        if hasattr(torch_npu, "npu_grouped_matmul"):
+            return NPU_GROUPED_MATMUL_KERNEL
+    return TORCH_EXPERT_KERNEL
 
 
 def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -182,7 +278,7 @@ def install_expert_parallel(
     device: torch.device,
     dispatch_mesh: Any = None,
     tp_group: Any = None,
-    kernel: ExpertKernel = TORCH_EXPERT_KERNEL,
+    kernel: ExpertKernel | None = None,
 ) -> list[torch.nn.Module]:
     """Shard every expert container's weights over `ep_mesh` (this rank keeps its 1/ep, moved to `device`, the
     mesh's) and give it the EP forward: tokens are dispatched over `dispatch_mesh` (a TP column's EP ranks; None
@@ -190,7 +286,8 @@ def install_expert_parallel(
     outputs are summed over the TP ranks.
 
     Call on the loaded, unsharded model (on the host) before FSDP2 wraps it; returns the expert containers (each
-    to become its own FSDP unit over the ranks holding the same experts).
+    to become its own FSDP unit over the ranks holding the same experts). `kernel` defaults to the one
+    `install_expert_kernel` gave the experts, else `device`'s platform's.
     """
     from torch.distributed.tensor import DTensor, Shard
 
@@ -210,6 +307,23 @@ def install_expert_parallel(
         module._rlc_tp_group = tp_group
         module._rlc_tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         module._rlc_tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        module._rlc_expert_kernel = kernel
+        installed = getattr(module, "_rlc_expert_kernel", None)
+        module._rlc_expert_kernel = kernel or installed or expert_kernel_for(device.type)
         module.forward = types.MethodType(_ep_forward, module)
     return modules
+
+
+def install_expert_kernel(model: torch.nn.Module, platform: str) -> ExpertKernel | None:
+    """Give every expert container of `model` the platform's expert kernel on one rank (rlc's expert forward with a
+    dispatch group of one), in place of transformers' own experts implementation; `install_expert_parallel` later
+    spreads the same kernel over an EP group. Returns the kernel (None for a model without routed experts)."""
+    modules = expert_modules(model)
+    if not modules:
+        return None
+    kernel = expert_kernel_for(platform)
+    for module in modules:
+        module._rlc_ep_group, module._rlc_ep_size = None, 1
+        module._rlc_tp_group, module._rlc_tp_size, module._rlc_tp_rank = None, 1, 0
+        module._rlc_expert_kernel = kernel
+        module.forward = types.MethodType(_ep_forward, module)
+    return kernel

@@ -12,9 +12,10 @@ and hands the packed boundaries to both token mixers through one seam per platfo
   (one call for the row), and the delta rule runs transformers' chunked torch kernel over the sequences
   right-padded to their length bucket (the kernel pads to 64-token chunks anyway, so a bucket of 64 costs
   nothing the kernel would not spend; right padding never reaches a real token).
-- cuda / npu: the varlen kernels, flash-linear-attention's ``chunk_gated_delta_rule(cu_seqlens=...)`` and
-  ``causal_conv1d_fn(seq_idx=...)``; refused with the package to install when they are not importable (the torch
-  path is exact there too, but a python loop over 64-token chunks is no way to train 64K contexts).
+- cuda: flash-linear-attention's (fla-core) varlen Triton kernels, ``chunk_gated_delta_rule(cu_seqlens=...)`` and
+  its own causal convolution with ``cu_seqlens``; refused with the package to install when fla does not import.
+- npu: the same fla-core kernels on its Triton-Ascend backends where fla and triton-ascend import, else the torch
+  path (`kernels_for`). Nothing here imports the causal-conv1d CUDA extension or fla's CUDA backends.
 
 Under Ulysses context parallelism (`context_parallel`) each rank holds a slice of the row's tokens. The layer's
 projections are per token, so they run on the slice; an all-to-all then gives each rank all tokens of its share
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlc.schemas.layout import FUSED_LINEAR_KERNELS, TORCH_LINEAR_KERNELS
+from rlc.schemas.layout import FLA_ASCEND_LINEAR_KERNELS, FLA_LINEAR_KERNELS, TORCH_LINEAR_KERNELS
 
 from ..platform import Platform
 from .context_parallel import CpShard, all_to_all_autograd
@@ -151,36 +152,68 @@ def torch_kernels() -> LinearKernels:
 # --------------------------------------------------------------------------------------------- fused (cuda, npu)
 
 
-def _fla_kernels() -> LinearKernels:
-    """flash-linear-attention's varlen delta rule and the causal-conv1d package's ``seq_idx`` convolution."""
-    from causal_conv1d import causal_conv1d_fn
+def _fla_kernels(name: str) -> LinearKernels:
+    """flash-linear-attention's (fla-core 0.6) varlen delta rule and its own Triton causal convolution.
+
+    fla dispatches both to its Triton-Ascend backends on an NPU (triton-ascend's driver reports ``npu``) and to its
+    Triton kernels on CUDA. The convolution is called through `CausalConv1dFunction` (the path of fla's
+    ``causal_conv1d(backend="triton")``), never the entry point that also imports fla's CUDA-extension backend, so
+    neither platform imports the causal-conv1d package.
+    """
+    from fla.modules.causal_conv1d import CausalConv1dFunction
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    def cumulative(bounds: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cpu = torch.tensor(bounds, dtype=torch.long)
+        return cpu.to(device), cpu
+
     def conv(x: torch.Tensor, weight: torch.Tensor, activation: str | None, bounds: Sequence[int]) -> torch.Tensor:
-        cu = torch.tensor(bounds, device=x.device)
-        seq_idx = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=x.device), cu[1:] - cu[:-1])
-        return causal_conv1d_fn(x, weight, None, seq_idx=seq_idx.to(torch.int32).unsqueeze(0), activation=activation)
+        cu, cu_cpu = cumulative(bounds, x.device)
+        # fla takes [B, T, D]; the seam's [1, C, L] is the same row channels-first.
+        out, _ = CausalConv1dFunction.apply(
+            x.transpose(1, 2), weight, None, None, None, False, activation, cu, cu_cpu, None
+        )
+        return out.transpose(1, 2)
 
     def delta_rule(q, k, v, g, beta, bounds):  # type: ignore[no-untyped-def]
-        cu = torch.tensor(bounds, device=q.device, dtype=torch.int32)
-        out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=False)
+        cu, cu_cpu = cumulative(bounds, q.device)
+        out, _ = chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=False
+        )
         return out
 
-    return LinearKernels(FUSED_LINEAR_KERNELS, conv, delta_rule)
+    return LinearKernels(name, conv, delta_rule)
+
+
+def _fla_on_ascend() -> bool:
+    """Whether fla-core imports on triton-ascend (its device probe reports an NPU); False without either."""
+    try:
+        from fla.utils import IS_NPU
+    except (ImportError, RuntimeError):  # fla or triton missing, or a triton without a driver for this machine
+        return False
+    return bool(IS_NPU)
 
 
 def kernels_for(platform: Platform | str) -> LinearKernels:
-    """The packed token mixers for `platform`: torch on cpu; the varlen fused kernels on accelerators, or a refusal
-    that names what to install."""
+    """The packed token mixers for `platform` (`schemas.layout.PLATFORM_KERNELS`, which the dry run prints).
+
+    cpu: torch. cuda: fla-core's Triton kernels, or a refusal naming the package (the torch path is exact there too,
+    but a python loop over 64-token chunks is no way to train 64K contexts). npu: fla-core's Triton-Ascend kernels
+    where fla and triton-ascend import, else the torch path, which runs on any torch device; a stock Ascend image
+    has neither, and no other Ascend package ships a training Gated-DeltaNet with a stable API (MindSpeed's are
+    not installable from an index).
+    """
     name = platform if isinstance(platform, str) else platform.name
     if name == "cpu":
         return torch_kernels()
+    if name == "npu":
+        return _fla_kernels(FLA_ASCEND_LINEAR_KERNELS) if _fla_on_ascend() else torch_kernels()
     try:
-        return _fla_kernels()
+        return _fla_kernels(FLA_LINEAR_KERNELS)
     except ImportError as exc:
         raise RuntimeError(
-            f"Gated-DeltaNet layers on {name} need the varlen fused kernels, which are not importable ({exc}): "
-            "install flash-linear-attention (import fla) and causal-conv1d built for this device"
+            f"Gated-DeltaNet layers on {name} need flash-linear-attention's varlen kernels, which are not importable "
+            f"({exc}): install fla-core 0.6 (import fla) with triton"
         ) from exc
 
 

@@ -3,10 +3,16 @@
 Registered with transformers as ``rlc_varlen_sdpa``, it runs one SDPA call over the sequences right-padded to the
 longest while that wastes little, else one per sequence length, so attention costs about Σ len² instead of L².
 The packed forward (`packed_forward`) and context parallelism's full-row step (`context_parallel`) both use it.
+
+`attention_kernel_for` is the platform seam (`schemas.layout.PLATFORM_KERNELS`): this function on cpu, and on CUDA
+where flash-attn does not import (torch's SDPA then runs its own fused kernels per sequence length); transformers'
+``flash_attention_2`` on CUDA with flash-attn, and on Ascend, where transformers routes it to torch_npu's
+``npu_fusion_attention`` in its TND varlen layout (no CUDA package involved).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,7 +20,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["VARLEN_SDPA", "register_varlen_attention", "varlen_sdpa_attention"]
+from rlc.schemas.layout import FLASH_ATTN_ATTENTION, NPU_FUSION_ATTENTION, VARLEN_SDPA_ATTENTION
+
+__all__ = ["VARLEN_SDPA", "attention_kernel_for", "register_varlen_attention", "varlen_sdpa_attention"]
 
 #: Causal attention over batched rows ``[n, H, L, D]`` (SDPA with the layer's scale, dropout and GQA settings).
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -140,3 +148,13 @@ def register_varlen_attention() -> str:
 
     AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
     return VARLEN_SDPA
+
+
+def attention_kernel_for(platform: str) -> tuple[str, str]:
+    """(transformers attention implementation, kernel name) for packed rows on `platform`; registers rlc's varlen
+    SDPA when that is the choice."""
+    if platform == "npu":
+        return "flash_attention_2", NPU_FUSION_ATTENTION
+    if platform == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2", FLASH_ATTN_ATTENTION
+    return register_varlen_attention(), VARLEN_SDPA_ATTENTION

@@ -40,18 +40,21 @@ def hybrid(tiny_hybrid_model_dir: Path):
     return model
 
 
-@pytest.mark.parametrize("mode", ["varlen", "mask"])
-def test_packed_row_equals_each_sequence_alone(hybrid, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "platform"), [("varlen", "cpu"), ("mask", "cpu"), ("varlen", "npu")])
+def test_packed_row_equals_each_sequence_alone(hybrid, mode: str, platform: str) -> None:
+    """cpu's kernels, and npu's portable path (what an Ascend image without fla-core on triton-ascend runs), on one
+    unpacked rank."""
     from rlc.runtime.train.linear_attention import install_packed_linear_attention
+    from rlc.schemas.layout import TORCH_LINEAR_KERNELS
 
     seqs = random_sequences(LENGTHS)
     ref_lp, ref_grads = alone(hybrid, seqs)
-    kernels = install_packed_linear_attention(hybrid, "cpu")
+    kernels = install_packed_linear_attention(hybrid, platform)
     try:
         lp, grads = packed(hybrid, seqs, mode)
     finally:
         _uninstall(hybrid)
-    assert kernels is not None and kernels.name == "torch (split at cu_seqlens)"
+    assert kernels is not None and kernels.name == TORCH_LINEAR_KERNELS
     assert worst(lp, ref_lp) < 1e-6
     assert worst_relative_grad(grads, ref_grads) < 1e-4
 
@@ -107,9 +110,11 @@ def test_a_packed_row_with_a_cache_is_refused(hybrid) -> None:
         _uninstall(hybrid)
 
 
-def test_accelerators_without_the_fused_kernels_are_refused_by_name() -> None:
+def test_cuda_without_fla_is_refused_by_name_and_npu_falls_back_to_torch() -> None:
+    """Without fla-core, CUDA refuses to start (naming the package) and an Ascend image runs the portable path."""
     pytest.importorskip("torch")
     from rlc.runtime.train.linear_attention import kernels_for
+    from rlc.schemas.layout import TORCH_LINEAR_KERNELS
 
     try:
         import fla  # noqa: F401
@@ -117,8 +122,9 @@ def test_accelerators_without_the_fused_kernels_are_refused_by_name() -> None:
         pytest.skip("flash-linear-attention is installed here")
     except ImportError:
         pass
-    with pytest.raises(RuntimeError, match="flash-linear-attention"):
-        kernels_for("npu")
+    with pytest.raises(RuntimeError, match="install fla-core"):
+        kernels_for("cuda")
+    assert kernels_for("npu").name == TORCH_LINEAR_KERNELS
 
 
 # --------------------------------------------------------------------------------------------- plans
@@ -168,8 +174,13 @@ def test_the_seeds_example_states_the_hybrid_layout_it_builds(tmp_path: Path) ->
     assert dry.exit_code == 0, dry.output
     assert "trainer model: hybrid: 48 Gated-DeltaNet + 16 attention layers" in dry.output
     assert "the causal conv and the delta rule" in dry.output
+    assert "trainer kernel, Gated-DeltaNet: flash-linear-attention (fla-core) Triton-Ascend" in dry.output
+    assert "else torch chunked delta rule" in dry.output and "causal-conv1d" not in dry.output
+    assert "trainer kernel, attention: torch_npu npu_fusion_attention" in dry.output
+    assert "trainer kernel, experts: none (dense MLP)" in dry.output
     request = json.loads(runner.invoke(app, ["run", str(plan_dir), "--dry-run", "--format", "json"]).output)
     assert request["token_mixers"].startswith("hybrid:") and request["refusals"] == []
+    assert set(request["trainer_kernels"]) == {"attention", "gated_deltanet", "experts"}
 
 
 def test_a_hybrid_plan_with_an_unsupported_degree_is_refused(tmp_path: Path) -> None:
