@@ -1,10 +1,13 @@
-"""`rlc export RUNDIR --merged`: a plain Hugging Face model folder from a run's newest checkpoint.
+"""`rlc export RUNDIR`: a plain Hugging Face model folder from a run's newest checkpoint (merged: the only kind).
 
 A full fine-tune's checkpoint already holds the weights as an HF folder (``hf/``), so export copies it. A
 LoRA run's checkpoint holds only the adapter in PEFT format (the base never changes), so export loads the
 base model named in the run's plan, folds ``W + (alpha / r) · B @ A`` into it with PEFT's
 ``merge_and_unload`` and saves the result with the base's tokenizer: the folder loads in transformers and
 vLLM with no PEFT at all.
+
+Weights that hold NaN or inf are refused, naming the tensor: a checkpoint written after the policy went bad would
+otherwise leave as a model that loads without a word and generates nonsense.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rlc.runtime.checkpoint import CheckpointError, checkpoints_dir, latest_checkpoint
+from rlc.runtime.checkpoint import CheckpointError, checkpoints_dir, complete_checkpoints, latest_checkpoint
 
 #: Written into every export folder: the only folders `--force` may replace.
 EXPORT_MARKER = "rlc-export.json"
@@ -49,6 +52,7 @@ def export_merged(run_dir: str | Path, out: str | Path | None = None, *, force: 
         raise ExportError(f"cannot write beside {target}: {exc.strerror or exc}") from None
     try:
         _write_model(run, checkpoint, staging)
+        _refuse_non_finite(staging, checkpoint, run)
         (staging / EXPORT_MARKER).write_text(
             json.dumps({"run": str(run.resolve()), "checkpoint": checkpoint.name, "step": state.step}, indent=1) + "\n"
         )
@@ -92,6 +96,44 @@ def _write_model(run: Path, checkpoint: Path, staging: Path) -> None:
         shutil.copytree(checkpoint / "hf", staging, dirs_exist_ok=True)
     else:
         raise ExportError(f"{checkpoint} holds neither hf/ weights nor a LoRA adapter/")
+
+
+def non_finite_tensors(folder: Path) -> list[str]:
+    """Each floating-point tensor of the folder's safetensors files that holds NaN or inf, as
+    ``name (file: N NaN, M inf)``; read one tensor at a time."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    found = []
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not a mapping)
+                    tensor = handle.get_tensor(name)
+                    if not tensor.is_floating_point():
+                        continue
+                    bad = int((~torch.isfinite(tensor)).sum())
+                    if bad:
+                        nan = int(torch.isnan(tensor).sum())
+                        found.append(f"{name} ({path.name}: {nan} NaN, {bad - nan} inf)")
+        except SafetensorError as exc:
+            raise ExportError(f"{path.name} is not a readable safetensors file ({exc})") from None
+    return found
+
+
+def _refuse_non_finite(model: Path, checkpoint: Path, run: Path) -> None:
+    """ExportError naming the first non-finite tensor of the model about to be exported, and the way out."""
+    bad = non_finite_tensors(model)
+    if not bad:
+        return
+    earlier = [p.name for p in complete_checkpoints(run) if p != checkpoint]
+    way_out = (
+        f"to export the earlier {earlier[-1]}, move {checkpoint.name} out of the checkpoints folder"
+        if earlier
+        else "no earlier checkpoint is kept"
+    )
+    more = f" and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""
+    raise ExportError(f"{checkpoint.name} holds non-finite weights: {bad[0]}{more}; nothing was exported ({way_out})")
 
 
 def _base_model_path(run: Path) -> Path:

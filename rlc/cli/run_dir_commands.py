@@ -61,8 +61,12 @@ def export(
         Path, typer.Argument(help="Run directory (holds checkpoints/ and plan.json).", show_default=False)
     ],
     merged: Annotated[
-        bool, typer.Option("--merged", help="Fold LoRA adapters into the base weights (a plain HF model).")
-    ] = False,
+        bool,
+        typer.Option(
+            "--merged",
+            help="Accepted for compatibility: every export is merged (LoRA adapters folded into the base weights).",
+        ),
+    ] = True,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Output folder (new or empty).", show_default=False)
     ] = None,
@@ -70,9 +74,9 @@ def export(
         bool, typer.Option("--force", help="Replace an output folder that an earlier export wrote.")
     ] = False,
 ) -> None:
-    """Write the newest checkpoint of a run as a Hugging Face model folder."""
-    if not merged:
-        raise usage_error("only merged export exists so far: pass --merged")
+    """Write the newest checkpoint of a run as a Hugging Face model folder (LoRA adapters merged in); weights holding
+    NaN or inf are refused, naming the tensor."""
+    del merged  # the only export there is
     if not run_dir.is_dir():
         raise usage_error(f"{run_dir} is not a run directory")
     from rlc.runtime.export import ExportError, export_merged
