@@ -1,5 +1,5 @@
 """The plan's schedule: batch, staleness, feed, weight sync and update mode, the post-sync check's bound, the stall
-bound."""
+bound, the bound on steps skipped for non-finite numbers."""
 
 from __future__ import annotations
 
@@ -30,6 +30,12 @@ STALL_STEPS = 10
 
 
 STALL_FLOOR_S = 600.0
+
+
+#: Steps in a row whose update a non-finite loss or gradient norm skipped before the run stops
+#: (`Schedule.max_nonfinite_steps`): one such step is an accident of a batch (an outlier reward, a rare overflow) and
+#: costs only its update; several in a row mean the policy or its inputs are broken, and more skipped steps cost time.
+MAX_NONFINITE_STEPS = 3
 
 
 def stall_timeout_s(step_s: float, uncertainty: float) -> float:
@@ -64,4 +70,5 @@ def build_schedule(problem: Problem, ctx: search.Context, best: search.Candidate
         checkpoint_every=spec.output.checkpoint_every,
         keep_checkpoints=spec.output.keep_checkpoints,
         stall_timeout_s=stall_timeout_s(best.step.step_s, ctx.target.estimate_uncertainty),
+        max_nonfinite_steps=MAX_NONFINITE_STEPS,
     )

@@ -29,6 +29,7 @@ from rlc.runtime.checkpoint import ControllerState, finalize, staging_dir
 from rlc.runtime.colocate import PhaseSwitcher
 from rlc.runtime.distill import teacher_metrics
 from rlc.runtime.metrics import MetricsLogger
+from rlc.runtime.nonfinite import SkipCount, skip_metrics
 from rlc.runtime.prompts import PromptStream
 from rlc.runtime.rollout.pool import RolloutPool
 from rlc.runtime.rollout_log import RolloutLog
@@ -120,6 +121,8 @@ class Controller:
             max_failed_share=plan.data.reward_max_failed_share,
         )
         self.phases = PhaseSwitcher(plan, rollout, trainer, self.logger.message)
+        #: Steps in a row whose update a non-finite loss or gradient norm skipped (the trainer skips them).
+        self.nonfinite = SkipCount(sched.max_nonfinite_steps, run_dir)
         self.workflow: Workflow = (workflow or GenerateWorkflow)(self)
 
     # ------------------------------------------------------------------ what workflows ask of the loop
@@ -201,6 +204,7 @@ class Controller:
             )
         result = self.trainer.train_step(batch, loss_cfg, minibatches=minibatches)
         stats["train/optimizer_steps"] = result["optimizer_steps"]
+        stats.update(skip_metrics(result))  # updates a non-finite loss or gradient norm skipped
         train_s = time.perf_counter() - t0
         t_check = time.perf_counter()
         self.sync_check.expect(batch["input_ids"])
@@ -344,7 +348,9 @@ class Controller:
         self._step_started = now
         every = self.plan.schedule.checkpoint_every
         checkpoint_due = self.step % every == 0 or self.step == self.total_steps
-        if self.step < self.total_steps and not self._stop.is_set():
+        stats.update(self.nonfinite.record(self.step, stats))
+        stopping = self.nonfinite.exhausted  # no further step starts; this one is logged, then the run stops
+        if self.step < self.total_steps and not self._stop.is_set() and not stopping:
             # The next rollouts, and the next training when its batch is ready, start before this step's
             # bookkeeping (logging, trace); not past a checkpoint, which must save this step's weights.
             self.workflow.fill()
@@ -372,6 +378,8 @@ class Controller:
         self.rollout_tokens = 0
         self.interrupted_samples = 0
         self.logger.log(metrics)
+        if stopping:
+            raise self.nonfinite.error(self.step)
         if checkpoint_due:
             self._wait_checkpoint(self._trainer_thread.submit(self._checkpoint))
 

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 from rlc.messages import first_line
 from rlc.runtime.checkpoint import close_log, fsync_dir, write_durably
+from rlc.runtime.nonfinite import skip_text
 from rlc.runtime.trackers import TRACKERS, Tracker, open_tracker
 
 # The per-step keys every run writes (others, such as spec_decode/* or distill/<name>/*, are added by modes).
@@ -238,7 +239,8 @@ class StepProgress:
         if done > 0:
             per_step = (time.monotonic() - self.started_at) / done
             parts.append(f"eta {per_step * (self.total - int(record['step'])):.0f}s")
-        return "  ".join(parts)
+        skipped = skip_text(record)  # e.g. "non-finite loss, update skipped (2 in a row)"
+        return "  ".join(parts) + (f": {skipped}" if skipped else "")
 
     def update(self, record: dict[str, Any]) -> None:
         line = self._line(record)

@@ -154,6 +154,12 @@ class Schedule(PlanModel):
         "episode or train step) before it stops and names what stalled; the compiler sets it from the step-time "
         "estimate (`schedule.stall_timeout_s`).",
     )
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        description="Steps in a row whose update was skipped for a non-finite loss or gradient norm before the run "
+        "stops, naming the checkpoint to resume from (`schedule.max_nonfinite_steps`; older plans read 3).",
+    )
 
     @model_validator(mode="after")
     def _colocated_is_synchronous(self) -> Schedule:

@@ -23,6 +23,7 @@ from rlc.runtime.agent.runner import Episode
 from rlc.runtime.agent.sessions import SessionRecord
 from rlc.runtime.agent.trajectory import Row, Segments, segment_calls, trajectory_rows, turn_rows
 from rlc.runtime.errors import RunError
+from rlc.runtime.nonfinite import check_engine_logprobs
 from rlc.runtime.prompts import PromptItem
 from rlc.runtime.result_futures import ResultFutures
 from rlc.runtime.workflows import Loop
@@ -235,6 +236,8 @@ class AgentWorkflow:
         rows = (
             trajectory_rows(found) if self.agent.export == "trajectory" else turn_rows(found, self.agent.turn_discount)
         )
+        source = f"an agent trajectory of task {group.item.cursor}"
+        check_engine_logprobs((r.logprobs for r in rows), pending.engine, self.loop.step + 1, source)  # before any loss
         reward = episode.reward if episode.status == "ok" else 0.0
         group.trajectories.append(Trajectory(pending.key, pending.engine, episode, record, found, rows, reward))
         self.loop.rollout_tokens += sum(r.sampled for r in rows)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlc.runtime.nonfinite import check_engine_logprobs
 from rlc.runtime.prompts import PromptItem
 from rlc.runtime.result_futures import ResultFutures
 from rlc.runtime.rollout.failures import engine_is_dead
@@ -163,6 +164,9 @@ class GenerateWorkflow:
                 self._engine_died(chunk)
                 continue
             loop.timeline["time/gather_s"] += time.perf_counter() - t0
+            # A NaN or infinite behaviour log-prob stops the run here, before it can reach a loss.
+            rows = (s.logprobs for samples in results for s in samples)
+            check_engine_logprobs(rows, chunk.engine, loop.step + 1, f"generate request {chunk.id}")
             self.on_request(chunk, results)
             loop.trace.finished(chunk.id, prompts=len(chunk.items))
             for item, samples in zip(chunk.items, results, strict=True):
