@@ -8,7 +8,8 @@ checkpoint that `--resume` would trust.
 Durability: a rename is atomic but not durable by itself, and the kernel may write a file's directory entry
 before its data. So every file of the staged checkpoint and every directory in it is fsynced, then the
 `COMPLETE` marker is written and fsynced (last: a checkpoint that has it holds its data after a power loss),
-then the rename and the directory holding it. A disk that fills up mid-save is named (`disk_full`).
+then the rename and the directory holding it. A disk that fills up mid-save is named (`disk_full`), also where the
+library that failed lost the errno (`full_after_failed_write`).
 """
 
 from __future__ import annotations
@@ -200,6 +201,31 @@ def disk_full(exc: BaseException) -> OSError | None:
             code = errno.EDQUOT if found.group() in ("Disk quota exceeded", "os error 122") else errno.ENOSPC
             return OSError(code, os.strerror(code))
     return None
+
+
+#: Free space under which a failed checkpoint write is taken for a full disk. A write that runs out of space
+#: leaves the filesystem full behind it, but not every library says so: torch's zip writer (`torch.save`, and
+#: torch.distributed.checkpoint through it) reports a short write as "unexpected pos N vs M".
+NEARLY_FULL_BYTES = 64 * 2**20
+
+
+def full_after_failed_write(exc: BaseException, folder: Path) -> OSError | None:
+    """The full disk behind a failed write into ``folder``: `disk_full(exc)`, else, when the error does not say
+    (torch's "unexpected pos"), an ENOSPC OSError naming ``folder`` if its filesystem has under
+    `NEARLY_FULL_BYTES` free now; None when it has room (the write failed for another reason)."""
+    full = disk_full(exc)
+    if full is not None:
+        return full
+    here = Path(folder)
+    while not here.exists() and here != here.parent:  # a folder the failure left unmade: its filesystem
+        here = here.parent
+    try:
+        free = shutil.disk_usage(here).free
+    except OSError:
+        return None
+    if free >= NEARLY_FULL_BYTES:
+        return None
+    return OSError(errno.ENOSPC, f"No space left on device ({free / 2**20:.1f} MiB free)", str(folder))
 
 
 def close_log(handle: Any) -> None:

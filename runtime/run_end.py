@@ -72,7 +72,7 @@ def run_controller(work: Callable[[], T], run_dir: Path) -> T:
     a failed write turned into a resumable message."""
     from ray.exceptions import GetTimeoutError, RayActorError
 
-    from rlc.runtime.checkpoint import disk_full
+    from rlc.runtime.checkpoint import checkpoints_dir, disk_full, full_after_failed_write
     from rlc.runtime.stall import StallError
 
     try:
@@ -91,6 +91,8 @@ def run_controller(work: Callable[[], T], run_dir: Path) -> T:
         raise
     except Exception as exc:  # a trainer's OSError comes inside a RayTaskError, whose own errno is None
         full = disk_full(exc)
+        if full is None and _during_checkpoint(OSError(), exc, run_dir):  # a library's words for it, or none
+            full = full_after_failed_write(exc, checkpoints_dir(run_dir))
         if full is not None:
             raise RunError(_disk_full_message(full, exc, run_dir)) from None
         cause = vars(exc).get("cause", exc)

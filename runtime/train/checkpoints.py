@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import disk_full, fsync_tree, write_synced
+from ..checkpoint import fsync_tree, full_after_failed_write, write_synced
 from . import lora as lora_lib
 
 __all__ = ["TrainerCheckpoints"]
@@ -34,7 +34,9 @@ class TrainerCheckpoints:
         """Weights as an HF folder (rank 0) and sharded optimizer state (every rank), fsynced. Collective.
 
         A full disk is raised as an OSError with its errno (`rlc run` names it), on every rank: rank 0's failed
-        weight write is shared before the optimizer save, where the other ranks would otherwise wait for it.
+        weight write is shared before the optimizer save, where the other ranks would otherwise wait for it. A write
+        that failed without saying why, on a filesystem left (nearly) full, is a full disk too
+        (`full_after_failed_write`: torch's "unexpected pos").
         """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
@@ -43,7 +45,7 @@ class TrainerCheckpoints:
         root = Path(ckpt_dir)
         failed: Exception | None = None
         try:
-            if self.lora:  # the base never changes: the adapter is the checkpoint (`rlc export --merged` folds it in)
+            if self.lora:  # the base never changes: the adapter is the checkpoint (`rlc export` folds it in)
                 self.save_adapter(str(root / "adapter"))  # type: ignore[attr-defined]
             else:
                 self.save_weights(str(root / "hf"), export=True)  # type: ignore[attr-defined]
@@ -57,7 +59,7 @@ class TrainerCheckpoints:
         try:  # the shards are fsynced by torch (FileSystemWriter's sync_files)
             dcp.save({"optim": optim}, checkpoint_id=str(self._optim_dir(root)), process_group=self._optim_group())
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            full = disk_full(exc)
+            full = full_after_failed_write(exc, root)
             if full is None:
                 raise
             raise _located(full, root) from exc
@@ -124,7 +126,7 @@ def _raise_together(failed: Exception | None, root: Path) -> None:
     a few words each, exchanged as objects: torch serialises them into a byte tensor on the group's device (the
     current CUDA / NPU device under nccl / hccl, the host under gloo), so this runs on every backend rlc uses."""
     summary: tuple[int | None, str, str | None] | None = None
-    full = disk_full(failed) if failed is not None else None
+    full = full_after_failed_write(failed, root) if failed is not None else None
     if full is not None:
         full = _located(full, root)
         summary = (full.errno, full.strerror, full.filename)

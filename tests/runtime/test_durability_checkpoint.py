@@ -255,3 +255,35 @@ def test_another_failed_write_from_an_actor_is_one_line(tmp_path: Path) -> None:
 
     with pytest.raises(KeyError):  # everything else goes on as before
         launch.run_controller(other, tmp_path)
+
+
+def test_a_checkpoint_that_failed_without_naming_the_disk_on_a_full_one_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An actor's checkpoint write that failed in words that are not a full disk's (torch's "unexpected pos"), with
+    the checkpoints' filesystem full: the run ends naming the full disk and the checkpoint to resume from; with room
+    left the error is not taken for a full disk."""
+    import shutil
+
+    from rlc.runtime import launch
+    from rlc.runtime.errors import RunError
+
+    run = tmp_path / "run"
+    _run_with_checkpoint(run, 2)
+    free = [1 << 20]
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100 << 30, 0, free[0]))
+
+    def _checkpoint() -> int:  # as Controller._checkpoint: the trainer ranks write into the staged folder
+        staging_dir(run, 4)
+        raise _ray_error(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
+
+    with pytest.raises(RunError) as caught:
+        launch.run_controller(_checkpoint, run)
+    assert str(caught.value) == (
+        f"no space left on the device holding {run / 'checkpoints'} while writing a checkpoint (the partial "
+        ".step-000004.tmp was removed); the previous checkpoint step-000002 is intact: free space and "
+        "`rlc run PLANDIR --resume`"
+    )
+    free[0] = 10 << 30
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        launch.run_controller(_checkpoint, run)

@@ -79,3 +79,63 @@ def test_a_full_disk_is_an_oserror_naming_the_checkpoint(one_rank: None, tmp_pat
     assert caught.value.errno == errno.ENOSPC
     assert caught.value.filename == str(root)
     assert not (root / "optim").exists()  # it stopped before the optimizer save the other ranks would wait in
+
+
+def _unexpected_pos() -> BaseException:
+    """What torch.distributed.checkpoint raises when a shard's write ran out of space (measured on a full tmpfs):
+    torch's zip writer reports the short write by position, with no errno."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException(
+        "write", {0: (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), [])}
+    )
+
+
+@pytest.mark.parametrize(("free", "full"), [(1 << 20, True), (10 << 30, False)], ids=["full", "room"])
+def test_an_optimizer_save_that_fails_on_a_full_disk_without_saying_so_is_a_full_disk(
+    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, free: int, full: bool
+) -> None:
+    """torch's "unexpected pos" with the checkpoint's filesystem (nearly) full is raised as ENOSPC naming the
+    checkpoint; with room left it is not mistaken for one and stays what it was."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    def save(*args: Any, **kwargs: Any) -> None:
+        raise _unexpected_pos()
+
+    monkeypatch.setattr(dcp, "save", save)
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100 << 30, (100 << 30) - free, free)
+    )
+    root = tmp_path / "ckpt"
+    with pytest.raises(BaseException) as caught:
+        FakeTrainer().save_checkpoint(str(root))
+    if full:
+        assert isinstance(caught.value, OSError) and caught.value.errno == errno.ENOSPC
+        assert caught.value.filename == str(root) and "1.0 MiB free" in caught.value.strerror
+    else:
+        assert "unexpected pos" in str(caught.value) and not isinstance(caught.value, OSError)
+
+
+def test_a_really_full_filesystem_under_the_optimizer_save_is_a_full_disk(one_rank: None, tmp_path: Path) -> None:
+    """The same on a real 1 MiB tmpfs, where the mount is allowed (root): the weights fit, the optimizer state of a
+    512 x 512 layer (2 MiB) does not."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        trainer = FakeTrainer()
+        trainer.model = torch.nn.Linear(512, 512)
+        adam = torch.optim.AdamW(trainer.model.parameters())
+        trainer.model(torch.ones(1, 512)).sum().backward()
+        adam.step()
+        trainer.optimizer = SimpleNamespace(optimizers=[adam], offload=False)
+        with pytest.raises(OSError) as caught:
+            trainer.save_checkpoint(str(mount / "ckpt"))
+        assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(mount / "ckpt")
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
