@@ -26,6 +26,7 @@ from typing import Any
 CONTROLLER_FILE = "controller.json"
 COMPLETE_MARKER = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{6,})$")
+_STAGING = re.compile(r"^\.step-\d{6,}\.tmp$")  # `staging_dir`'s names, and nothing a user would call a folder
 
 
 @dataclass
@@ -146,7 +147,16 @@ def staging_dirs(run_dir: Path) -> list[Path]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.name.startswith(".step-") and p.name.endswith(".tmp"))
+    return sorted(p for p in root.iterdir() if _STAGING.match(p.name) and p.is_dir() and not p.is_symlink())
+
+
+def remove_stale_staging(run_dir: Path) -> list[str]:
+    """Remove the checkpoints an earlier driver left half-written (killed mid-save); returns their names. Only
+    for the driver that holds the run directory's lock: no save of another is in progress then."""
+    stale = staging_dirs(run_dir)
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    return [p.name for p in stale]
 
 
 def finalize(run_dir: Path, staged: Path, state: ControllerState, keep: int) -> Path:

@@ -7,7 +7,8 @@ that lives inside the run directory stays where the plan expects it.
 
 One driver at a time: `rlc run` holds an exclusive lock on the run directory (`RunDirLock`) for the whole run,
 taken before anything else touches it, so a second `rlc run` (or a `--resume`) of the same directory stops at once
-instead of writing the same checkpoints and metrics.
+instead of writing the same checkpoints and metrics. The driver that takes the lock removes the half-written
+checkpoint folders (`.step-N.tmp`) a killed driver left: none is ever resumed from, and each holds disk space.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from rlc.runtime.checkpoint import remove_stale_staging
 from rlc.runtime.errors import RunError, RunUsageError
 
 #: Everything `rlc run` writes into a run directory (tests/e2e/test_run_e2e.py checks a finished run against it):
@@ -255,6 +257,9 @@ def lock_run_dir(run_dir: Path, log: Callable[[str], None], *, create: bool = Tr
         _, left = _holder(fd)
         if left:  # a driver that died without removing its file: the kernel released its lock
             log(f"the run directory's lock of {left} was left by a process that no longer runs; taking it over")
+        stale = remove_stale_staging(run_dir)  # a driver killed mid-save (never trusted by --resume)
+        if stale:
+            log(f"removed the half-written checkpoint(s) {', '.join(stale)} an earlier run left")
         record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)

@@ -128,3 +128,24 @@ def test_a_planted_symlink_lock_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RunError, match="is a symbolic link"):
         lock_run_dir(run_dir, print)
     assert (tmp_path / "elsewhere").read_text() == "keep"
+
+
+def test_the_driver_that_takes_the_lock_removes_half_written_checkpoints(tmp_path: Path) -> None:
+    """A driver killed mid-save leaves `checkpoints/.step-N.tmp`: the next driver (a resume) removes it once it
+    holds the lock, and says so; complete checkpoints and folders not named as rlc stages them stay."""
+    from rlc.runtime.checkpoint import staging_dir
+
+    run = tmp_path / "run"
+    staged = staging_dir(run, 3)
+    (staged / "optim").mkdir()
+    (staged / "optim" / "__0_0.distcp").write_bytes(b"half")
+    kept = [run / "checkpoints" / "step-000002", run / "checkpoints" / ".step-notes.tmp", run / "checkpoints" / "mine"]
+    for folder in kept:
+        folder.mkdir()
+    said: list[str] = []
+    lock = lock_run_dir(run, said.append, create=False)
+    try:
+        assert not staged.exists() and all(folder.is_dir() for folder in kept)
+        assert said == ["removed the half-written checkpoint(s) .step-000003.tmp an earlier run left"]
+    finally:
+        lock.release()
