@@ -7,9 +7,10 @@ its steps. The reward is the policy's own success rate: `reward/generated_mean` 
 groups (its `reward/mean` is over the trained groups only, which it biases towards half right), else
 `reward/mean`. Also the median step time, and for DAPO the mean groups generated per trained group.
 
-Variants: grpo (quickstart.yaml as shipped), dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline (quickstart.yaml with
-`algorithm.name` set), dapo (examples/cpu-dapo.yaml), gspo (examples/cpu-gspo.yaml). Every run uses the same seed,
-so the prompts and the model's warm-up are the same; the samples differ once the policies do.
+Variants: grpo (quickstart.yaml as shipped), dr_grpo, rloo, reinforce_pp (β 0.01, k1: it scores every batch under
+a reference policy too), reinforce_pp_batchnorm, reinforce_pp_baseline (quickstart.yaml with `algorithm.name` set),
+dapo (examples/cpu-dapo.yaml), gspo (examples/cpu-gspo.yaml). Every run uses the same seed, so the prompts and the
+model's warm-up are the same; the samples differ once the policies do.
 
 Run: python benchmarks/algorithms.py [--steps 600] [--seed 0] [--only grpo,dapo] [--json out.json] [--work DIR]
 (600 steps: about 3-4 minutes per variant on 2 cores; ``--steps 20`` for a smoke run)
@@ -34,7 +35,8 @@ VARIANTS: dict[str, tuple[Path, dict[str, str]]] = {
     "grpo": (QUICKSTART, {}),
     "dr_grpo": (QUICKSTART, {"algorithm.name": "dr_grpo"}),
     "rloo": (QUICKSTART, {"algorithm.name": "rloo"}),
-    "reinforce_pp": (QUICKSTART, {"algorithm.name": "reinforce_pp"}),
+    "reinforce_pp": (QUICKSTART, {"algorithm.name": "reinforce_pp", "algorithm.reward_kl_coef": "0.01"}),
+    "reinforce_pp_batchnorm": (QUICKSTART, {"algorithm.name": "reinforce_pp_batchnorm"}),
     "reinforce_pp_baseline": (QUICKSTART, {"algorithm.name": "reinforce_pp_baseline"}),
     "dapo": (ROOT / "examples" / "cpu-dapo.yaml", {}),
     "gspo": (ROOT / "examples" / "cpu-gspo.yaml", {}),

@@ -54,6 +54,17 @@ def check_algorithm(ctx: RuleContext) -> Iterator[Diagnostic]:
 
 def _estimator(ctx: RuleContext) -> Iterator[Diagnostic]:
     algo = ctx.problem.spec.algorithm
+    yield from _reward_kl(ctx)
+    if "group_std" in algo.model_fields_set and (algo.name != "grpo" or not algo.normalize_std):
+        yield ctx.diag(
+            CODE,
+            "algorithm.group_std",
+            f"group_std is the std grpo divides by; {algo.name}"
+            + (" with normalize_std false" if algo.name == "grpo" else "")
+            + " divides by none, so it has no effect",
+            "drop group_std",
+            "warning",
+        )
     if algo.name != "grpo" and "normalize_std" in algo.model_fields_set:
         if algo.name == "dr_grpo" and algo.normalize_std:
             yield ctx.diag(
@@ -70,6 +81,29 @@ def _estimator(ctx: RuleContext) -> Iterator[Diagnostic]:
                 "drop normalize_std",
                 "warning",
             )
+
+
+def _reward_kl(ctx: RuleContext) -> Iterator[Diagnostic]:
+    algo = ctx.problem.spec.algorithm
+    if algo.name != "reinforce_pp":
+        for key in ("reward_kl_coef", "reward_kl_estimator"):
+            if getattr(algo, key) is not None:
+                yield ctx.diag(
+                    CODE,
+                    f"algorithm.{key}",
+                    f"{key} shapes reinforce_pp's per-token KL reward; {algo.name} has no KL in its reward",
+                    f"use name: reinforce_pp, or kl_coef for a KL loss term, or drop {key}",
+                )
+    elif algo.reward_kl_coef is None:
+        yield ctx.diag(
+            CODE,
+            "algorithm.name",
+            "reinforce_pp is REINFORCE++ as published: a per-token KL penalty to a reference policy in the reward "
+            f"(reward_kl_coef {algo.reward_kl[0]:g}, {algo.reward_kl[1]}); earlier rlc versions meant the "
+            "batch-normalised reward by it, now named reinforce_pp_batchnorm",
+            "set reward_kl_coef to state β, or name: reinforce_pp_batchnorm for the former meaning",
+            "info",
+        )
 
 
 def _clipping(ctx: RuleContext) -> Iterator[Diagnostic]:
@@ -170,11 +204,11 @@ def _dynamic_sampling(ctx: RuleContext) -> Iterator[Diagnostic]:
             "would be dropped",
             "use group_size >= 2, or drop dynamic_sampling",
         )
-    elif algo.name == "reinforce_pp":
+    elif algo.name in ("reinforce_pp", "reinforce_pp_batchnorm"):
         yield ctx.diag(
             CODE,
             "algorithm.dynamic_sampling",
-            "dynamic_sampling with reinforce_pp: its baseline is the batch, so a group whose rewards are all equal "
+            f"dynamic_sampling with {algo.name}: its baseline is the batch, so a group whose rewards are all equal "
             "still has non-zero advantages, and dropping it throws signal away",
             "use reinforce_pp_baseline or a group estimator, or drop dynamic_sampling",
             "warning",

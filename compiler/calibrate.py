@@ -151,7 +151,7 @@ def run_workload(plan: Plan, prompt_tokens: float, response_tokens: float) -> co
         max_response_len=sampling.max_response_len,
         staleness=plan.schedule.max_staleness,
         decoupled=algo.decoupled_loss,
-        reference=algo.kl_coef > 0 and plan.lora is None,
+        reference=algo.needs_reference and plan.lora is None,
         lora=plan.lora is not None,
         mtp_tokens=int(spec.get("num_speculative_tokens", 0)),
         mtp_acceptance=sampling.draft_acceptance or 0.0,

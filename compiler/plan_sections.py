@@ -40,6 +40,8 @@ def algorithm_settings(spec: Spec) -> AlgorithmSettings:
     seq_low, seq_high = algo.sequence_clip_range if sequence else (None, None)
     agg = algo.aggregation
     ds, overlong = algo.dynamic_sampling, algo.overlong
+    beta, estimator = algo.reward_kl
+    reinforce_pp = algo.name == "reinforce_pp"
     return AlgorithmSettings(
         name=algo.name,
         minibatches=algo.minibatches,
@@ -47,6 +49,7 @@ def algorithm_settings(spec: Spec) -> AlgorithmSettings:
         clip=low,
         clip_high=high,
         dual_clip=algo.dual_clip,
+        log_ratio_clamp=algo.log_ratio_clamp,
         importance_ratio=algo.importance_ratio,
         sequence_clip_low=seq_low,
         sequence_clip_high=seq_high,
@@ -58,7 +61,10 @@ def algorithm_settings(spec: Spec) -> AlgorithmSettings:
         else None,
         kl_coef=algo.kl_coef,
         kl_estimator=algo.kl_estimator,
+        reward_kl_coef=beta if reinforce_pp else None,
+        reward_kl_estimator=estimator if reinforce_pp else None,  # type: ignore[arg-type]
         normalize_std=algo.normalize_std,
+        group_std=algo.group_std,
         dynamic_sampling=None
         if ds is None
         else DynamicSamplingSettings(

@@ -32,7 +32,7 @@ def ray_placements(problem: Problem, best: search.Candidate) -> dict[str, RayPla
     res = problem.target.ray_resource
     colocated = best.mode == "colocated"
     tl, rl = best.train.layout, best.rollout.layout
-    reference = problem.spec.algorithm.kl_coef > 0 and problem.spec.lora is None
+    reference = problem.spec.algorithm.needs_reference and problem.spec.lora is None
     engines = [("rollout", rl)] + [(f"teacher-{t.name}", t.layout) for t in best.teachers]
     out: dict[str, RayPlacement] = {}
     if colocated:

@@ -365,17 +365,26 @@ def check_device_pins(ctx: RuleContext) -> Iterator[Diagnostic]:
 def check_kl_reference(ctx: RuleContext) -> Iterator[Diagnostic]:
     spec = ctx.problem.spec
     algo = spec.algorithm
+    source = (
+        "the base model with LoRA adapters disabled (no extra weights)"
+        if spec.lora
+        else "a frozen copy of the initial policy (one more forward pass per step and its weights)"
+    )
     if algo.kl_coef > 0:
-        source = (
-            "the base model with LoRA adapters disabled (no extra weights)"
-            if spec.lora
-            else "a frozen copy of the initial policy (one more forward pass per step and its weights)"
-        )
         yield ctx.diag(
             "RLC209",
             "algorithm.kl_coef",
             f"kl_coef {algo.kl_coef:g} > 0 adds a reference policy: {source}",
             "set kl_coef: 0 to train without a reference",
+            "info",
+        )
+    elif algo.reward_kl[0] > 0:
+        yield ctx.diag(
+            "RLC209",
+            "algorithm.name",
+            f"reinforce_pp's per-token KL reward (reward_kl_coef {algo.reward_kl[0]:g}) adds a reference policy: "
+            f"{source}",
+            "set reward_kl_coef: 0, or name: reinforce_pp_batchnorm, to train without a reference",
             "info",
         )
     elif set_off_default(algo, "kl_estimator"):
@@ -601,7 +610,7 @@ def fsdp2_pins(pin: TrainPin) -> str:
 @rule("RLC216", "group_size 1 leaves GRPO nothing to learn from unless a teacher distils")
 def check_group_size(ctx: RuleContext) -> Iterator[Diagnostic]:
     spec = ctx.problem.spec
-    if spec.algorithm.group_size != 1 or spec.algorithm.name == "reinforce_pp":  # its baseline is the batch
+    if spec.algorithm.group_size != 1 or spec.algorithm.name in ("reinforce_pp", "reinforce_pp_batchnorm"):
         return
     if spec.algorithm.name in ("rloo", "reinforce_pp_baseline"):
         yield ctx.diag(

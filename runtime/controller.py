@@ -180,10 +180,8 @@ class Controller:
         scoring = self.teachers.score(batch["input_ids"], domains) if self.teachers is not None else None
         loss_cfg: dict[str, Any] = {"policy": PolicyLoss.from_plan(algo, self.plan.sampling.max_response_len)}
         if algo.kl_coef > 0:
-            if self.plan.lora is not None:  # the base model with adapters disabled: no second copy
-                batch["ref_logprobs"] = self.trainer.compute_logprobs(batch, adapters=False)
-            else:
-                batch["ref_logprobs"] = self.reference.compute_logprobs(batch)
+            if "ref_logprobs" not in batch:  # reinforce_pp's advantages may have asked for them already
+                batch["ref_logprobs"] = self.reference_logprobs(batch)
             loss_cfg["kl_coef"] = algo.kl_coef
             loss_cfg["kl_estimator"] = algo.kl_estimator
         if scoring is not None:
@@ -253,6 +251,13 @@ class Controller:
             }
         )
         return stats, spans
+
+    def reference_logprobs(self, batch: dict[str, Any]) -> list[list[float]]:
+        """The reference policy's log-probs of every sequence (trainer thread): the LoRA base model with adapters
+        disabled (no second copy), else the reference actors the plan placed."""
+        if self.plan.lora is not None:
+            return self.trainer.compute_logprobs(batch, adapters=False)
+        return self.reference.compute_logprobs(batch)
 
     def _sync_weights(self, version: int) -> None:
         """Move the trainer's weights into every engine (`WeightPush.sync`); restarted engines are forgotten."""

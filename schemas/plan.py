@@ -187,12 +187,20 @@ class OverlongSettings(PlanModel):
 
 
 class AlgorithmSettings(PlanModel):
-    name: str = Field(description="Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline.")
+    name: str = Field(
+        description="Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp (per-token KL reward), "
+        "reinforce_pp_batchnorm, reinforce_pp_baseline."
+    )
     minibatches: int = Field(1, ge=1, le=4096, description="Optimizer steps per training step.")
     decoupled_loss: bool
     clip: float = Field(description="ε_low of the token ratio.")
     clip_high: float | None = Field(None, description="ε_high of the token ratio (None, in older plans: clip).")
-    dual_clip: float | None = Field(None, description="Dual-clip bound c on negative-advantage losses.")
+    dual_clip: float | None = Field(
+        None, description="Dual-clip bound c on negative-advantage losses (None: none, as older plans meant)."
+    )
+    log_ratio_clamp: float | None = Field(
+        None, description="log(π_θ/π_prox) clamped to ±this before exp (None: no clamp, as older plans meant)."
+    )
     importance_ratio: Literal["token", "sequence"] = Field("token", description="token (PPO) or sequence (GSPO).")
     sequence_clip_low: float | None = Field(None, description="GSPO: ε_low of the sequence ratio.")
     sequence_clip_high: float | None = Field(None, description="GSPO: ε_high of the sequence ratio.")
@@ -206,13 +214,36 @@ class AlgorithmSettings(PlanModel):
     loss_norm_tokens: int | None = Field(None, description="seq-mean-token-sum-norm: the constant normaliser.")
     kl_coef: float
     kl_estimator: str
+    reward_kl_coef: float | None = Field(
+        None, description="reinforce_pp: β of the per-token KL penalty −β·KL_t in the reward (None otherwise)."
+    )
+    reward_kl_estimator: Literal["k1", "k2", "k3"] | None = Field(
+        None, description="reinforce_pp: estimator of KL_t from behaviour and reference log-probs (None otherwise)."
+    )
     normalize_std: bool
+    group_std: Literal["population", "sample"] = Field(
+        "population", description="grpo: the group std over n (population) or n − 1 (sample) samples."
+    )
     dynamic_sampling: DynamicSamplingSettings | None = Field(None, description="DAPO dynamic sampling; None: off.")
     overlong: OverlongSettings | None = Field(None, description="DAPO overlong shaping/filtering; None: off.")
     lr: float
     weight_decay: float
     grad_clip: float
     seed: int
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_reinforce_pp(cls, data: Any) -> Any:
+        """A plan from before reinforce_pp carried its KL reward (no reward_kl_coef) meant the batch-normalised
+        reward: it keeps that meaning under its new name."""
+        if isinstance(data, dict) and data.get("name") == "reinforce_pp" and "reward_kl_coef" not in data:
+            return {**data, "name": "reinforce_pp_batchnorm"}
+        return data
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a reference policy is scored each step: a KL loss (kl_coef) or reinforce_pp's KL reward."""
+        return self.kl_coef > 0 or (self.name == "reinforce_pp" and (self.reward_kl_coef or 0.0) > 0)
 
 
 class Sampling(PlanModel):

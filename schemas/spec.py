@@ -167,15 +167,22 @@ class Overlong(StrictModel):
     )
 
 
+Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_batchnorm", "reinforce_pp_baseline"]
+
+
 class Algorithm(StrictModel):
-    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+    name: Estimator = Field(
         "grpo",
-        description="Advantage estimator (no critic in any). grpo: (reward − group mean) / group std (Shao et al. "
-        "2024, DeepSeekMath; the std only with normalize_std). dr_grpo: reward − group mean, and the loss summed "
-        "per sequence over a constant normaliser (Liu et al. 2025, Dr. GRPO, arXiv 2503.20783). rloo: reward − "
-        "the mean of the group's other samples (Ahmadian et al. 2024, arXiv 2402.14740). reinforce_pp: reward "
-        "normalised over the batch's tokens, no group baseline (Hu et al. 2025, REINFORCE++, arXiv 2501.03262). "
-        "reinforce_pp_baseline: reward − group mean, then normalised over the batch (ibid.).",
+        description="Advantage estimator (no critic in any). grpo: (reward − group mean) / group std (Shao et "
+        "al. 2024, DeepSeekMath; the std only with normalize_std, its convention group_std). dr_grpo: reward − "
+        "group mean, and the loss summed per sequence over a constant normaliser (Liu et al. 2025, Dr. GRPO, "
+        "arXiv 2503.20783). rloo: reward − the mean of the group's other samples (Ahmadian et al. 2024, arXiv "
+        "2402.14740). reinforce_pp: REINFORCE++ as published (Hu et al. 2025, arXiv 2501.03262): a per-token "
+        "reward −β·KL_t to the reference policy plus the reward at the last token, each token's return to the "
+        "end normalised over the batch's tokens (reward_kl_coef, reward_kl_estimator; it loads a reference "
+        "policy). reinforce_pp_batchnorm: the reward normalised over the batch's tokens, no KL in the reward "
+        "and no group baseline (what reinforce_pp meant in earlier rlc versions). reinforce_pp_baseline: reward "
+        "− group mean, then normalised over the batch (ibid.).",
     )
     group_size: Annotated[int, Field(ge=1, le=1024)] = Field(
         8,
@@ -216,11 +223,20 @@ class Algorithm(StrictModel):
         "2025, arXiv 2503.14476: 0.28 with ε_low 0.2), which keeps low-probability tokens able to grow.",
     )
     dual_clip: float | None = Field(
-        None,
+        3.0,
         gt=1.0,
         le=1e3,
         description="Dual clip c: a negative-advantage token's loss is at most −c·A however large its ratio (Ye et "
-        "al. 2020, arXiv 1912.09729; verl's clip_ratio_c, 3.0). Default: none.",
+        "al. 2020, arXiv 1912.09729; verl's clip_ratio_c and default, 3.0). With log_ratio_clamp no token can "
+        "dominate a minibatch. null turns it off (earlier rlc versions' default): with minibatches > 1 one token "
+        "whose ratio grew to e^20 then outweighs the rest of the batch.",
+    )
+    log_ratio_clamp: float | None = Field(
+        20.0,
+        gt=0.0,
+        le=80.0,
+        description="The policy ratio's log, log(π_θ/π_prox), is clamped to ±this before exp (verl's ±20), so the "
+        "ratio stays finite. null turns it off.",
     )
     importance_ratio: Literal["token", "sequence"] = Field(
         "token",
@@ -256,7 +272,9 @@ class Algorithm(StrictModel):
         "et al. 2025, 'Your efficient RL framework secretly brings you off-policy RL training'; verl rollout_is "
         "token). sequence_truncate: every token weighted by min(Π w, C) over its response (verl rollout_is "
         "sequence). sequence_mask: masked importance sampling, a response with Π w > C is dropped (Liu et al. "
-        "2025, 'When speed kills stability'; verl rollout_rs). Needs decoupled_loss.",
+        "2025, 'When speed kills stability'). Both masks keep dropped tokens in the loss' denominators (AReaL's "
+        "rule; for token_mask verl's IcePop threshold mode gives the same numbers), where verl's rollout_rs removes "
+        "them from the loss mask (a larger weight for the tokens kept). Needs decoupled_loss.",
     )
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = (
         Field(
@@ -284,9 +302,27 @@ class Algorithm(StrictModel):
         0.0, ge=0.0, le=1e3, description="Weight of the KL penalty to the reference policy (0 = none)."
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the penalty.")
+    reward_kl_coef: float | None = Field(
+        None,
+        ge=0.0,
+        le=1e3,
+        description="name reinforce_pp only: β of the per-token KL penalty in the reward, −β·KL_t to the "
+        "reference policy (default 0.01, OpenRLHF's init_kl_coef). 0 leaves the batch-normalised reward "
+        "(reinforce_pp_batchnorm) and needs no reference.",
+    )
+    reward_kl_estimator: Literal["k1", "k2", "k3"] | None = Field(
+        None,
+        description="name reinforce_pp only: the estimator of KL_t from the behaviour policy's and the reference's "
+        "log-probs of the sampled token (default k1 = log π_behave − log π_ref, the paper's).",
+    )
     normalize_std: bool = Field(
         True,
         description="name grpo only: divide group-centred rewards by the group's std (false: Dr. GRPO's baseline).",
+    )
+    group_std: Literal["population", "sample"] = Field(
+        "population",
+        description="name grpo only: the group std divides the variance by n (population, rlc's default) or n − 1 "
+        "(sample, Bessel's correction: verl's and torch.std's). With n = 8 the sample std is 7% larger.",
     )
     lr: float = Field(1.0e-6, gt=0.0, le=1.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, le=10.0, description="AdamW weight decay.")
@@ -328,6 +364,19 @@ class Algorithm(StrictModel):
         if self.name == "dr_grpo":
             return "seq-mean-token-sum-norm"
         return "seq-mean-token-mean" if self.importance_ratio == "sequence" else "token-mean"
+
+    @property
+    def reward_kl(self) -> tuple[float, str]:
+        """reinforce_pp's reward KL (β, estimator) with defaults resolved; (0, k1) for every other estimator."""
+        if self.name != "reinforce_pp":
+            return 0.0, "k1"
+        beta = 0.01 if self.reward_kl_coef is None else self.reward_kl_coef
+        return beta, self.reward_kl_estimator or "k1"
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a reference policy is scored each step: a KL loss (kl_coef) or a KL reward (reinforce_pp)."""
+        return self.kl_coef > 0 or self.reward_kl[0] > 0
 
     @property
     def expected_oversample(self) -> float:
@@ -515,7 +564,9 @@ class Rollout(StrictModel):
         le=10.0,
         description="After every weight sync each engine scores a few tokens the trainer scored with the same "
         "weights; a mean |log-prob difference| above this stops the run (an engine serving other weights). "
-        "Default: 1e-3 where engines run float32 (cpu), 0.25 in bfloat16.",
+        "Default: 3x the largest gap a fresh sync shows for the plan's dtype and model, at least 1e-3: 1e-3 in "
+        "float32 (cpu), 0.054 for a dense model in bfloat16, 0.12 for a Gated-DeltaNet hybrid, 0.408 with routed "
+        "experts.",
     )
 
     @property

@@ -279,20 +279,24 @@ class AgentWorkflow:
     def build_batch(self, groups: list[Any]) -> tuple[dict[str, Any], dict[str, float], list[str | None]]:
         import torch
 
-        from rlc.runtime.algo.advantages import advantages as estimate
+        from rlc.runtime.algo.advantages import kl_reward_advantages, plan_advantages
 
         algo = self.loop.plan.algorithm
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-        advantages = estimate(algo.name, rewards.flatten(), self.group_size, normalize_std=algo.normalize_std).reshape(
-            rewards.shape
-        )
+        trajectories = [t for g in groups for t in g.trajectories]
+        # A trajectory's tokens are its rows' sampled tokens: batch moments weigh each trajectory by them, as a
+        # single-turn batch weighs each sample by its response.
+        lengths = [sum(r.sampled for r in t.rows) for t in trajectories]
+        advantages = plan_advantages(algo, rewards, self.group_size, lengths)
         batch: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "behaviour_logprobs": [], "advantages": []}
         domains: list[str | None] = []
         lags: list[int] = []
-        trajectories = [t for g in groups for t in g.trajectories]
+        samples: list[list[int]] = []  # each trajectory's rows in the batch
         for g_index, group in enumerate(groups):
             for t_index, traj in enumerate(group.trajectories):
+                samples.append([])
                 for row in traj.rows:
+                    samples[-1].append(len(batch["input_ids"]))
                     batch["input_ids"].append(row.input_ids)
                     batch["loss_mask"].append(row.loss_mask)
                     batch["behaviour_logprobs"].append(row.logprobs)
@@ -304,6 +308,12 @@ class AgentWorkflow:
                 f"agent {self.agent.run!r}: no trajectory of this batch made a model call, so there is nothing to "
                 "train on; check that the agent calls llm.base_url with llm.api_key"
             )
+        if algo.name == "reinforce_pp":
+            weights = [row.weight for t in trajectories for row in t.rows]
+            token_adv = kl_reward_advantages(
+                algo, batch, rewards.flatten().tolist(), samples, batch["loss_mask"], self.loop.reference_logprobs
+            )
+            batch["advantages"] = [[a * w for a in row] for row, w in zip(token_adv, weights, strict=True)]
         self._write_sample(trajectories)
         flat = rewards.flatten().tolist()
         rows = [r for t in trajectories for r in t.rows]

@@ -3,18 +3,25 @@
 GRPO replaces a learned critic with the group itself: for the ``n`` samples drawn from one prompt,
 advantage = (reward − group mean) / (group std + eps). A group whose rewards are all equal carries
 no learning signal, so its advantages are exactly zero (not 0/eps noise). `advantages` dispatches on the
-plan's estimator name (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline).
+plan's per-sample estimator name (grpo, dr_grpo, rloo, reinforce_pp_batchnorm, reinforce_pp_baseline);
+REINFORCE++ as published is per token (`reinforce_pp_advantages`), since its reward carries a per-token KL.
+
+Statistics are taken in float64: rewards near float32's maximum (sums of two overflow float32) still give finite
+advantages, returned as float32.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 
-Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+from .loss import KLKind, kl_penalty
+
+Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_batchnorm", "reinforce_pp_baseline"]
 ESTIMATORS: tuple[str, ...] = Estimator.__args__  # type: ignore[attr-defined]
+GroupStd = Literal["population", "sample"]
 
 
 def group_advantages(
@@ -29,7 +36,8 @@ def group_advantages(
 
     ``rewards`` has shape ``[num_groups * group_size]`` (samples of one prompt are contiguous, as the
     rollout side emits them). ``scale_by_std=False`` gives Dr. GRPO's mean-only baseline, which avoids
-    up-weighting nearly-solved or nearly-hopeless prompts. Returns float32 of the same shape.
+    up-weighting nearly-solved or nearly-hopeless prompts. ``unbiased_std`` divides the group's variance by n − 1
+    (the sample std, as verl's GRPO) instead of n (the population std). Returns float32 of the same shape.
     """
     grouped = _grouped(rewards, group_size)
     mean = grouped.mean(dim=1, keepdim=True)
@@ -41,7 +49,7 @@ def group_advantages(
     # An all-equal group has no signal; force exact zeros rather than rounding residue.
     degenerate = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
     centred = torch.where(degenerate, torch.zeros_like(centred), centred)
-    return centred.reshape(rewards.shape)
+    return centred.reshape(rewards.shape).to(torch.float32)
 
 
 def token_advantages(advantages: torch.Tensor, lengths: list[int] | torch.Tensor) -> torch.Tensor:
@@ -55,7 +63,7 @@ def token_advantages(advantages: torch.Tensor, lengths: list[int] | torch.Tensor
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    flat = rewards.reshape(-1).to(torch.float32)
+    flat = rewards.reshape(-1).to(torch.float64)
     if flat.numel() % group_size != 0:
         raise ValueError(
             f"{flat.numel()} rewards cannot be split into groups of {group_size} "
@@ -74,7 +82,7 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
     adv = grouped - others
     degenerate = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
-    return torch.where(degenerate, torch.zeros_like(adv), adv).reshape(rewards.shape)
+    return torch.where(degenerate, torch.zeros_like(adv), adv).reshape(rewards.shape).to(torch.float32)
 
 
 def batch_normalised(
@@ -83,11 +91,11 @@ def batch_normalised(
     """``(v − mean) / (std + eps)`` over the whole batch; with ``lengths`` the moments are over response tokens
     (each sample counted once per token, as OpenRLHF whitens REINFORCE++'s per-token advantages). A batch with
     no spread gives exact zeros."""
-    flat = values.reshape(-1).to(torch.float32)
+    flat = values.reshape(-1).to(torch.float64)
     if lengths is None:
         weight = torch.ones_like(flat)
     else:
-        weight = torch.as_tensor(lengths, dtype=torch.float32).reshape(-1)
+        weight = torch.as_tensor(lengths, dtype=torch.float64).reshape(-1)
         if weight.numel() != flat.numel():
             raise ValueError(f"{flat.numel()} values but {weight.numel()} lengths")
     total = weight.sum().clamp(min=1.0)
@@ -95,7 +103,7 @@ def batch_normalised(
     std = (((flat - mean) ** 2 * weight).sum() / total).sqrt()
     if bool((flat == flat[:1]).all()) or float(std) == 0.0:
         return torch.zeros_like(values, dtype=torch.float32)
-    return ((flat - mean) / (std + eps)).reshape(values.shape)
+    return ((flat - mean) / (std + eps)).reshape(values.shape).to(torch.float32)
 
 
 def advantages(
@@ -104,28 +112,126 @@ def advantages(
     group_size: int,
     *,
     normalize_std: bool = True,
+    group_std: GroupStd = "population",
     lengths: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One advantage per sample of a batch laid out group after group, by the plan's estimator:
 
-      grpo                   (r − group mean) / group std (``normalize_std``; DeepSeekMath, Shao et al. 2024)
-      dr_grpo                r − group mean (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training")
-      rloo                   r − mean of the group's other samples (`rloo_advantages`)
-      reinforce_pp           r normalised over the batch (REINFORCE++, Hu et al. 2025, arXiv 2501.03262)
-      reinforce_pp_baseline  (r − group mean), then normalised over the batch (REINFORCE++-baseline, ibid.)
+      grpo                    (r − group mean) / group std (``normalize_std``; DeepSeekMath, Shao et al. 2024);
+                              ``group_std`` population (n) or sample (n − 1, verl's)
+      dr_grpo                 r − group mean (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training")
+      rloo                    r − mean of the group's other samples (`rloo_advantages`)
+      reinforce_pp_batchnorm  r normalised over the batch: REINFORCE++ without its KL reward (β = 0)
+      reinforce_pp_baseline   (r − group mean), then normalised over the batch (REINFORCE++-baseline, Hu et al. 2025)
 
-    ``lengths`` (response tokens per sample) makes the REINFORCE++ batch moments token-weighted.
+    ``lengths`` (response tokens per sample) makes the batch moments token-weighted. reinforce_pp itself is per
+    token and needs the reference policy's log-probs: `reinforce_pp_advantages`.
     """
     if name == "grpo":
-        return group_advantages(rewards, group_size, scale_by_std=normalize_std)
+        return group_advantages(rewards, group_size, scale_by_std=normalize_std, unbiased_std=group_std == "sample")
     if name == "dr_grpo":
         return group_advantages(rewards, group_size, scale_by_std=False)
     if name == "rloo":
         return rloo_advantages(rewards, group_size)
-    if name == "reinforce_pp":
+    if name == "reinforce_pp_batchnorm":
         _grouped(rewards, group_size)  # the layout check
         return batch_normalised(rewards, lengths)
     if name == "reinforce_pp_baseline":
         centred = group_advantages(rewards, group_size, scale_by_std=False)
         return batch_normalised(centred, lengths)
+    if name == "reinforce_pp":
+        raise ValueError("reinforce_pp's advantages are per token (a KL in the reward): use reinforce_pp_advantages")
     raise ValueError(f"unknown advantage estimator {name!r}; expected one of {', '.join(ESTIMATORS)}")
+
+
+def plan_advantages(
+    algo: Any, rewards: torch.Tensor, group_size: int, lengths: Sequence[int] | torch.Tensor
+) -> torch.Tensor:
+    """`advantages` by the plan's algorithm section (``lengths``: response tokens per sample); zeros for
+    reinforce_pp, whose per-token advantages `kl_reward_advantages` fills in once the batch is built."""
+    if algo.name == "reinforce_pp":
+        return torch.zeros(rewards.shape)
+    std = getattr(algo, "group_std", "population")  # older plans: the population std
+    flat = rewards.reshape(-1)
+    adv = advantages(algo.name, flat, group_size, normalize_std=algo.normalize_std, group_std=std, lengths=lengths)
+    return adv.reshape(rewards.shape)
+
+
+def reinforce_pp_advantages(
+    rewards: Sequence[float] | torch.Tensor, token_kl: Sequence[torch.Tensor], kl_coef: float, eps: float = 1e-6
+) -> list[torch.Tensor]:
+    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262, eq. 8-10) from each sample's scalar reward and the KL of each of
+    its response tokens, in order.
+
+    The reward is per token: ``r_t = −β·KL_t``, plus the scalar reward at the last response token; the return
+    ``G_t = Σ_{i≥t} r_i`` (γ = 1) is ``r − β·Σ_{i≥t} KL_i``. Returns are then normalised over every response token
+    of the batch (mean and population std, + ``eps``; OpenRLHF whitens them the same way). Moments in float64; a
+    batch with no spread gives exact zeros. Returns one float32 tensor per sample, aligned with ``token_kl``.
+    """
+    scores = torch.as_tensor(rewards, dtype=torch.float64).reshape(-1)
+    if scores.numel() != len(token_kl):
+        raise ValueError(f"{scores.numel()} rewards but {len(token_kl)} samples of token KL")
+    returns = []
+    for score, kl in zip(scores, token_kl, strict=True):
+        kl64 = kl.detach().reshape(-1).to(torch.float64)
+        returns.append(score - kl_coef * torch.flip(torch.cumsum(torch.flip(kl64, (0,)), 0), (0,)))
+    sizes = [len(g) for g in returns]
+    flat = torch.cat(returns) if returns else torch.zeros(0, dtype=torch.float64)
+    if flat.numel() == 0 or bool((flat == flat[:1]).all()):
+        return [torch.zeros(n) for n in sizes]
+    whitened = ((flat - flat.mean()) / (flat.std(unbiased=False) + eps)).to(torch.float32)
+    return list(torch.split(whitened, sizes))
+
+
+def reinforce_pp_rows(
+    rewards: Sequence[float],
+    samples: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[int]],
+    behaviour: Sequence[Sequence[float]],
+    reference: Sequence[Sequence[float]],
+    kl_coef: float,
+    estimator: KLKind = "k1",
+) -> list[list[float]]:
+    """`reinforce_pp_advantages` laid out as training rows: sample ``i``'s response is the tokens where ``masks``
+    is 1 in its rows ``samples[i]``, in order (one row for a single completion, one per model call or segment for an
+    agent trajectory). ``KL_t`` is the ``estimator``'s estimate from the behaviour policy's and the reference's
+    log-probs of the sampled token (k1: ``log π_behave − log π_ref``, the paper's). Returns one advantage per
+    position of every row, 0 off the mask."""
+    kls: list[torch.Tensor] = []
+    for rows in samples:
+        b = [lp for r in rows for lp, m in zip(behaviour[r], masks[r], strict=True) if m]
+        ref = [lp for r in rows for lp, m in zip(reference[r], masks[r], strict=True) if m]
+        kls.append(kl_penalty(torch.tensor(b, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64), estimator))
+    per_sample = reinforce_pp_advantages(rewards, kls, kl_coef)
+    out: list[list[float]] = [[0.0] * len(m) for m in masks]
+    for rows, adv in zip(samples, per_sample, strict=True):
+        values = iter(adv.tolist())
+        for r in rows:
+            out[r] = [next(values) if m else 0.0 for m in masks[r]]
+    return out
+
+
+def reward_kl(algo: Any) -> tuple[float, KLKind]:
+    """The plan's REINFORCE++ reward KL (β, estimator); β 0 for every other estimator (and older plans)."""
+    if algo.name != "reinforce_pp":
+        return 0.0, "k1"
+    return float(getattr(algo, "reward_kl_coef", None) or 0.0), getattr(algo, "reward_kl_estimator", None) or "k1"
+
+
+def kl_reward_advantages(
+    algo: Any,
+    batch: dict[str, Any],
+    rewards: Sequence[float],
+    samples: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[int]],
+    reference_logprobs: Callable[[dict[str, Any]], list[list[float]]],
+) -> list[list[float]]:
+    """reinforce_pp's per-token advantages of a built batch (`reinforce_pp_rows` over ``batch``'s behaviour
+    log-probs), scoring it under the reference policy only when β > 0; a plan that also has a KL loss
+    (``kl_coef``) keeps the reference log-probs in ``batch`` so they are computed once."""
+    beta, estimator = reward_kl(algo)
+    behaviour = batch["behaviour_logprobs"]
+    reference = reference_logprobs(batch) if beta > 0 else behaviour
+    if beta > 0 and algo.kl_coef > 0:
+        batch["ref_logprobs"] = reference
+    return reinforce_pp_rows(rewards, samples, masks, behaviour, reference, beta, estimator)

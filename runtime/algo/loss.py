@@ -47,7 +47,8 @@ def decoupled_ppo_loss(
     behave_imp_weight_cap: float | None = 5.0,
     *,
     clip_higher: float | None = None,
-    dual_clip: float | None = None,
+    dual_clip: float | None = 3.0,
+    log_ratio_clamp: float | None = 20.0,
     decoupled: bool = True,
     token_count: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -60,6 +61,7 @@ def decoupled_ppo_loss(
         clip_low=clip,
         clip_high=clip_higher,
         dual_clip=dual_clip,
+        log_ratio_clamp=log_ratio_clamp,
         decoupled=decoupled,
         behave_imp_weight_cap=behave_imp_weight_cap,
     )
@@ -89,7 +91,10 @@ def policy_loss(
         pg_t = max(−A_t·r_t, −A_t·clip(r_t, 1−ε_low, 1+ε_high)),   r_t = π_θ(y_t)/π_prox(y_t)
 
     ``cfg.clip_high`` above ``clip_low`` is DAPO's clip-higher (Yu et al. 2025). ``cfg.dual_clip`` = c bounds
-    a negative-advantage token's loss at −c·A (Ye et al. 2020, "Mastering Complex Control in MOBA Games").
+    a negative-advantage token's loss at −c·A (Ye et al. 2020, "Mastering Complex Control in MOBA Games"), and
+    ``cfg.log_ratio_clamp`` clamps log r_t to ±bound before exp (verl: ±20, c = 3): with both, no token's loss
+    exceeds c·|A_t| times its weights, however far π_θ moved from π_prox over earlier minibatches; without the
+    dual clip a negative-advantage token's loss grows as r_t (e^20·|A| at the clamp, e^25·|A| without it).
     ``cfg.ratio == "sequence"`` is GSPO (Zheng et al. 2025): every token of sequence i uses the length-normalised
     sequence ratio ``s_i = exp(mean_{t∈i} log r_t)`` (gradient through the mean), clipped to its own, much
     narrower range; the behaviour weight stays per token, as AReaL composes GSPO with the decoupled loss.
@@ -100,7 +105,11 @@ def policy_loss(
                          secretly brings you off-policy RL training"; verl rollout_is: token)
       sequence_truncate  every token of i weighted by min(Π_{t∈i} w_t, C) (verl rollout_is: sequence)
       sequence_mask      masked IS: sequence i dropped when Π_{t∈i} w_t > C, else weighted by it (Liu et al. 2025,
-                         "When speed kills stability"; verl rollout_rs)
+                         "When speed kills stability"); the denominators still count it
+    Both masks keep what they drop in the aggregation's denominators (AReaL's rule), so a dropped token lowers the
+    loss scale rather than raising the others' weights; token_mask's counterpart in verl with the same numbers is
+    its IcePop threshold mode. verl's rollout_rs instead removes rejected tokens from the loss mask (smaller
+    denominators, so the kept tokens weigh more).
     With ``cfg.decoupled`` False this is plain PPO against the behaviour policy (no weight, no correction).
 
     ``weights`` is each token's aggregation weight (`policy.aggregation_weights`, zero off the mask): the caller
@@ -122,6 +131,8 @@ def policy_loss(
     if cfg.ratio == "sequence":
         assert seq_ids is not None
         log_ratio = torch.where(mask, _segment_mean(log_ratio, mask, seq_ids, num_seqs), torch.zeros_like(logp))
+    if cfg.log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     ratio = torch.exp(log_ratio)
     surr_unclipped = -advantages * ratio
     surr_clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.high)

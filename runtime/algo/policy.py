@@ -36,14 +36,17 @@ class PolicyLoss:
 
     ``clip_low``/``clip_high``: the trust region [1 − low, 1 + high] of the ratio (token ratio, or the
     length-normalised sequence ratio of GSPO when ``ratio`` is "sequence"); ``clip_high`` None is symmetric.
-    ``dual_clip`` (> 1) bounds negative-advantage losses. ``behave_correction`` picks what happens to the
-    behaviour importance weight w = π_prox/π_behave above ``behave_imp_weight_cap`` (None: no bound).
-    ``agg`` is the loss aggregation; ``agg_norm_tokens`` the constant of seq-mean-token-sum-norm.
+    ``dual_clip`` (> 1) bounds negative-advantage losses and ``log_ratio_clamp`` bounds log(π_θ/π_prox) before the
+    exponential; the defaults (3 and 20, verl's) keep every token's loss within 3·|A| of its weight, None turns each
+    off. ``behave_correction`` picks what happens to the behaviour importance weight w = π_prox/π_behave above
+    ``behave_imp_weight_cap`` (None: no bound). ``agg`` is the loss aggregation; ``agg_norm_tokens`` the constant
+    of seq-mean-token-sum-norm.
     """
 
     clip_low: float = 0.2
     clip_high: float | None = None
-    dual_clip: float | None = None
+    dual_clip: float | None = 3.0
+    log_ratio_clamp: float | None = 20.0
     decoupled: bool = True
     ratio: RatioLevel = "token"
     behave_correction: Correction = "token_mask"
@@ -56,6 +59,8 @@ class PolicyLoss:
             raise ValueError(f"clip range must be > 0, got low {self.clip_low}, high {self.clip_high}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
+        if self.log_ratio_clamp is not None and self.log_ratio_clamp <= 0:
+            raise ValueError(f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
         if self.ratio not in ("token", "sequence"):
             raise ValueError(f"unknown ratio level {self.ratio!r}; expected 'token' or 'sequence'")
         if self.behave_correction not in CORRECTIONS:
@@ -92,7 +97,8 @@ class PolicyLoss:
 
     @classmethod
     def from_plan(cls, algo: Any, max_response_len: int) -> PolicyLoss:
-        """From a plan's `AlgorithmSettings` (fields older plans lack take their old meaning)."""
+        """From a plan's `AlgorithmSettings` (fields older plans lack take their old meaning: no dual clip, no
+        log-ratio clamp)."""
         sequence = getattr(algo, "importance_ratio", "token") == "sequence"
         low = algo.sequence_clip_low if sequence else algo.clip
         high = algo.sequence_clip_high if sequence else getattr(algo, "clip_high", None)
@@ -102,6 +108,7 @@ class PolicyLoss:
             clip_low=float(low),
             clip_high=None if high is None else float(high),
             dual_clip=getattr(algo, "dual_clip", None),
+            log_ratio_clamp=getattr(algo, "log_ratio_clamp", None),
             decoupled=bool(algo.decoupled_loss),
             ratio="sequence" if sequence else "token",
             behave_correction=getattr(algo, "behave_correction", "token_mask"),

@@ -34,7 +34,8 @@ __all__ = ["Loop", "Workflow"]
 
 class Loop(Protocol):
     """What a workflow may use of the loop that runs it (`runtime.controller.Controller`): the run's facts, the
-    staleness gate and prompt stream, the step's counters and logs, and three questions about the engines."""
+    staleness gate and prompt stream, the step's counters and logs, three questions about the engines, and the
+    reference policy's log-probs for advantages that need them (reinforce_pp)."""
 
     plan: Plan
     run_dir: Path
@@ -63,6 +64,9 @@ class Loop(Protocol):
     def restart_engine(self, index: int) -> None:
         """Restart a dead engine; it takes no work until it has the current weights."""
 
+    def reference_logprobs(self, batch: dict[str, Any]) -> list[list[float]]:
+        """The reference policy's per-token log-probs of a batch's sequences (trainer thread only)."""
+
 
 class Workflow(Protocol):
     """What the loop asks of a workflow; every call runs on the loop's (driver) thread."""
@@ -80,7 +84,8 @@ class Workflow(Protocol):
         """The next step's groups, once they have finished; None before."""
 
     def build_batch(self, groups: list[Any]) -> tuple[dict[str, Any], dict[str, float], list[str | None]]:
-        """The trainer's batch of these groups, the step's rollout metrics, and each sequence's domain."""
+        """The trainer's batch of these groups, the step's rollout metrics, and each sequence's domain (runs on the
+        trainer thread, which may score the batch under the reference policy)."""
 
     def batch_record(self, groups: list[Any]) -> list[tuple[int, int]]:
         """The groups as RUN/rollouts.jsonl's batch records them: (request id, prompt cursor)."""

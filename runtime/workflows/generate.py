@@ -259,10 +259,10 @@ class GenerateWorkflow:
 
     def build_batch(self, groups: list[Group]) -> tuple[dict[str, Any], dict[str, float], list[str | None]]:
         """One sequence per sample: prompt + response, the loss on the response, each token's behaviour log-prob,
-        the group-normalised advantage."""
+        the sample's advantage (reinforce_pp: one per token, from the reference policy's log-probs)."""
         import torch
 
-        from rlc.runtime.algo.advantages import advantages as estimate
+        from rlc.runtime.algo.advantages import kl_reward_advantages, plan_advantages
         from rlc.runtime.algo.overlong import is_truncated, overlong_penalty
 
         plan = self.loop.plan
@@ -277,11 +277,9 @@ class GenerateWorkflow:
             shaped = shaped + torch.tensor(
                 [overlong_penalty(n, max_len, overlong.buffer_len, overlong.penalty) for n in lengths_all]
             )
-        advantages = estimate(
-            algo.name, shaped, self.group_size, normalize_std=algo.normalize_std, lengths=lengths_all
-        ).reshape(rewards.shape)
+        advantages = plan_advantages(algo, shaped.reshape(rewards.shape), self.group_size, lengths_all)
         masked = overlong is not None and overlong.filter_truncated
-        input_ids, loss_mask, behaviour, adv, lags, lengths = [], [], [], [], [], []
+        input_ids, loss_mask, behaviour, adv, lags, lengths, responses = [], [], [], [], [], [], []
         sample = 0
         for g_index, group in enumerate(groups):
             prompt = list(group.item.prompt_ids)
@@ -291,6 +289,7 @@ class GenerateWorkflow:
                 trained = 0 if masked and truncated[sample] else 1
                 sample += 1
                 loss_mask.append([0] * len(prompt) + [trained] * len(out))
+                responses.append([0] * len(prompt) + [1] * len(out))  # a filtered sample keeps its baseline place
                 # Each token's behaviour log-prob is the one the version that sampled it produced: an interrupted
                 # sample's tokens before the update carry the old policy's, those after the new one's.
                 behaviour.append([0.0] * len(prompt) + list(lps))
@@ -303,6 +302,11 @@ class GenerateWorkflow:
             "behaviour_logprobs": behaviour,
             "advantages": adv,
         }
+        if algo.name == "reinforce_pp":
+            samples = [[i] for i in range(len(input_ids))]
+            batch["advantages"] = kl_reward_advantages(
+                algo, batch, shaped.tolist(), samples, responses, self.loop.reference_logprobs
+            )
         domains = [g.item.domain for g in groups for _ in g.output_ids]
         flat = rewards.flatten().tolist()
         stats = {

@@ -36,8 +36,21 @@ def found(algorithm: str, code: str = "RLC222") -> list[tuple[str, str]]:
         ("{loss_norm_tokens: 64}", [("algorithm.loss_norm_tokens", "error")]),
         ("{name: dr_grpo, normalize_std: true}", [("algorithm.normalize_std", "error")]),
         ("{name: rloo, normalize_std: false}", [("algorithm.normalize_std", "warning")]),
-        ("{group_size: 1, name: reinforce_pp, dynamic_sampling: {}}", [("algorithm.dynamic_sampling", "error")]),
-        ("{name: reinforce_pp, dynamic_sampling: {}}", [("algorithm.dynamic_sampling", "warning")]),
+        (
+            "{group_size: 1, name: reinforce_pp_batchnorm, dynamic_sampling: {}}",
+            [("algorithm.dynamic_sampling", "error")],
+        ),
+        ("{name: reinforce_pp_batchnorm, dynamic_sampling: {}}", [("algorithm.dynamic_sampling", "warning")]),
+        (
+            "{name: reinforce_pp, reward_kl_coef: 0.01, dynamic_sampling: {}}",
+            [("algorithm.dynamic_sampling", "warning")],
+        ),
+        # reinforce_pp changed meaning: a spec that names it without stating β hears about the rename.
+        ("{name: reinforce_pp}", [("algorithm.name", "info")]),
+        ("{reward_kl_coef: 0.1}", [("algorithm.reward_kl_coef", "error")]),
+        ("{name: reinforce_pp_batchnorm, reward_kl_estimator: k1}", [("algorithm.reward_kl_estimator", "error")]),
+        ("{name: rloo, group_std: sample}", [("algorithm.group_std", "warning")]),
+        ("{normalize_std: false, group_std: sample}", [("algorithm.group_std", "warning")]),
         (
             "{dynamic_sampling: {expected_keep_rate: 0.2, max_draws: 2}}",
             [("algorithm.dynamic_sampling.max_draws", "warning")],
@@ -56,6 +69,10 @@ def test_nonsense_combinations_are_reported(algorithm: str, expected: list[tuple
         "{name: dr_grpo}",
         "{name: rloo}",
         "{name: reinforce_pp_baseline}",
+        "{name: reinforce_pp_batchnorm}",
+        "{name: reinforce_pp, reward_kl_coef: 0.05, reward_kl_estimator: k1}",
+        "{group_std: sample}",
+        "{dual_clip: null, log_ratio_clamp: null}",
         "{importance_ratio: sequence, sequence_clip_low: 0.0003, sequence_clip_high: 0.0004}",
         "{clip_low: 0.2, clip_high: 0.28, dual_clip: 3.0, behave_correction: sequence_mask}",
         "{dynamic_sampling: {expected_keep_rate: 0.5}, overlong: {buffer_len: 4, filter_truncated: true}}",
@@ -72,6 +89,7 @@ def test_group_baselines_need_two_samples_but_reinforce_pp_does_not() -> None:
     assert found("{name: rloo, group_size: 1}", "RLC216") == [("algorithm.group_size", "error")]
     assert found("{name: reinforce_pp_baseline, group_size: 1}", "RLC216") == [("algorithm.group_size", "error")]
     assert found("{name: reinforce_pp, group_size: 1}", "RLC216") == []
+    assert found("{name: reinforce_pp_batchnorm, group_size: 1}", "RLC216") == []
 
 
 def test_out_of_range_values_are_diagnostics_not_tracebacks() -> None:
@@ -106,6 +124,12 @@ def test_policy_loss_from_plan_resolves_every_choice() -> None:
     assert (old.clip, old.clip_high, old.loss_agg, old.behave_correction) == (0.2, 0.2, "token-mean", "token_mask")
     assert old.dynamic_sampling is None and old.overlong is None and old.importance_ratio == "token"
     assert PolicyLoss.from_plan(old, 16) == PolicyLoss(clip_low=0.2, clip_high=0.2, behave_imp_weight_cap=5.0)
+    # Bounded by default, and the plan says so; the spec can turn either bound off.
+    assert (old.dual_clip, old.log_ratio_clamp, old.group_std) == (3.0, 20.0, "population")
+    assert (old.reward_kl_coef, old.reward_kl_estimator, old.needs_reference) == (None, None, False)
+    off = PolicyLoss.from_plan(settings({"dual_clip": None, "log_ratio_clamp": None}), 16)
+    assert (off.dual_clip, off.log_ratio_clamp) == (None, None)
+    assert settings({"group_std": "sample"}).group_std == "sample"
 
     dr = settings({"name": "dr_grpo"})
     assert dr.loss_agg == "seq-mean-token-sum-norm" and dr.loss_norm_tokens == 16
@@ -160,3 +184,56 @@ def test_a_sequence_ratio_with_context_parallelism_is_a_runtime_gap() -> None:
 
     assert gaps("{importance_ratio: sequence}") and gaps("{behave_correction: sequence_truncate}")
     assert gaps("{behave_correction: token_truncate}") == []
+
+
+def test_reinforce_pp_states_its_kl_reward_and_plans_a_reference() -> None:
+    """The plan names β and the estimator, and places (and prices) the reference policy the advantages need."""
+    from rlc.compiler.planner import build_plan
+
+    def plan(algorithm: str):  # type: ignore[no-untyped-def]
+        checked = check_text(BASE + f"mode: disaggregated\nalgorithm: {algorithm}\n", "spec.yaml")
+        assert checked.problem is not None, checked.report.diagnostics
+        return build_plan(checked.problem, checked.lines, "spec.yaml")[0]
+
+    pp = plan("{name: reinforce_pp}")
+    algo = pp.algorithm
+    assert (algo.name, algo.reward_kl_coef, algo.reward_kl_estimator, algo.needs_reference) == (
+        "reinforce_pp",
+        0.01,
+        "k1",
+        True,
+    )
+    actor = next(r for r in pp.roles if r.name == "actor")
+    assert actor.ray is not None and actor.ray.reference_resources
+    assert "reference" in actor.memory.items
+    plain = plan("{name: reinforce_pp, reward_kl_coef: 0}")
+    assert not plain.algorithm.needs_reference
+    plain_actor = next(r for r in plain.roles if r.name == "actor")
+    assert plain_actor.ray is not None and plain_actor.ray.reference_resources is None
+    assert pp.estimates.train_s > plain.estimates.train_s  # one more forward pass per step
+
+
+def test_older_plans_keep_their_meaning() -> None:
+    """A plan written before these fields: no dual clip, no log-ratio clamp, and reinforce_pp the batch-normalised
+    reward it then meant (now reinforce_pp_batchnorm)."""
+    from rlc.schemas.plan import AlgorithmSettings
+
+    older = {
+        "name": "reinforce_pp",
+        "decoupled_loss": True,
+        "clip": 0.2,
+        "behave_imp_weight_cap": 5.0,
+        "kl_coef": 0.0,
+        "kl_estimator": "k3",
+        "normalize_std": True,
+        "lr": 1e-6,
+        "weight_decay": 0.0,
+        "grad_clip": 1.0,
+        "seed": 0,
+    }
+    algo = AlgorithmSettings.model_validate(older)
+    assert algo.name == "reinforce_pp_batchnorm" and not algo.needs_reference and algo.group_std == "population"
+    policy = PolicyLoss.from_plan(algo, 16)
+    assert (policy.dual_clip, policy.log_ratio_clamp) == (None, None)
+    current = AlgorithmSettings.model_validate({**older, "reward_kl_coef": 0.01, "reward_kl_estimator": "k1"})
+    assert current.name == "reinforce_pp" and current.needs_reference

@@ -126,7 +126,7 @@ def test_clip_higher_and_dual_clip() -> None:
     logp = torch.log(torch.tensor([1.25, 5.0])).requires_grad_(True)
     adv = torch.tensor([1.0, -1.0])
     mask = torch.ones(2, dtype=torch.bool)
-    loss, _ = decoupled_ppo_loss(logp, prox, prox, adv, mask, clip=0.2, clip_higher=0.28)
+    loss, _ = decoupled_ppo_loss(logp, prox, prox, adv, mask, clip=0.2, clip_higher=0.28, dual_clip=None)
     assert loss.item() == pytest.approx((-1.25 + 5.0) / 2, rel=1e-6)  # 1.25 < 1.28: unclipped
     loss, stats = decoupled_ppo_loss(logp, prox, prox, adv, mask, clip=0.2, dual_clip=3.0)
     assert loss.item() == pytest.approx((-1.2 + 3.0) / 2, rel=1e-6)

@@ -8,7 +8,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rlc.runtime.algo.advantages import advantages, batch_normalised, rloo_advantages  # noqa: E402
+from rlc.runtime.algo.advantages import (  # noqa: E402
+    advantages,
+    batch_normalised,
+    reinforce_pp_advantages,
+    reinforce_pp_rows,
+    rloo_advantages,
+)
 from rlc.runtime.algo.loss import policy_loss  # noqa: E402
 from rlc.runtime.algo.overlong import is_truncated, overlong_penalty  # noqa: E402
 from rlc.runtime.algo.policy import PolicyLoss, aggregation_weights  # noqa: E402
@@ -43,15 +49,69 @@ def test_rloo_is_the_leave_one_out_baseline() -> None:
         advantages("rloo", REWARDS, 1)
 
 
-def test_reinforce_pp_normalises_over_the_batch() -> None:
+def test_grpo_std_convention_is_selectable() -> None:
+    """population divides the group's variance by n (rlc's default), sample by n − 1 (verl's, torch.std's)."""
+    pop, sample = math.sqrt(1 / 4), math.sqrt(1 / 3)  # group 0: [1, 0, 0, 1], squared deviations sum to 1
+    assert advantages("grpo", REWARDS, 4)[0].item() == pytest.approx(0.5 / pop, rel=1e-5)
+    assert advantages("grpo", REWARDS, 4, group_std="sample")[0].item() == pytest.approx(0.5 / sample, rel=1e-5)
+
+
+def test_reinforce_pp_batchnorm_normalises_over_the_batch() -> None:
     # mean 1.25, population variance 7.5 / 8 = 0.9375
     std = math.sqrt(0.9375)
     want = [(r - 1.25) / std for r in REWARDS.tolist()]
-    assert close(advantages("reinforce_pp", REWARDS, 4), want, 1e-4)
+    assert close(advantages("reinforce_pp_batchnorm", REWARDS, 4), want, 1e-4)
     # Token-weighted moments: rewards [1, 0] with 3 and 1 tokens: mean 3/4, variance (3/16 + 9/16) / 4 = 3/16.
-    got = advantages("reinforce_pp", torch.tensor([1.0, 0.0]), 1, lengths=[3, 1])
+    got = advantages("reinforce_pp_batchnorm", torch.tensor([1.0, 0.0]), 1, lengths=[3, 1])
     assert close(got, [0.25 / math.sqrt(3 / 16), -0.75 / math.sqrt(3 / 16)], 1e-4)
     assert torch.equal(batch_normalised(torch.tensor([2.0, 2.0, 2.0])), torch.zeros(3))
+    with pytest.raises(ValueError, match="per token"):
+        advantages("reinforce_pp", REWARDS, 4)  # the published one needs the KL of every token
+
+
+def test_reinforce_pp_is_the_papers_per_token_advantage() -> None:
+    """Hu et al. 2025, eq. 8-10: A_t = r − β·Σ_{i≥t} KL_i with KL_i = log π_behave − log π_ref (k1), normalised over
+    every response token of the batch. Two samples as training rows (prompt positions masked out)."""
+    beta = 0.1
+    masks = [[0, 0, 1, 1], [0, 1]]
+    behaviour = [[0.0, 0.0, -0.5, -1.0], [0.0, -2.0]]
+    reference = [[0.0, -9.0, -0.7, -0.6], [-3.0, -1.5]]  # prompt positions are never read
+    # KL: sample 0 [0.2, -0.4], sample 1 [-0.5]. Returns: 1 − 0.1·(0.2 − 0.4) = 1.02, 1 − 0.1·(−0.4) = 1.04,
+    # 0 − 0.1·(−0.5) = 0.05; over the three tokens: mean 0.70333…, population std 0.46204…
+    returns = [1.02, 1.04, 0.05]
+    mean = sum(returns) / 3
+    std = math.sqrt(sum((g - mean) ** 2 for g in returns) / 3)
+    want = [(g - mean) / (std + 1e-6) for g in returns]
+    got = reinforce_pp_rows([1.0, 0.0], [[0], [1]], masks, behaviour, reference, beta, "k1")
+    assert got[0][:2] == [0.0, 0.0] and got[1][0] == 0.0
+    assert got[0][2:] + got[1][1:] == pytest.approx(want, abs=1e-6)
+    # β = 0 is the token-weighted batch-normalised reward (reinforce_pp_batchnorm).
+    plain = reinforce_pp_rows([1.0, 0.0], [[0], [1]], masks, behaviour, reference, 0.0, "k1")
+    batchnorm = advantages("reinforce_pp_batchnorm", torch.tensor([1.0, 0.0]), 1, lengths=[2, 1]).tolist()
+    assert plain[0][2:] + plain[1][1:] == pytest.approx([batchnorm[0]] * 2 + [batchnorm[1]], abs=1e-6)
+
+
+def test_reinforce_pp_spans_a_trajectorys_rows() -> None:
+    """An agent trajectory of two rows is one response: the second row's KL reaches the first row's returns."""
+    kl = [torch.tensor([0.2, -0.4]), torch.tensor([0.3])]
+    whole = reinforce_pp_advantages([1.0, 0.0], kl, 0.5)
+    rows = reinforce_pp_rows(
+        [1.0, 0.0], [[0, 1], [2]], [[1, 0], [1], [1]], [[0.2, 0.0], [-0.4], [0.3]], [[0.0] * 2, [0.0], [0.0]], 0.5
+    )
+    assert [rows[0][0], rows[1][0], rows[2][0]] == pytest.approx(torch.cat(whole).tolist(), abs=1e-6)
+    assert rows[0][1] == 0.0
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_batchnorm", "reinforce_pp_baseline"])
+def test_group_statistics_do_not_overflow(name: str) -> None:
+    """Rewards near float32's maximum (their sum overflows float32) still give finite advantages."""
+    rewards = torch.tensor([3e38, 3e38, 0.0, 0.0])
+    adv = advantages(name, rewards, 4, lengths=[1000, 1000, 1000, 1000])
+    assert adv.dtype == torch.float32 and bool(torch.isfinite(adv).all()), adv
+    big = torch.tensor([1e12, -1e12, 1e12, 0.0])  # the largest magnitude the run accepts
+    assert bool(torch.isfinite(advantages(name, big, 2, lengths=[4000, 1, 1, 4000])).all())
+    kl = [torch.full((1000,), 5.0), torch.full((1000,), -5.0)]
+    assert all(bool(torch.isfinite(a).all()) for a in reinforce_pp_advantages([1e12, -1e12], kl, 1e3))
 
 
 def test_reinforce_pp_baseline_centres_per_group_then_normalises() -> None:
@@ -98,6 +158,34 @@ def test_dual_clip_bounds_negative_advantage_losses() -> None:
     (grad,) = torch.autograd.grad(loss, logp)
     assert grad[0] == 0 and grad[2] == 0 and grad[1].item() == pytest.approx(2.0, rel=1e-6)
     assert float(stats["dual_clip_fraction"]) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_default_loss_is_bounded_for_any_finite_ratio(agg: str) -> None:
+    """With the default log-ratio clamp and dual clip no token's loss exceeds c·|A| times its weight: a token whose
+    policy moved e^25 from the proximal one over earlier minibatches, on a negative advantage, cannot dominate."""
+    cfg = PolicyLoss(agg=agg)  # type: ignore[arg-type]
+    assert cfg.dual_clip == 3.0 and cfg.log_ratio_clamp == 20.0
+    logp = torch.tensor([25.0, 0.1, -30.0, 80.0, -0.2], requires_grad=True)  # log-ratios against proximal 0
+    adv = torch.tensor([-2.0, 1.0, -1.0, 0.5, -1.0])
+    weights = torch.tensor(aggregation_weights([2, 3], agg, 5, 2, None)).repeat_interleave(torch.tensor([2, 3]))  # type: ignore[arg-type]
+    loss, stats = _loss(logp, adv, cfg, weights=weights)
+    per_token_bound = (cfg.dual_clip * adv.abs() * weights).sum()
+    assert math.isfinite(loss.item()) and abs(loss.item()) <= per_token_bound.item() + 1e-6
+    assert float(stats["dual_clip_fraction"]) == pytest.approx(1 / 5)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert bool(torch.isfinite(grad).all()) and grad[0] == 0  # the dual-clipped token carries no gradient
+    # Turned off (older plans' meaning), the same token's loss is e^25·|A|.
+    unbounded, _ = _loss(logp, adv, PolicyLoss(agg=agg, dual_clip=None, log_ratio_clamp=None), weights=weights)  # type: ignore[arg-type]
+    assert unbounded.item() > 1e9 * weights[0].item()
+
+
+def test_log_ratio_clamp_bounds_the_ratio() -> None:
+    logp = torch.tensor([30.0])
+    _, stats = _loss(logp, torch.tensor([1.0]), PolicyLoss())
+    assert float(stats["ratio_mean"]) == pytest.approx(math.exp(20.0), rel=1e-5)
+    _, stats = _loss(logp, torch.tensor([1.0]), PolicyLoss(log_ratio_clamp=5.0))
+    assert float(stats["ratio_mean"]) == pytest.approx(math.exp(5.0), rel=1e-5)
 
 
 def test_gspo_sequence_ratio_is_length_normalised_and_clipped_per_sequence() -> None:
@@ -189,6 +277,8 @@ def test_aggregations(agg: str, want: float) -> None:
 def test_policy_loss_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="dual_clip"):
         PolicyLoss(dual_clip=1.0)
+    with pytest.raises(ValueError, match="log_ratio_clamp"):
+        PolicyLoss(log_ratio_clamp=0.0)
     with pytest.raises(ValueError, match="agg_norm_tokens"):
         PolicyLoss(agg="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="unknown loss aggregation"):
