@@ -42,14 +42,20 @@ def check_algorithm(ctx: RuleContext) -> Iterator[Diagnostic]:
                 "warning",
             )
     if spec.rollout.agent is not None:
-        for key in ("dynamic_sampling", "overlong"):
-            if getattr(algo, key) is not None:
-                yield ctx.diag(
-                    CODE,
-                    f"algorithm.{key}",
-                    f"algorithm.{key} applies to single-completion rollouts; agent rollouts do not implement it",
-                    f"drop algorithm.{key}, or rollout.agent",
-                )
+        yield from _set_keys(
+            ctx,
+            ("dynamic_sampling", "overlong"),
+            "algorithm.{key} applies to single-completion rollouts; agent rollouts do not implement it",
+            "drop algorithm.{key}, or rollout.agent",
+        )
+
+
+def _set_keys(ctx: RuleContext, keys: tuple[str, ...], message: str, fix: str) -> Iterator[Diagnostic]:
+    """An error for each of ``keys`` the algorithm section sets; ``{key}`` in the texts names it."""
+    algo = ctx.problem.spec.algorithm
+    for key in keys:
+        if getattr(algo, key) is not None:
+            yield ctx.diag(CODE, f"algorithm.{key}", message.format(key=key), fix.format(key=key))
 
 
 def _estimator(ctx: RuleContext) -> Iterator[Diagnostic]:
@@ -86,14 +92,12 @@ def _estimator(ctx: RuleContext) -> Iterator[Diagnostic]:
 def _reward_kl(ctx: RuleContext) -> Iterator[Diagnostic]:
     algo = ctx.problem.spec.algorithm
     if algo.name != "reinforce_pp":
-        for key in ("reward_kl_coef", "reward_kl_estimator"):
-            if getattr(algo, key) is not None:
-                yield ctx.diag(
-                    CODE,
-                    f"algorithm.{key}",
-                    f"{key} shapes reinforce_pp's per-token KL reward; {algo.name} has no KL in its reward",
-                    f"use name: reinforce_pp, or kl_coef for a KL loss term, or drop {key}",
-                )
+        yield from _set_keys(
+            ctx,
+            ("reward_kl_coef", "reward_kl_estimator"),
+            f"{{key}} shapes reinforce_pp's per-token KL reward; {algo.name} has no KL in its reward",
+            "use name: reinforce_pp, or kl_coef for a KL loss term, or drop {key}",
+        )
     elif algo.reward_kl_coef is None:
         yield ctx.diag(
             CODE,
