@@ -109,7 +109,7 @@ class Controller:
             run_dir, plan.loggers, plan.schedule.steps, self.step, run_name=plan.name, config=plan_config(plan)
         )
         self.weights = WeightPush(plan, trainer, rollout, run_dir, self.logger.message, self.version)
-        self.sync_check = SyncCheck(trainer, rollout, sched.sync_check_max_gap)
+        self.sync_check = SyncCheck(trainer, rollout, sched.sync_check_max_gap, sched.sync_check_noise)
         self.rollout_log = RolloutLog(run_dir, self.step)
         self.trace = StepTrace(run_dir, self.step)
         self.scorer = RewardGuard(
@@ -200,13 +200,16 @@ class Controller:
                 f"step {self.step + 1}: {len(batch['input_ids'])} sequence(s) for {algo.minibatches} minibatches; "
                 f"taking {minibatches} optimizer step(s)"
             )
+        t_check = time.perf_counter()
+        self.sync_check.before_step(batch["input_ids"])  # the probe under the weights before the step
+        before_s = time.perf_counter() - t_check
         result = self.trainer.train_step(batch, loss_cfg, minibatches=minibatches)
         stats["train/optimizer_steps"] = result["optimizer_steps"]
         stats.update(skip_metrics(result))  # updates a non-finite loss or gradient norm skipped
         train_s = time.perf_counter() - t0
         t_check = time.perf_counter()
         self.sync_check.expect(batch["input_ids"])
-        check_s = time.perf_counter() - t_check
+        check_s = before_s + time.perf_counter() - t_check
         t1 = time.perf_counter()
         self.phases.before_sync()
         self._sync_weights(self.version + 1)
@@ -215,6 +218,7 @@ class Controller:
         self.phases.after_sync()
         t_check = time.perf_counter()
         stats["sync_check/gap"] = self.sync_check.verify(self.version + 1)
+        stats["sync_check/step_moved"] = self.sync_check.moved
         stats["time/sync_check_s"] = check_s + time.perf_counter() - t_check
         spans = {"build batch": (t_batch, t0), "train": (t0, t1), "weight sync": (t1, t2)}
         if self.colocated:

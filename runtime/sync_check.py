@@ -2,28 +2,46 @@
 
 A sync can corrupt an engine's policy with no error: vLLM's CPU expert kernels kept their start-up weights after
 a reload (measured 1.9-5.8 nats off), a weight-name mapping can skip a tensor, a bucket can land in the wrong
-place. The log-probs the trainer then learns from would silently be another policy's. So, before the sync, the
-trainer scores a probe (the first sequences of the batch it just trained on, a few dozen tokens) with its new
-weights at temperature 1; after the sync every engine scores the same tokens (vLLM's prompt log-probs, which are
-untempered) on each of its engine cores (an engine with attention data parallelism holds a copy of the weights per
-core), and a mean |difference| above the plan's `schedule.sync_check_max_gap` stops the run, naming the
-engine. The cost is one short forward on each side per step.
+place, an engine can report the new version while serving the old one. The log-probs the trainer then learns from
+would silently be another policy's. So the trainer scores a probe (the first sequences of the batch it trains on, a
+few dozen tokens) at temperature 1 twice: with the weights before the step (`before_step`, one extra short
+forward) and with its new weights (`expect`); after the sync every engine scores the same tokens (vLLM's prompt
+log-probs, which are untempered) on each of its engine cores (an engine with attention data parallelism holds a
+copy of the weights per core). The run stops, naming the engine and core, when
+
+1. any engine log-prob is NaN or infinite (so is the gap then: `gap > bound` alone would read NaN as a pass);
+2. the step moved the probe (mean |new − old|) by more than twice `schedule.sync_check_noise`, the largest gap a
+   fresh sync shows for the plan's dtype and model, and the engine is nearer the old scores than the new ones:
+   it did not take the step (left one version behind, or a layer missed). By the triangle inequality a fresh
+   engine whose own noise is within that figure is always nearer the new scores, and a stale one the old;
+3. the mean |engine − new| exceeds `schedule.sync_check_max_gap` (3x the noise, at least 1e-3): other weights.
+
+What no log-prob check can see: a step that moves the probe less than the engine's own noise. In float32 that
+noise is ~1e-6 and any step is seen. In bfloat16 it is 0.004-0.018 nats on a dense model: the quickstart model at
+its lr (5e-4) moves the probe 0.01-0.16 a step, so an engine one version behind is caught on about half its steps
+(each one that moves the probe past 0.036); at the lr of real post-training (1e-6 on billions of parameters) a
+step moves it far less, and an engine one version behind is seen only once the versions it missed add up past
+that. A missed layer is seen once its share of the step does: one of the quickstart's two layers is 0.005-0.1
+nats. With routed experts (noise 0.136) this check sees only gross failures.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from rlc.runtime.errors import RunError, resume_command
 
-__all__ = ["PROBE_SEQUENCES", "PROBE_TOKENS", "SyncCheck", "probe_of"]
+__all__ = ["PROBE_SEQUENCES", "PROBE_TOKENS", "SyncCheck", "mean_gap", "probe_of"]
 
 #: Sequences of the trained batch the probe takes, and tokens of each (prompt first, then the response).
 PROBE_SEQUENCES = 2
 PROBE_TOKENS = 64
 #: Seconds the engines may take to score the probe before the run stops (a short forward each).
 CHECK_TIMEOUT_S = 300
+#: The step must move the probe this many times the plan's noise before an engine's side of it is judged.
+RESOLVE_FACTOR = 2.0
 
 
 def probe_of(input_ids: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -31,35 +49,68 @@ def probe_of(input_ids: Sequence[Sequence[int]]) -> list[list[int]]:
     return [list(ids[:PROBE_TOKENS]) for ids in input_ids if len(ids) >= 2][:PROBE_SEQUENCES]
 
 
+def _scored(trainer_rows: Sequence[Sequence[float]]) -> list[float]:
+    """The trainer's log-probs of the tokens the engines score: its entry 0 of each row has no prediction."""
+    return [v for row in trainer_rows for v in row[1:]]
+
+
+def _mean_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(len(a), 1)
+
+
 def mean_gap(trainer_rows: Sequence[Sequence[float]], engine_rows: Sequence[Sequence[float]]) -> float:
     """Mean |trainer − engine| over the probe's scored tokens (the trainer's entry 0 has no prediction)."""
-    diffs = [
-        abs(t - e)
-        for trainer, engine in zip(trainer_rows, engine_rows, strict=True)
-        for t, e in zip(trainer[1:], engine, strict=True)
-    ]
-    return sum(diffs) / max(len(diffs), 1)
+    for trainer, engine in zip(trainer_rows, engine_rows, strict=True):
+        if len(trainer) - 1 != len(engine):
+            raise ValueError(f"the engine scored {len(engine)} tokens of a {len(trainer)}-token probe sequence")
+    return _mean_abs_diff(_scored(trainer_rows), [v for row in engine_rows for v in row])
+
+
+def _non_finite(values: Sequence[float]) -> int:
+    return sum(not math.isfinite(v) for v in values)
 
 
 class SyncCheck:
-    """One run's post-sync check: `expect` before the sync, `verify` after it."""
+    """One run's post-sync check: `before_step` before training, `expect` before the sync, `verify` after it."""
 
-    def __init__(self, trainer: Any, rollout: Any, max_gap: float) -> None:
-        """`rollout`: the run's `RolloutPool` (its engines are read at each check: restarts replace them)."""
-        self.trainer, self.rollout, self.max_gap = trainer, rollout, max_gap
+    def __init__(self, trainer: Any, rollout: Any, max_gap: float, noise: float | None = None) -> None:
+        """`rollout`: the run's `RolloutPool` (its engines are read at each check: restarts replace them).
+        `noise`: the plan's `schedule.sync_check_noise`; None leaves out the weights-before-the-step comparison."""
+        self.trainer, self.rollout, self.max_gap, self.noise = trainer, rollout, max_gap, noise
         self._probe: list[list[int]] = []
         self._expected: list[list[float]] = []
+        self._before: list[float] = []
+        #: Mean |new − old| trainer log-prob over the probe's scored tokens at the last check (NaN: not scored).
+        self.moved = float("nan")
+
+    def _score(self, probe: list[list[int]]) -> list[list[float]]:
+        return self.trainer.compute_logprobs({"input_ids": probe}, temperature=1.0) if probe else []
+
+    def before_step(self, input_ids: Sequence[Sequence[int]]) -> None:
+        """Score the probe with the trainer's weights before the step (what an engine that missed the sync serves).
+        One short forward; none where the plan states no noise figure."""
+        self._probe = probe_of(input_ids)
+        self._before = _scored(self._score(self._probe)) if self.noise is not None else []
 
     def expect(self, input_ids: Sequence[Sequence[int]]) -> None:
         """Score the probe with the trainer's current (new, not yet synced) weights."""
-        self._probe = probe_of(input_ids)
-        self._expected = (
-            self.trainer.compute_logprobs({"input_ids": self._probe}, temperature=1.0) if self._probe else []
-        )
+        probe = probe_of(input_ids)
+        if probe != self._probe:  # no `before_step` for this batch: nothing to compare the step with
+            self._probe, self._before = probe, []
+        self._expected = self._score(probe)
+        bad = _non_finite(_scored(self._expected))
+        if bad:
+            raise RunError(
+                f"the trainer's new weights score {bad} of the post-sync probe's tokens as NaN or infinite: they "
+                f"are not synced to the engines. The run stopped; `{resume_command('PLAN')}` continues from the "
+                "last checkpoint"
+            )
+        new = _scored(self._expected)
+        self.moved = _mean_abs_diff(new, self._before) if len(self._before) == len(new) and new else float("nan")
 
     def verify(self, version: int) -> float:
         """Every engine scores the probe; returns the largest engine's mean gap (NaN when no engine could be checked:
-        all restarted or gone since the sync), or stops the run above the bound.
+        all restarted or gone since the sync), or stops the run (`judge`).
 
         An engine that died or was restarted since the sync is skipped: it is loaded with the current weights before
         it serves again.
@@ -84,15 +135,52 @@ class SyncCheck:
                 ) from None
             if held != version:
                 continue
-            gaps = [mean_gap(self._expected, rows) for rows in by_core]
-            gap = max(gaps)
-            if gap > self.max_gap:
-                where = f"engine {index}" + (f" (its engine core {gaps.index(gap)})" if len(gaps) > 1 else "")
-                raise RunError(
-                    f"after the weight sync to version {version}, {where} scores the trainer's tokens "
-                    f"{gap:.3g} nats apart on average (bound {self.max_gap:g}, `schedule.sync_check_max_gap`): it "
-                    "serves other weights than the trainer's, so its samples would train on another policy. The "
-                    f"run stopped; `{resume_command('PLAN')}` restarts the engines from the last checkpoint"
-                )
+            gap = self.judge(index, version, by_core)
             worst = gap if worst != worst else max(worst, gap)  # NaN until the first engine answers
         return worst
+
+    def judge(self, index: int, version: int, by_core: Sequence[Sequence[Sequence[float]]]) -> float:
+        """Engine `index`'s probe log-probs, by engine core, against the trainer's: the largest core's mean gap, or a
+        `RunError` naming the engine and core (non-finite scores, nearer the weights before the step, or past the
+        bound)."""
+        gaps: list[float] = []
+        for core, rows in enumerate(by_core):
+            where = f"engine {index}" + (f" (its engine core {core})" if len(by_core) > 1 else "")
+            scores = [v for row in rows for v in row]
+            bad = _non_finite(scores)
+            if bad:
+                self._stop(
+                    version,
+                    f"{where} scores {bad} of the trainer's {len(scores)} probe tokens as NaN or infinite",
+                )
+            gap = mean_gap(self._expected, rows)
+            if self._resolved():
+                before = _mean_abs_diff(self._before, scores)
+                if before < gap:
+                    self._stop(
+                        version,
+                        f"{where} scores the trainer's tokens nearer its weights before the step ({before:.3g} nats "
+                        f"apart on average) than its new weights ({gap:.3g}); the step moved them {self.moved:.3g}, "
+                        f"more than {RESOLVE_FACTOR:g}x a fresh sync's {self.noise:g} "
+                        "(`schedule.sync_check_noise`): the engine did not take the step (the sync left it a version "
+                        "behind, or missed part of its layers)",
+                    )
+            if not gap <= self.max_gap:  # NaN fails too
+                self._stop(
+                    version,
+                    f"{where} scores the trainer's tokens {gap:.3g} nats apart on average (bound {self.max_gap:g}, "
+                    "`schedule.sync_check_max_gap`): it serves other weights than the trainer's",
+                )
+            gaps.append(gap)
+        return max(gaps) if gaps else float("nan")
+
+    def _resolved(self) -> bool:
+        """Whether the step moved the probe enough, against the plan's noise, to tell new weights from old."""
+        return self.noise is not None and self.moved == self.moved and self.moved > RESOLVE_FACTOR * self.noise
+
+    @staticmethod
+    def _stop(version: int, what: str) -> NoReturn:
+        raise RunError(
+            f"after the weight sync to version {version}, {what}, so its samples would train on another policy. "
+            f"The run stopped; `{resume_command('PLAN')}` restarts the engines from the last checkpoint"
+        )

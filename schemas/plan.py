@@ -143,7 +143,15 @@ class Schedule(PlanModel):
     sync_check_max_gap: float = Field(
         1e-3,
         description="Largest mean |log-prob difference| between each engine and the trainer on a probe scored "
-        "after every weight sync; above it the run stops (`schedule.sync_check_max_gap`).",
+        "after every weight sync; above it the run stops: max(1e-3, 3 × sync_check_noise) unless the spec sets it "
+        "(`schedule.sync_check_max_gap`).",
+    )
+    sync_check_noise: float | None = Field(
+        None,
+        description="How far a fresh sync's engine and trainer score the probe apart, for this plan's dtype and model "
+        "kind (the largest measured or published figure, `schedule.SYNC_NOISE`). When a step moved the probe by more "
+        "than twice this, each engine must score it nearer the new weights than the weights before the step; below "
+        "that no log-prob check can tell an engine one version behind. None: that test is off.",
     )
     offload: list[OffloadStep] = Field(default_factory=list, description="Colocated phase transitions.")
     checkpoint_every: int

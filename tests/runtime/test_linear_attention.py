@@ -228,4 +228,4 @@ def test_the_cpu_hybrid_with_mtp_plans_bf16_engines_with_its_drafter(tmp_path: P
     engine = next(r for r in plan.roles if r.name == "rollout").engine
     assert engine["dtype"] == "bfloat16" and engine["enable_prefix_caching"] is False
     assert engine["speculative_config"] == {"method": "qwen3_5_mtp", "num_speculative_tokens": 1}
-    assert plan.schedule.sync_check_max_gap == 0.25
+    assert (plan.schedule.sync_check_max_gap, plan.schedule.sync_check_noise) == (0.12, 0.04)
