@@ -25,6 +25,7 @@ from ..packing import PackedBatch, pack_sequences
 from ..platform import Platform
 from .context_parallel import CpShard, cp_micro_batch
 from .packed_forward import packed_attention_inputs
+from .varlen_attention import attention_kernel_for
 
 __all__ = ["MicroBatch", "MicroBatcher"]
 
@@ -140,7 +141,7 @@ class MicroBatcher:
             cu_seqlens=packed.cu_seqlens,
             max_seqlen=packed.max_seqlen,
             chunk=chunk,
-            inner="varlen" if self.platform.name == "cpu" else "flash_attention_2",
+            inner=attention_kernel_for(self.platform.name)[0],
         )
         sl = slice(shard.start, shard.end)
         labels = F.pad(packed.input_ids, (0, 1), value=self.pad_id)[:, shard.start + 1 : shard.end + 1]

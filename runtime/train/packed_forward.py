@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..algo.logprobs import chunked_logprobs_entropy
 from ..packing import PackedBatch, pack_micro_batches
 from ..platform import Platform
-from .varlen_attention import VARLEN_SDPA, register_varlen_attention, varlen_sdpa_attention
+from .varlen_attention import VARLEN_SDPA, attention_kernel_for, register_varlen_attention, varlen_sdpa_attention
 
 __all__ = [
     "LOGPROB_METHOD",
@@ -65,10 +65,8 @@ def attn_implementation_for(
         return "sdpa"
     if packed_attention != "varlen":
         raise ValueError(f"unknown packed_attention {packed_attention!r}; expected 'varlen' or 'mask'")
-    if platform.name == "cpu":
-        return register_varlen_attention()
-    # transformers routes flash_attention_2 to torch_npu's varlen kernel on Ascend, flash-attn on CUDA.
-    return "flash_attention_2"
+    # rlc's varlen SDPA on cpu (and CUDA without flash-attn); flash_attention_2 (torch_npu's on Ascend) elsewhere.
+    return attention_kernel_for(platform.name)[0]
 
 
 def packed_attention_inputs(

@@ -268,3 +268,30 @@ def test_installed_expert_kernel_equals_transformers_experts_on_one_rank(tiny_mo
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         assert torch.allclose(grad, ref_grads[name], atol=1e-5, rtol=1e-4), name
+
+
+# --------------------------------------------------------------------------------------------- accelerator check
+
+
+def test_the_accelerator_check_runs_dry_on_cpu_without_vllm_or_ray() -> None:
+    """`benchmarks/accelerator_check.py --dry`: both tables print, every tiny model passes on cpu's kernels, and
+    the script imports neither vLLM nor Ray (the lent accelerator machines have neither)."""
+    import subprocess
+
+    from paths import REPO
+
+    script = (
+        "import runpy, sys\n"
+        "sys.argv = ['accelerator_check.py', '--dry']\n"
+        "try:\n"
+        f"    runpy.run_path({str(REPO / 'benchmarks' / 'accelerator_check.py')!r}, run_name='__main__')\n"
+        "except SystemExit as exc:\n"
+        "    print('exit', exc.code, 'vllm' in sys.modules, 'ray' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = done.stdout
+    assert "exit 0 False False" in out, out + done.stderr
+    for kind in ("dense", "moe", "hybrid"):
+        assert any(line.startswith(kind) and " yes " in line for line in out.splitlines()), out
+    assert "experts: torch loop" in out and "gated_deltanet: torch chunked delta rule" in out
+    assert "peak GiB" in out and "step s" in out
