@@ -35,6 +35,7 @@ from ..platform import Platform, get_platform
 from ..rollout.weight_sync import SyncSender, preload_sync_group
 from . import lora as lora_lib
 from .checkpoints import TrainerCheckpoints
+from .expert_parallel import install_expert_kernel
 from .linear_attention import install_packed_linear_attention
 from .memory_probe import PeakMemory, measured
 from .micro_batches import MicroBatch, MicroBatcher
@@ -157,6 +158,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         model.config.use_cache = False
         # Hybrid models: rlc's packed forward for the Gated-DeltaNet layers, with this platform's kernels.
         install_packed_linear_attention(model, self.platform)
+        install_expert_kernel(model, self.platform.name)  # MoE: the platform's expert GEMMs, with or without EP
         for name, param in model.named_parameters():  # a speculative-decoding head stays frozen
             if lora_lib.is_draft_key(name):
                 param.requires_grad_(False)
