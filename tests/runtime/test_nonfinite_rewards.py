@@ -22,12 +22,25 @@ def _extreme_rewards(groups: int = 16) -> torch.Tensor:
     return torch.tensor([pattern[i % len(pattern)] for i in range(groups * GROUP)], dtype=torch.float64)
 
 
+def _estimate(name: str, rewards: torch.Tensor) -> torch.Tensor:
+    """The estimator's advantages over million-token responses: one per sample, or (an estimator with a per-token
+    KL reward) one per response token, 100k-token responses each with a KL of 1 nat per token."""
+    from rlc.runtime.algo import advantages as estimators
+
+    per_token = getattr(estimators, "reinforce_pp_advantages", None)
+    if name == "reinforce_pp" and per_token is not None:
+        tokens = 100_000
+        rows = per_token(rewards[: 2 * GROUP], [torch.ones(tokens)] * (2 * GROUP), kl_coef=1.0)
+        return torch.stack([row[:: tokens // 8] for row in rows]).flatten()
+    lengths = [1_000_000 - 7 * i for i in range(rewards.numel())]
+    return advantages(name, rewards, GROUP, lengths=lengths)
+
+
 @pytest.mark.parametrize("name", ESTIMATORS)
 def test_every_estimator_is_finite_at_the_reward_bound(name: str) -> None:
     rewards = _extreme_rewards()
     assert all(as_score(float(r))[1] is None for r in rewards.tolist())  # each of them is an accepted reward
-    lengths = [1_000_000 - 7 * i for i in range(rewards.numel())]  # million-token responses
-    adv = advantages(name, rewards, GROUP, lengths=lengths)
+    adv = _estimate(name, rewards)
     assert torch.isfinite(adv).all(), f"{name}: non-finite advantages from rewards within ±{MAX_REWARD:g}"
     # The policy loss over them, token-weighted, at a ratio away from 1 (clipped on one side, not the other).
     tokens = 32

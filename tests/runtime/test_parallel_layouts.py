@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from ranks import free_port, leave_together
 
+from rlc.schemas.layout import TORCH_LINEAR_KERNELS
+
 torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.slow
@@ -233,7 +235,7 @@ def test_hybrid_layout_matches_one_unpacked_rank(
     _assert_matches(ranks, hybrid_reference, layout)
     built = ranks[0]["built"]["built"]["extra"]
     assert built["linear_attention_layers"] == 3
-    assert built["linear_attention_kernels"] == "torch (split at cu_seqlens)"
+    assert built["linear_attention_kernels"] == TORCH_LINEAR_KERNELS
 
 
 #: Expert-parallel layouts of the tiny Qwen3-MoE (8 experts, top-2, random routers that spread tokens over every
