@@ -348,7 +348,6 @@ PLATFORM_KERNELS: dict[str, dict[str, KernelChoice]] = {
         ),
     },
 }
-LINEAR_KERNELS: dict[str, str] = {name: seams["gated_deltanet"].statement() for name, seams in PLATFORM_KERNELS.items()}
 
 
 def experts_over_tp(ep: int, tp: int) -> int:
