@@ -322,6 +322,47 @@ def test_broadcast_from_trainer_group_matches_trainer(ray_cluster, engine, tiny_
 
 
 @pytest.mark.slow
+def test_post_sync_check_sees_a_stale_engine(ray_cluster, engine, tiny_model_dir, tokenizer, tmp_path) -> None:
+    """The post-sync check (`SyncCheck.verify`, the quickstart's float32 plan numbers) on this engine, after one GRPO
+    step of the quickstart model at the quickstart's lr: the new weights pass; an engine stamped with the new version
+    but serving the weights before the step, or with decoder layer 0 left on them, stops the run."""
+    import types
+
+    from test_sync_check import LR, Trainer, _half_synced, _plan_schedule, _step
+
+    from rlc.runtime.errors import RunError
+    from rlc.runtime.rollout.client import EngineClient
+    from rlc.runtime.sync_check import SyncCheck
+
+    ray = ray_cluster
+    old = hf_model(tiny_model_dir)
+    new, seqs = _step(old, LR, tokenizer)
+    # Whole state dicts (the tied head too): the model folder's file leaves it out.
+    paths = {
+        name: str(write_safetensors(model.state_dict(), tmp_path / name))
+        for name, model in (("old", old), ("new", new), ("half", _half_synced(new, old, 0)))
+    }
+    schedule = _plan_schedule("cpu")
+    trainer = Trainer(old, bf16=False)
+    pool = types.SimpleNamespace(engines=[EngineClient(engine)])
+    check = SyncCheck(trainer, pool, schedule.sync_check_max_gap, schedule.sync_check_noise)
+    check.before_step(seqs)
+    trainer.model = new
+    check.expect(seqs)
+    try:
+        ray.get(engine.update_weights_from_path.remote(paths["new"], 1))
+        fresh = check.verify(1)
+        print(f"the step moved the probe {check.moved:.3f} nats; the synced engine is {fresh:.1e} off")
+        assert fresh < TOL and check.moved > 2 * schedule.sync_check_noise
+        for version, name, why in ((2, "old", "nearer its weights before the step"), (3, "half", "did not take")):
+            ray.get(engine.update_weights_from_path.remote(paths[name], version))
+            with pytest.raises(RunError, match=why):
+                check.verify(version)
+    finally:
+        ray.get(engine.update_weights_from_path.remote(paths["old"], 0))
+
+
+@pytest.mark.slow
 def test_spec_decode_metrics(ray_cluster, engine, tokenizer) -> None:
     ray = ray_cluster
     prompt = tokenizer("1+2=3+1+2=3+1+2=").input_ids
