@@ -6,17 +6,21 @@ a time: generating a batch then takes longer than training on one, so the engine
 however fast this machine is (with the quickstart's engine it may finish each batch before the update lands).
 
 What the run must show: rollout overlapping training in its trace, samples a weight update interrupted, each
-recorded with its tokens' versions in order, and those tokens' behaviour log-probs in the decoupled loss (the
-importance weights move off 1, which the stale tokens make them).
+recorded with its tokens' versions in order, and those samples trained as they were sampled: in the batch the
+trainer received, each of their tokens carries the log-prob the engine returned for it and counts as old as the
+version that sampled it (the staleness the step reports is over those per-token versions), so their
+pre-update tokens' behaviour log-probs weigh the decoupled loss.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from paths import REPO
@@ -27,10 +31,33 @@ STEPS = 6
 pytestmark = pytest.mark.slow
 
 
-def test_interrupted_samples_carry_both_versions_and_train(tmp_path: Path) -> None:
+def _record_batches(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Every batch the driver hands the trainer, with the groups it was built from and the step's version."""
+    from rlc.runtime.workflows.generate import GenerateWorkflow
+
+    built: list[dict[str, Any]] = []
+    real = GenerateWorkflow.build_batch
+
+    def recording(self: GenerateWorkflow, groups: list[Any]) -> Any:
+        batch, stats, domains = real(self, groups)
+        built.append({"version": self.loop.version, "groups": groups, "batch": batch, "stats": stats})
+        return batch, stats, domains
+
+    monkeypatch.setattr(GenerateWorkflow, "build_batch", recording)
+    return built
+
+
+def _expand(spans: list[list[int]]) -> list[int]:
+    """Per-token versions from the log's [version, start, end] spans."""
+    return [version for version, start, end in spans for _ in range(start, end)]
+
+
+def test_interrupted_samples_carry_both_versions_and_train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from rlc.compiler.manifest import load_plan
     from rlc.runtime.launch import run_plan
     from rlc.runtime.tasks.model_builder import build_tiny_model
+
+    built = _record_batches(monkeypatch)
 
     model = build_tiny_model(tmp_path / "model", seed=0, warmup_steps=0)
     overrides = [
@@ -65,6 +92,30 @@ def test_interrupted_samples_carry_both_versions_and_train(tmp_path: Path) -> No
         # Contiguous spans from the first token on, each a newer version than the one before.
         assert spans[0][1] == 0 and all(a[2] == b[1] and a[0] < b[0] for a, b in itertools.pairwise(spans))
         assert request["version"] == spans[0][0] >= request["admitted_at"]
-    # Tokens trained while older than the current policy: their behaviour log-probs weigh the loss.
-    assert max(r["staleness/max"] for r in rows) >= 1
-    assert any(r["behave_imp_weight/max"] != 1.0 for r in rows)
+    logged = {
+        (request["id"], request["cursors"][p], s): _expand(spans)
+        for request in requests
+        for p, s, spans in request.get("interrupted", [])
+    }
+    assert len(built) == STEPS  # one batch a step, in step order
+    steps_with_interrupted = []
+    for step, record in enumerate(built, 1):
+        version, lags, index = record["version"], [], 0
+        for group in record["groups"]:
+            prompt = len(group.item.prompt_ids)
+            for s, (out, logprobs) in enumerate(zip(group.output_ids, group.logprobs, strict=True)):
+                versions = group.sample_versions(s)
+                assert len(versions) == len(out)
+                lags += [version - v for v in versions]
+                # The trainer gets the engine's per-token behaviour log-probs, the pre-update tokens' included.
+                assert record["batch"]["behaviour_logprobs"][index][prompt:] == list(logprobs)
+                index += 1
+                if len(set(versions)) > 1:  # interrupted: trained with the versions its log line records
+                    assert logged[(group.request, group.item.cursor, s)] == versions
+                    steps_with_interrupted.append(step)
+        # The step's staleness is over each token's own version, an interrupted sample's older tokens included.
+        stats = record["stats"]
+        assert stats["staleness/max"] == max(lags) and stats["staleness/mean"] == pytest.approx(statistics.fmean(lags))
+    assert steps_with_interrupted, "no interrupted sample was trained"
+    # Where interrupted samples trained, tokens older than the policy weigh the loss by their behaviour log-probs.
+    assert any(rows[step - 1]["behave_imp_weight/max"] != 1.0 for step in steps_with_interrupted)
