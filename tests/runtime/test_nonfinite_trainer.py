@@ -153,21 +153,30 @@ def test_only_the_failing_minibatch_skips(worker) -> None:
     assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("param/"))
 
 
-# ---------------------------------------------------------------- two ranks: one rank's NaN stops both
+# ---------------------------------------------------------------- two ranks: one rank's loss stops both
+
+#: Two-rank layouts, and the ranks whose loss is infinite: one data-parallel rank's share; a pipeline's last stage,
+#: the only one that computes the loss (its gradients reach the first stage finite).
+TWO_RANKS = {"dp2": ({"world_size": 2}, {1}), "pp2": ({"world_size": 2, "pp": 2}, {0, 1})}
 
 
-def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
+def _rank_main(rank: int, port: int, model_dir: str, out: str, name: str) -> None:
     torch.set_num_threads(1)
     from rlc.runtime.train.group import split_batch
     from rlc.runtime.train.trainer import TrainerWorker
+    from rlc.schemas.layout import TrainLayout
 
-    w = TrainerWorker(rank, 2, "127.0.0.1", port, model_dir, "cpu", CFG)
-    share = split_batch(_batch(w, 4), 2)[rank]
+    layout, injected = TWO_RANKS[name]
+    lay = TrainLayout(micro_batch_tokens=CFG["micro_batch_tokens"], **layout)
+    w = TrainerWorker(rank, 2, "127.0.0.1", port, model_dir, "cpu", CFG, lay)
+    batch = _batch(w, 4)  # a pipeline stage before the last scores nothing (empty rows), and computes no loss
+    rows = zip(batch["behaviour_logprobs"], batch["input_ids"], strict=True)
+    batch["behaviour_logprobs"] = [r or [0.0] * len(s) for r, s in rows]
+    share = split_batch(batch, lay.dp)[lay.coordinates(rank)["dp"]]
     w.train_step(share, POLICY)
     state = _state(w)  # this rank's shard of every parameter and of AdamW's state
-    ref = [[0.0] * len(s) for s in share["input_ids"]]
-    if rank == 1:  # an infinite loss on this rank only, with finite gradients everywhere
-        ref = [[0.0] + [float("-inf")] * (len(s) - 1) for s in share["input_ids"]]
+    inf = float("-inf") if rank in injected else 0.0  # k1's gradient does not depend on the reference: all finite
+    ref = [[0.0] + [inf] * (len(s) - 1) for s in share["input_ids"]]
     stats = w.train_step({**share, "ref_logprobs": ref}, {**POLICY, "kl_coef": 0.1, "kl_estimator": "k1"})
     after = _state(w)
     same = all(torch.equal(v, after[k]) for k, v in state.items())
@@ -176,10 +185,13 @@ def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_one_ranks_nonfinite_loss_skips_the_update_on_every_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_one_ranks_nonfinite_loss_skips_the_update_on_every_rank(
+    name: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(free_port(), str(tiny_model_dir), str(tmp_path), name), nprocs=2, join=True)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         _assert_skipped(result["stats"], "loss")
