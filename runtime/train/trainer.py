@@ -382,7 +382,8 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         distillation term to ``teacher_logprobs`` on the tokens of sequences whose ``distill_weights``
         is non-zero; on-policy distillation next to the RL loss). The loss aggregates each minibatch's masked
         tokens across the group (``policy.agg``, token mean by default); the returned loss and grad_norm are means
-        over minibatches, the other statistics token-weighted over the whole step.
+        over minibatches, the other statistics token-weighted over the whole step. A minibatch whose loss or gradient
+        norm is not finite on any rank takes no optimizer step (``skipped_steps``, ``nonfinite``: `runtime.nonfinite`).
         """
         cfg = dict(loss_fn_cfg or {})
         minibatches = [batch] if isinstance(batch, Mapping) else list(batch)
