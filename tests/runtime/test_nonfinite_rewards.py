@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlc.runtime.algo.advantages import ESTIMATORS, advantages
+from rlc.runtime.algo.advantages import ESTIMATORS, advantages, reinforce_pp_advantages
 from rlc.runtime.algo.loss import policy_loss
 from rlc.runtime.algo.policy import PolicyLoss
 from rlc.runtime.tasks.rewards import MAX_REWARD, as_score
@@ -25,12 +25,9 @@ def _extreme_rewards(groups: int = 16) -> torch.Tensor:
 def _estimate(name: str, rewards: torch.Tensor) -> torch.Tensor:
     """The estimator's advantages over million-token responses: one per sample, or (an estimator with a per-token
     KL reward) one per response token, 100k-token responses each with a KL of 1 nat per token."""
-    from rlc.runtime.algo import advantages as estimators
-
-    per_token = getattr(estimators, "reinforce_pp_advantages", None)
-    if name == "reinforce_pp" and per_token is not None:
+    if name == "reinforce_pp":
         tokens = 100_000
-        rows = per_token(rewards[: 2 * GROUP], [torch.ones(tokens)] * (2 * GROUP), kl_coef=1.0)
+        rows = reinforce_pp_advantages(rewards[: 2 * GROUP], [torch.ones(tokens)] * (2 * GROUP), kl_coef=1.0)
         return torch.stack([row[:: tokens // 8] for row in rows]).flatten()
     lengths = [1_000_000 - 7 * i for i in range(rewards.numel())]
     return advantages(name, rewards, GROUP, lengths=lengths)
