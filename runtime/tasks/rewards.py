@@ -183,8 +183,9 @@ def _clip(text: object, limit: int = 120) -> str:
 
 #: The largest reward magnitude accepted. Far beyond any real reward, yet small enough that every estimator's
 #: float32 statistics stay finite: a group's squared deviations (≤ (2e12)² × group size), REINFORCE++'s returns
-#: summed over a million-token response (≤ 1e18) and the loss over them. Rewards of 3e38 (finite in float32) gave
-#: NaN GRPO advantages, and every weight after the step NaN.
+#: summed over a million-token response (≤ 1e18) and the loss over them. Rewards of 3e38 (finite in float32) gave NaN
+#: GRPO advantages while its statistics were float32; in float64 they still overflow Dr. GRPO's and RLOO's float32
+#: advantages (r − mean reaches twice the reward) and the loss.
 MAX_REWARD = 1e12
 
 _BEYOND = f"beyond the largest reward magnitude accepted ({MAX_REWARD:g}), where the advantages would overflow"
