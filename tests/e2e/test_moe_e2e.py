@@ -55,6 +55,9 @@ def test_cpu_moe_trains_with_expert_parallelism_as_planned(tmp_path: Path) -> No
     assert [r["step"] for r in rows] == list(range(1, 7))
     # The engine serves the trainer's weights after every sync: probe and sampled tokens alike.
     assert all(r["sync_check/gap"] < 1e-4 for r in rows), [r["sync_check/gap"] for r in rows]
+    # The trainer scored the probe before every step too (null when it did not): each step's engine was judged
+    # nearer the new weights than the old wherever the step moved the probe past twice float32's noise.
+    assert all(r["sync_check/step_moved"] is not None for r in rows), [r["sync_check/step_moved"] for r in rows]
     assert all(r["logprob_gap/max"] < 1e-4 for r in rows), [r["logprob_gap/max"] for r in rows]
 
 
