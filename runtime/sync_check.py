@@ -18,11 +18,11 @@ copy of the weights per core). The run stops, naming the engine and core, when
 
 What no log-prob check can see: a step that moves the probe less than the engine's own noise. In float32 that
 noise is ~1e-6 and any step is seen. In bfloat16 it is 0.004-0.018 nats on a dense model: the quickstart model at
-its lr (5e-4) moves the probe 0.01-0.16 a step, so an engine one version behind is caught on about half its steps
+its lr (5e-4) moves the probe 0.01-0.26 a step, so an engine one version behind is caught on about half its steps
 (each one that moves the probe past 0.036); at the lr of real post-training (1e-6 on billions of parameters) a
 step moves it far less, and an engine one version behind is seen only once the versions it missed add up past
-that. A missed layer is seen once its share of the step does: one of the quickstart's two layers is 0.005-0.1
-nats. With routed experts (noise 0.136) this check sees only gross failures.
+that. A missed layer is seen once its share of the steps does: one of the quickstart's two layers holds 0.005-0.1
+nats of a step. With routed experts (noise 0.136) this check sees only gross failures.
 """
 
 from __future__ import annotations
