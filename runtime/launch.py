@@ -24,7 +24,7 @@ from rlc.runtime.launch_request import launch_request
 from rlc.runtime.preflight import Weights
 from rlc.runtime.ray_start import start_ray
 from rlc.runtime.role_actors import build_roles, check_built_layout
-from rlc.runtime.run_end import STOP_SIGNALS, RunStopped, actor_death, run_controller
+from rlc.runtime.run_end import STOP_SIGNALS, RunStopped, actor_death, run_controller, stop_left_to_this_process
 from rlc.runtime.run_inputs import load_inputs, prepare_model
 from rlc.runtime.run_outputs import finish_run_record, replay_schedule, write_run_record, write_run_report
 from rlc.schemas.layout_file import write_layout_record
@@ -116,7 +116,8 @@ def _run_locked(  # type: ignore[no-untyped-def]
 
         check_agent(plan)
     (run_dir / "plan.json").write_text(plan.model_dump_json(indent=2) + "\n")
-    parts = RunParts(started_ray=start_ray(plan, log))
+    with stop_left_to_this_process():  # a job-wide SIGTERM must not stop the embedded Ray before the checkpoint
+        parts = RunParts(started_ray=start_ray(plan, log))
     # After ray.init, which sets its own SIGTERM handler (exit at once): a second signal gets that back.
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     try:
@@ -276,9 +277,9 @@ def _train(controller: Any, run_dir: Path, replay: Path | None, previous: dict[A
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, interrupt)
-    steps = run_controller(controller.run, run_dir)
+    steps = run_controller(controller.run, run_dir, stopped_by)
     if stopped_by:
-        steps = run_controller(controller.finish_after_stop, run_dir)
+        steps = run_controller(controller.finish_after_stop, run_dir, stopped_by)
     if steps < controller.total_steps:
         with contextlib.suppress(OSError, ValueError):  # the stop is what must be reported
             finish_run_record(run_dir, replay, log)

@@ -9,6 +9,7 @@ from typing import Any
 
 from rlc.runtime.errors import RunError
 from rlc.runtime.launch_request import ActorRequest, LaunchRequest, launch_request
+from rlc.runtime.run_end import actor_leaves_stop_to_driver
 from rlc.runtime.weight_push import sync_method
 from rlc.schemas.plan import Plan, Role
 
@@ -136,10 +137,16 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
         )
 
     def trainers() -> dict[str, Any]:
-        return {
+        started = {
             "the trainer": group_of(ranks, train_cfg),
             "the reference policy": group_of(refs, {**train_cfg, "lr": 0.0, "weight_sync": None}) if refs else None,
         }
+        for group in started.values():
+            for worker in getattr(group, "workers", ()):
+                # A job-wide SIGTERM is the driver's (`run_end.leave_stop_to_driver`; engines apply it as they start
+                # vLLM). A rank starts no process that would inherit it, so nothing waits for this.
+                worker.__ray_call__.remote(actor_leaves_stop_to_driver)
+        return started
 
     # Every role starts at once, engines first (theirs is the longest start-up), except where trainers and
     # engines share an accelerator: vLLM sizes its cache from the device memory it finds free, so there the

@@ -3,10 +3,11 @@ names the newest checkpoint to resume from."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -19,6 +20,43 @@ T = TypeVar("T")
 #: Signals that stop a run cleanly, as Ctrl-C does: SIGTERM is what `kill`, schedulers (Slurm, Kubernetes) and
 #: `ray job stop` send first.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_left_to_this_process() -> Iterator[None]:
+    """Processes started inside leave SIGTERM to this one: they inherit it blocked (a blocked signal stays blocked
+    across fork and exec, and a handler of theirs never sees it). A scheduler that signals every process of the job
+    (Slurm's `scancel`) would otherwise stop the embedded Ray's raylet, which ends every actor with it, before this
+    driver has finished the step in progress and written its checkpoint. They still end when the driver ends them
+    (`ray.shutdown` follows SIGTERM with SIGKILL) or dies (Ray's processes share its fate)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def leave_stop_to_driver() -> None:
+    """In a run's actor: ignore SIGTERM, and have the processes this thread starts (vLLM's engine core) inherit it
+    blocked, so a signal to every process of the job stops the run through its driver, after the checkpoint. Ray's
+    workers start with SIGTERM unblocked and their own handler (exit at once); the disposition is the process's,
+    so it is set from whichever thread runs this (`signal.signal` works only in the main one)."""
+    import ctypes
+    import threading
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal(int(signal.SIGTERM), ctypes.c_void_p(int(signal.SIG_IGN)))
+
+
+def actor_leaves_stop_to_driver(actor: object) -> None:
+    """`leave_stop_to_driver` inside an actor, through Ray's `actor.__ray_call__.remote(...)`."""
+    leave_stop_to_driver()
 
 
 class RunStopped(RunError):
@@ -67,9 +105,10 @@ def actor_death(exc: Exception) -> str:
     return who + cause
 
 
-def run_controller(work: Callable[[], T], run_dir: Path) -> T:
+def run_controller(work: Callable[[], T], run_dir: Path, stopped_by: Sequence[str] = ()) -> T:
     """The training loop (or the resume's first sync), with a dead actor, a wait past its bound, a full disk or
-    a failed write turned into a resumable message."""
+    a failed write turned into a resumable message. ``stopped_by``: the stop signals this driver received so far
+    (read when the work fails): a role lost after one was lost to the same signal, and the message says so."""
     from ray.exceptions import GetTimeoutError, RayActorError
 
     from rlc.runtime.checkpoint import checkpoints_dir, disk_full, full_after_failed_write
@@ -80,12 +119,16 @@ def run_controller(work: Callable[[], T], run_dir: Path) -> T:
     except StallError as exc:
         raise RunError(f"{exc}. The run stopped: {_resumable(run_dir)}") from None
     except GetTimeoutError as exc:  # a TimeoutError, hence an OSError: not a failed write
+        if stopped_by:
+            raise RunError(_lost_to_the_stop(stopped_by[0], "a role stopped answering", run_dir)) from None
         stopped = f"the run stopped: {_resumable(run_dir)}"
         raise RunError(
             f"a role of the run stopped answering ({first_line(exc, 'no answer in time')}); {stopped}"
         ) from None
     except RayActorError as exc:
         death = actor_death(exc)
+        if stopped_by:
+            raise RunError(_lost_to_the_stop(stopped_by[0], f"a Ray actor died ({death})", run_dir)) from None
         raise RunError(f"a Ray actor of the run died ({death}); the run stopped: {_resumable(run_dir)}") from None
     except RunError:  # already says what happened
         raise
@@ -95,6 +138,8 @@ def run_controller(work: Callable[[], T], run_dir: Path) -> T:
             full = full_after_failed_write(exc, checkpoints_dir(run_dir))
         if full is not None:
             raise RunError(_disk_full_message(full, exc, run_dir)) from None
+        if stopped_by:  # Ray itself going down under the signal (its raylet): whatever the call raised
+            raise RunError(_lost_to_the_stop(stopped_by[0], first_line(exc, type(exc).__name__), run_dir)) from None
         cause = vars(exc).get("cause", exc)
         if not isinstance(cause, OSError):
             raise
@@ -103,6 +148,15 @@ def run_controller(work: Callable[[], T], run_dir: Path) -> T:
         raise RunError(
             f"writing the run's files failed: {why}{where}; the run stopped: {_resumable(run_dir)}"
         ) from None
+
+
+def _lost_to_the_stop(signal_name: str, what: str, run_dir: Path) -> str:
+    """A stop signal that also reached the run's Ray processes (a scheduler signalling every process of the job,
+    where this driver did not start them: a cluster's raylets stop on SIGTERM and take their actors along)."""
+    return (
+        f"stopped by {signal_name}, which also reached the run's Ray processes: {what} before the step in progress "
+        f"was checkpointed; {_last_checkpoint(run_dir)}"
+    )
 
 
 def _disk_full_message(full: OSError, exc: BaseException, run_dir: Path) -> str:

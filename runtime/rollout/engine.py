@@ -174,6 +174,9 @@ class RolloutEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from rlc.runtime.run_end import leave_stop_to_driver
+
+        leave_stop_to_driver()  # a job-wide SIGTERM: vLLM's processes, started from this thread, inherit it blocked
         t0 = time.perf_counter()
         self._update_lock = asyncio.Lock()
         self._probe_lock = asyncio.Lock()

@@ -9,6 +9,7 @@ roles and the trainer's arithmetic are replaced, so no actor starts. The end-to-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -233,11 +234,27 @@ def test_the_cli_exits_non_zero_on_a_stopped_run(tmp_path: Path, monkeypatch: py
 RLC = [sys.executable, "-m", "rlc"]
 
 
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and every process under it (the embedded Ray's GCS and raylet, the actors, their vLLM processes)."""
+    table = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True, check=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in table.splitlines():
+        child, parent = (int(x) for x in line.split())
+        children.setdefault(parent, []).append(child)
+    found, stack = [], [pid]
+    while stack:
+        found.append(stack.pop())
+        stack += children.get(found[-1], [])
+    return found
+
+
 @pytest.mark.slow
 def test_sigterm_stops_a_real_run_with_a_checkpoint(tmp_path: Path) -> None:
-    """The quickstart under SIGTERM after a few steps: non-zero exit, "stopped at step N", and a checkpoint of
-    exactly step N (checkpoint_every is past the end, so only the stop writes one); `--resume` then runs to the
-    end with every step recorded exactly once."""
+    """The quickstart under SIGTERM to every process of the run after a few steps, as Slurm's `scancel` sends it:
+    the driver alone acts on it (the Ray processes and actors leave it to the driver), so the run ends with a
+    non-zero exit, "stopped at step N", and a checkpoint of exactly step N (checkpoint_every is past the end, so
+    only the stop writes one); `--resume` then runs to the end with every step recorded exactly once and no
+    half-written checkpoint left."""
     plan = tmp_path / "plan"
     run_dir = tmp_path / "run"
     compile_args = [*RLC, "compile", str(REPO / "examples" / "quickstart.yaml"), "-o", str(plan)]
@@ -255,7 +272,11 @@ def test_sigterm_stops_a_real_run_with_a_checkpoint(tmp_path: Path) -> None:
             break
         time.sleep(0.2)
     assert proc.poll() is None, "".join(lines)[-3000:]
-    proc.send_signal(signal.SIGTERM)
+    tree = _process_tree(proc.pid)
+    assert len(tree) > 3  # the driver, Ray's GCS and raylet, the actors
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     code = proc.wait(timeout=300)
     reader.join(timeout=10)
     output = "".join(lines)
@@ -270,3 +291,4 @@ def test_sigterm_stops_a_real_run_with_a_checkpoint(tmp_path: Path) -> None:
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     numbers = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
     assert numbers == list(range(1, 201))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")) == []

@@ -31,7 +31,7 @@ def _engine_arguments_as_started(plan: Plan, model_path: Path, monkeypatch: pyte
 
     import vllm.engine.arg_utils as arg_utils
 
-    from rlc.runtime import role_actors
+    from rlc.runtime import role_actors, run_end
     from rlc.runtime.rollout import engine as engine_module
     from rlc.runtime.train import group as group_module
 
@@ -52,6 +52,7 @@ def _engine_arguments_as_started(plan: Plan, model_path: Path, monkeypatch: pyte
         pass
 
     monkeypatch.setattr(os, "environ", dict(os.environ))  # engines apply their env here
+    monkeypatch.setattr(run_end, "leave_stop_to_driver", lambda: None)  # this process keeps its SIGTERM
     monkeypatch.setattr(arg_utils, "AsyncEngineArgs", record)
     monkeypatch.setattr(engine_module, "_engine_core_joins_this_cluster", lambda: None)
     monkeypatch.setattr(engine_module.RolloutEngine, "_start_core_hosts", no_hosts)
