@@ -503,7 +503,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         scale = float(self.layout.shard_group)
 
         self.optimizer.zero_grad()
-        loss_before = sums.get("loss", 0.0)
+        own_loss = [0.0]  # this minibatch's loss alone: a running total stays NaN for every later minibatch
         micro = self._micro_batches(seqs)
         built = [self.batcher.build([seqs[i] for i in idx] if idx else [self._dummy]) for idx in micro]
 
@@ -552,6 +552,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             if aux is not None:  # each rank's share of the micro-batch's global load-balancing loss, averaged over
                 loss = loss + aux / len(micro)  # the minibatch's micro-batches (as Megatron averages its aux loss)
             n = float(mask.sum())
+            own_loss[0] += float(loss.detach())
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
             sums["entropy"] = sums.get("entropy", 0.0) + float((ent.detach() * mask).sum())
             for k, v in stats.items():
@@ -581,7 +582,7 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             grad_norm = self._pipeline_clip(float(self.cfg["max_grad_norm"]))
         else:
             grad_norm = clip_grad_norm(self._trainable(), float(self.cfg["max_grad_norm"]))
-        nonfinite = self._nonfinite(sums.get("loss", 0.0) - loss_before, grad_norm)
+        nonfinite = self._nonfinite(own_loss[0], grad_norm)
         if nonfinite:  # no update: the weights and AdamW's moments and step count stay as they were
             self.optimizer.zero_grad()
         else:

@@ -2,7 +2,8 @@
 bit-identical to the last good step, and the step's statistics say how many updates were skipped and why.
 
 Injected as a user or an engine would: NaN advantages, NaN behaviour log-probs, an infinite KL reference, an
-infinite gradient; and, with two minibatches, a NaN in the second only (the first already stepped on finite values).
+infinite gradient; and, with two minibatches, a NaN in the second only (the first already stepped on finite values)
+or in the first only (the second still takes its step).
 Workers run in this process as a one-rank FSDP2 group over gloo; the two-rank check, where only one rank's share
 is non-finite, spawns processes and is slow.
 """
@@ -151,6 +152,37 @@ def test_only_the_failing_minibatch_skips(worker) -> None:
     after = _state(worker)
     assert all(torch.isfinite(v).all() for v in after.values())
     assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("param/"))
+
+
+def _restore(w, saved: dict[str, torch.Tensor]) -> None:
+    """Puts back every parameter and AdamW state tensor `_state` copied."""
+    now = {f"param/{name}": p for name, p in w.model.named_parameters()}
+    for k, opt in enumerate(w.optimizer.optimizers):
+        for i, state in enumerate(opt.state.values()):
+            now.update({f"opt{k}/{i}/{key}": v for key, v in state.items() if torch.is_tensor(v)})
+    with torch.no_grad():
+        for key, t in now.items():
+            (t.to_local() if hasattr(t, "to_local") else t).copy_(saved[key])
+
+
+def test_a_nan_in_the_first_minibatch_leaves_the_second_its_step(worker) -> None:
+    """NaN only in the first of two minibatches: the second takes its optimizer step (AdamW counts one step) and the
+    weights move exactly as that minibatch alone moves them; one update skipped, not two."""
+    batch = _batch(worker, 4)
+    batch["proximal_logprobs"] = batch["behaviour_logprobs"]  # both minibatches' pre-step log-probs, given
+    first = {k: v[:2] for k, v in batch.items()}
+    second = {k: v[2:] for k, v in batch.items()}
+    first["advantages"] = [float("nan"), 1.0]
+    before = _state(worker)
+    stats = worker.train_step([first, second], POLICY)
+    _assert_skipped(stats, "loss")
+    after = _state(worker)
+    steps = [k for k in before if k.endswith("/step")]
+    assert steps and all(int(after[k]) == int(before[k]) + 1 for k in steps)
+    _restore(worker, before)
+    worker.train_step([second], POLICY)  # the second minibatch's step alone, from the same weights and moments
+    alone = _state(worker)
+    _assert_identical(alone, after)
 
 
 # ---------------------------------------------------------------- two ranks: one rank's loss stops both
