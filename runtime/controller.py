@@ -109,7 +109,9 @@ class Controller:
             run_dir, plan.loggers, plan.schedule.steps, self.step, run_name=plan.name, config=plan_config(plan)
         )
         self.weights = WeightPush(plan, trainer, rollout, run_dir, self.logger.message, self.version)
-        self.sync_check = SyncCheck(trainer, rollout, sched.sync_check_max_gap, sched.sync_check_noise)
+        self.sync_check = SyncCheck(
+            trainer, rollout, sched.sync_check_max_gap, sched.sync_check_noise, sched.sync_check_min_step
+        )
         self.rollout_log = RolloutLog(run_dir, self.step)
         self.trace = StepTrace(run_dir, self.step)
         self.scorer = RewardGuard(

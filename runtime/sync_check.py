@@ -10,16 +10,22 @@ log-probs, which are untempered) on each of its engine cores (an engine with att
 copy of the weights per core). The run stops, naming the engine and core, when
 
 1. any engine log-prob is NaN or infinite (so is the gap then: `gap > bound` alone would read NaN as a pass);
-2. the step moved the probe (mean |new − old|) by more than twice `schedule.sync_check_noise`, the largest gap a
-   fresh sync shows for the plan's dtype and model, and the engine is nearer the old scores than the new ones:
-   it did not take the step (left one version behind, or a layer missed). By the triangle inequality a fresh
-   engine whose own noise is within that figure is always nearer the new scores, and a stale one the old;
+2. the step moved the probe (mean |new − old|, m) by more than `schedule.sync_check_min_step` (3x
+   `schedule.sync_check_noise`, n, the largest gap a fresh sync shows for the plan's dtype and model), and the
+   engine is nearer the old scores than the new by more than n (`before + n < gap`): it did not take the step (left
+   one version behind, or a layer missed). Why this is sound: the mean |a − b| over the probe's tokens obeys the
+   triangle inequality. An engine that took the step, `g` from the new scores, is at least `m − g` from the old,
+   so it is stopped only if `m − g + n < g`, i.e. `g > (m + n) / 2`, over 2n once `m > 3n`: no engine within twice
+   the largest fresh gap ever measured is called stale (the bound below tolerates 3n; a fresh engine between 2n
+   and 3n may be called stale on a step that moved the probe less than `2g − n`). An engine that missed the step,
+   `b ≤ n` from the old scores, is at least `m − b` from the new, and `b + n < m − b` holds for every such `b`
+   once `m > 3n`: it is stopped;
 3. the mean |engine − new| exceeds `schedule.sync_check_max_gap` (3x the noise, at least 1e-3): other weights.
 
 What no log-prob check can see: a step that moves the probe less than the engine's own noise. In float32 that
 noise is ~1e-6 and any step is seen. In bfloat16 it is 0.004-0.018 nats on a dense model: the quickstart model at
-its lr (5e-4) moves the probe 0.01-0.26 a step, so an engine one version behind is caught on about half its steps
-(each one that moves the probe past 0.036); at the lr of real post-training (1e-6 on billions of parameters) a
+its lr (5e-4) moves the probe 0.01-0.26 a step, so an engine one version behind is caught on each step that moves
+the probe past 0.054 (or past the bound); at the lr of real post-training (1e-6 on billions of parameters) a
 step moves it far less, and an engine one version behind is seen only once the versions it missed add up past
 that. A missed layer is seen once its share of the steps does: one of the quickstart's two layers holds 0.005-0.1
 nats of a step. With routed experts (noise 0.136) this check sees only gross failures.
@@ -40,8 +46,6 @@ PROBE_SEQUENCES = 2
 PROBE_TOKENS = 64
 #: Seconds the engines may take to score the probe before the run stops (a short forward each).
 CHECK_TIMEOUT_S = 300
-#: The step must move the probe this many times the plan's noise before an engine's side of it is judged.
-RESOLVE_FACTOR = 2.0
 
 
 def probe_of(input_ids: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -73,10 +77,19 @@ def _non_finite(values: Sequence[float]) -> int:
 class SyncCheck:
     """One run's post-sync check: `before_step` before training, `expect` before the sync, `verify` after it."""
 
-    def __init__(self, trainer: Any, rollout: Any, max_gap: float, noise: float | None = None) -> None:
+    def __init__(
+        self,
+        trainer: Any,
+        rollout: Any,
+        max_gap: float,
+        noise: float | None = None,
+        min_step: float | None = None,
+    ) -> None:
         """`rollout`: the run's `RolloutPool` (its engines are read at each check: restarts replace them).
-        `noise`: the plan's `schedule.sync_check_noise`; None leaves out the weights-before-the-step comparison."""
-        self.trainer, self.rollout, self.max_gap, self.noise = trainer, rollout, max_gap, noise
+        `noise`, `min_step`: the plan's `schedule.sync_check_noise` and `schedule.sync_check_min_step`; either None
+        leaves out the weights-before-the-step comparison."""
+        self.trainer, self.rollout, self.max_gap = trainer, rollout, max_gap
+        self.noise, self.min_step = (noise, min_step) if noise is not None and min_step is not None else (None, None)
         self._probe: list[list[int]] = []
         self._expected: list[list[float]] = []
         self._before: list[float] = []
@@ -156,14 +169,14 @@ class SyncCheck:
             gap = mean_gap(self._expected, rows)
             if self._resolved():
                 before = _mean_abs_diff(self._before, scores)
-                if before < gap:
+                if before + (self.noise or 0.0) < gap:  # `_resolved`: the noise is set
                     self._stop(
                         version,
                         f"{where} scores the trainer's tokens nearer its weights before the step ({before:.3g} nats "
-                        f"apart on average) than its new weights ({gap:.3g}); the step moved them {self.moved:.3g}, "
-                        f"more than {RESOLVE_FACTOR:g}x a fresh sync's {self.noise:g} "
-                        "(`schedule.sync_check_noise`): the engine did not take the step (the sync left it a version "
-                        "behind, or missed part of its layers)",
+                        f"apart on average) than its new weights ({gap:.3g}), by more than a fresh sync's "
+                        f"{self.noise:g} (`schedule.sync_check_noise`); the step moved them {self.moved:.3g}, past "
+                        f"{self.min_step:g} (`schedule.sync_check_min_step`): the engine did not take the step (the "
+                        "sync left it a version behind, or missed part of its layers)",
                     )
             if not gap <= self.max_gap:  # NaN fails too
                 self._stop(
@@ -176,7 +189,7 @@ class SyncCheck:
 
     def _resolved(self) -> bool:
         """Whether the step moved the probe enough, against the plan's noise, to tell new weights from old."""
-        return self.noise is not None and self.moved == self.moved and self.moved > RESOLVE_FACTOR * self.noise
+        return self.min_step is not None and self.moved == self.moved and self.moved > self.min_step
 
     @staticmethod
     def _stop(version: int, what: str) -> NoReturn:

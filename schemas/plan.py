@@ -150,8 +150,15 @@ class Schedule(PlanModel):
         None,
         description="How far a fresh sync's engine and trainer score the probe apart, for this plan's dtype and model "
         "kind (the largest measured or published figure, `schedule.SYNC_NOISE`). When a step moved the probe by more "
-        "than twice this, each engine must score it nearer the new weights than the weights before the step; below "
-        "that no log-prob check can tell an engine one version behind. None: that test is off.",
+        "than `sync_check_min_step`, an engine nearer the weights before the step than the new ones by more than this "
+        "stops the run. None: that test is off.",
+    )
+    sync_check_min_step: float | None = Field(
+        None,
+        description="How far a step must move the probe (mean |new − old| trainer log-prob) before each engine is "
+        "judged against the weights before the step: 3 × sync_check_noise, past which the triangle inequality "
+        "separates a fresh engine (within 2 × the noise) from one that missed the step (within the noise of the old "
+        "weights). Below it no log-prob check can tell an engine one version behind. None: that test is off.",
     )
     offload: list[OffloadStep] = Field(default_factory=list, description="Colocated phase transitions.")
     checkpoint_every: int

@@ -345,7 +345,9 @@ def test_post_sync_check_sees_a_stale_engine(ray_cluster, engine, tiny_model_dir
     schedule = _plan_schedule("cpu")
     trainer = Trainer(old, bf16=False)
     pool = types.SimpleNamespace(engines=[EngineClient(engine)])
-    check = SyncCheck(trainer, pool, schedule.sync_check_max_gap, schedule.sync_check_noise)
+    check = SyncCheck(
+        trainer, pool, schedule.sync_check_max_gap, schedule.sync_check_noise, schedule.sync_check_min_step
+    )
     check.before_step(seqs)
     trainer.model = new
     check.expect(seqs)
@@ -353,7 +355,7 @@ def test_post_sync_check_sees_a_stale_engine(ray_cluster, engine, tiny_model_dir
         ray.get(engine.update_weights_from_path.remote(paths["new"], 1))
         fresh = check.verify(1)
         print(f"the step moved the probe {check.moved:.3f} nats; the synced engine is {fresh:.1e} off")
-        assert fresh < TOL and check.moved > 2 * schedule.sync_check_noise
+        assert fresh < TOL and check.moved > schedule.sync_check_min_step
         for version, name, why in ((2, "old", "nearer its weights before the step"), (3, "half", "did not take")):
             ray.get(engine.update_weights_from_path.remote(paths[name], version))
             with pytest.raises(RunError, match=why):

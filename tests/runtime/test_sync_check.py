@@ -142,7 +142,9 @@ def _checked(stepped: dict[str, Any], dtype: str, schedule: Any) -> tuple[SyncCh
     scores the probe on an "engine" (the model in `dtype`) and judges it."""
     bf16 = dtype == "bfloat16"
     trainer = Trainer(stepped["old"], bf16)
-    check = SyncCheck(trainer, rollout=None, max_gap=schedule.sync_check_max_gap, noise=schedule.sync_check_noise)
+    check = SyncCheck(
+        trainer, None, schedule.sync_check_max_gap, schedule.sync_check_noise, schedule.sync_check_min_step
+    )
     check.before_step(stepped["seqs"])
     trainer.model = stepped["new"]  # train_step
     check.expect(stepped["seqs"])
@@ -163,9 +165,11 @@ def schedules() -> dict[str, Any]:
 
 
 def test_the_plans_state_the_bound_from_the_noise(schedules: dict[str, Any]) -> None:
-    """Dense model: float32 at the 1e-3 floor, bfloat16 at 3x its measured 0.018, not the old 0.25."""
-    assert (schedules["float32"].sync_check_max_gap, schedules["float32"].sync_check_noise) == (1e-3, 5e-6)
-    assert (schedules["bfloat16"].sync_check_max_gap, schedules["bfloat16"].sync_check_noise) == (0.054, 0.018)
+    """Dense model: float32 at the 1e-3 floor, bfloat16 at 3x its measured 0.018, not the old 0.25; the step past
+    which the engines are judged against the weights before it is 3x the noise."""
+    f32, bf16 = schedules["float32"], schedules["bfloat16"]
+    assert (f32.sync_check_max_gap, f32.sync_check_noise, f32.sync_check_min_step) == (1e-3, 5e-6, 1.5e-5)
+    assert (bf16.sync_check_max_gap, bf16.sync_check_noise, bf16.sync_check_min_step) == (0.054, 0.018, 0.054)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -173,7 +177,7 @@ def test_a_fresh_sync_passes(stepped: dict[str, Any], schedules: dict[str, Any],
     check, judge = _checked(stepped, dtype, schedules[dtype])
     gap = judge(stepped["new"])
     print(f"{dtype}: the step moved the probe {check.moved:.4f} nats; a fresh engine is {gap:.2e} off")
-    assert check.moved > 2 * check.noise  # the step is one the check can judge
+    assert check.moved > check.min_step  # the step is one the check can judge
     assert gap < (1e-5 if dtype == "float32" else 0.02)
 
 
@@ -232,8 +236,49 @@ def test_a_step_below_the_noise_is_not_judged(tiny_model: torch.nn.Module, tiny_
 
     new, seqs = _step(tiny_model, 1e-6, AutoTokenizer.from_pretrained(str(tiny_model_dir)))
     check, judge = _checked({"old": tiny_model, "new": new, "seqs": seqs}, "bfloat16", _plan_schedule("h100"))
-    assert check.moved < 2 * check.noise
+    assert check.moved < check.min_step
     assert judge(tiny_model) == pytest.approx(judge(new), abs=0.005)
+
+
+#: bfloat16's dense noise figure, and the bound and step the compiler derives from it.
+NOISE, BOUND, MIN_STEP = 0.018, 0.054, 0.054
+OLD = [[0.0, -1.0, -2.0], [0.0, -0.5, -0.25]]
+
+
+def _geometric(moved: float) -> tuple[SyncCheck, list[float]]:
+    """A check whose step lowered every probe token's log-prob by `moved` nats; returns it and the new scores."""
+    trainer = Fixed(OLD)
+    check = SyncCheck(trainer, None, BOUND, NOISE, MIN_STEP)
+    check.before_step(PROBE)
+    trainer.rows = [[0.0, *(v - moved for v in row[1:])] for row in OLD]
+    check.expect(PROBE)
+    assert check.moved == pytest.approx(moved)
+    return check, [v - moved for row in OLD for v in row[1:]]
+
+
+def _engine(scores: list[float]) -> list[list[list[float]]]:
+    return [[scores[:2], scores[2:]]]
+
+
+@pytest.mark.parametrize(("fresh", "moved"), [(1.5, 2.5), (1.9, 3.1), (2.0, 4.0), (2.9, 6.0)])
+def test_a_fresh_engine_off_by_more_than_the_noise_passes(fresh: float, moved: float) -> None:
+    """A fresh engine `fresh` x the noise from the new scores, every token of it toward the old ones (the nearest to
+    them it can be), after a step of `moved` x the noise: within twice the noise, or on a step past 2x its gap less
+    the noise, the triangle inequality says it took the step, and it passes."""
+    check, new = _geometric(moved * NOISE)
+    assert check.judge(0, 1, _engine([v + fresh * NOISE for v in new])) == pytest.approx(fresh * NOISE)
+
+
+@pytest.mark.parametrize("moved", [3.1, 4.0, 6.0])
+@pytest.mark.parametrize("own", [0.0, 0.5, 1.0])
+def test_an_engine_within_the_noise_of_the_old_scores_fails(moved: float, own: float) -> None:
+    """An engine that missed a step of `moved` x the noise, `own` x the noise from the old scores toward the new
+    (the nearest to them it can be): past 3x the noise it is called stale, its gap (0.038-0.108 nats) under the
+    bound or not."""
+    check, _ = _geometric(moved * NOISE)
+    old = [v for row in OLD for v in row[1:]]
+    with pytest.raises(RunError, match="nearer its weights before the step"):
+        check.judge(0, 1, _engine([v - own * NOISE for v in old]))
 
 
 # ------------------------------------------------------------------ non-finite values fail as loudly as a gap
