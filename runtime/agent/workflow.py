@@ -45,6 +45,13 @@ class Trajectory:
     reward: float
 
     @property
+    def reward_failed(self) -> bool:
+        """The agent returned no usable reward (not a number, non-finite, past `MAX_REWARD`) or its runner failed:
+        there is no reward to learn from, so its group trains with zero advantages. (An agent that raised keeps its
+        0: what the policy did led there.)"""
+        return self.episode.status == "error" and not self.episode.where
+
+    @property
     def calls(self) -> int:
         return sum(len(s) for s in self.segments.segments)
 
@@ -279,7 +286,7 @@ class AgentWorkflow:
     def build_batch(self, groups: list[Any]) -> tuple[dict[str, Any], dict[str, float], list[str | None]]:
         import torch
 
-        from rlc.runtime.algo.advantages import kl_reward_advantages, plan_advantages
+        from rlc.runtime.algo.advantages import compromised, kl_reward_advantages, plan_advantages
 
         algo = self.loop.plan.algorithm
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
@@ -287,7 +294,8 @@ class AgentWorkflow:
         # A trajectory's tokens are its rows' sampled tokens: batch moments weigh each trajectory by them, as a
         # single-turn batch weighs each sample by its response.
         lengths = [sum(r.sampled for r in t.rows) for t in trajectories]
-        advantages = plan_advantages(algo, rewards, self.group_size, lengths)
+        failed = [t.reward_failed for t in trajectories]  # such a group trains with zero advantages
+        advantages = plan_advantages(algo, rewards, self.group_size, lengths, failed)
         batch: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "behaviour_logprobs": [], "advantages": []}
         domains: list[str | None] = []
         lags: list[int] = []
@@ -311,7 +319,13 @@ class AgentWorkflow:
         if algo.name == "reinforce_pp":
             weights = [row.weight for t in trajectories for row in t.rows]
             token_adv = kl_reward_advantages(
-                algo, batch, rewards.flatten().tolist(), samples, batch["loss_mask"], self.loop.reference_logprobs
+                algo,
+                batch,
+                rewards.flatten().tolist(),
+                samples,
+                batch["loss_mask"],
+                self.loop.reference_logprobs,
+                compromised(failed, self.group_size),
             )
             batch["advantages"] = [[a * w for a in row] for row, w in zip(token_adv, weights, strict=True)]
         self._write_sample(trajectories)
@@ -325,6 +339,7 @@ class AgentWorkflow:
             "response_len/mean": statistics.fmean([sum(r.sampled for r in t.rows) for t in trajectories]),
             "train/tokens": float(sum(len(x) for x in batch["input_ids"])),
             **agent_metrics(groups, trajectories, rows),
+            "agent/reward_failed": float(sum(failed)),
         }
         return batch, stats, domains  # type: ignore[return-value]
 

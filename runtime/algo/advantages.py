@@ -144,17 +144,39 @@ def advantages(
     raise ValueError(f"unknown advantage estimator {name!r}; expected one of {', '.join(ESTIMATORS)}")
 
 
+def compromised(failed: Sequence[bool], group_size: int) -> list[bool]:
+    """Per sample, whether its group holds a sample whose reward failed (``failed``: per sample, laid out group after
+    group). A failed reward has no value to learn from and leaves its group without a baseline, so the whole group
+    carries no learning signal, as an all-equal group."""
+    flags = [bool(f) for f in failed]
+    groups = [any(flags[i : i + group_size]) for i in range(0, len(flags), group_size)]
+    return [g for g in groups for _ in range(group_size)]
+
+
 def plan_advantages(
-    algo: Any, rewards: torch.Tensor, group_size: int, lengths: Sequence[int] | torch.Tensor
+    algo: Any,
+    rewards: torch.Tensor,
+    group_size: int,
+    lengths: Sequence[int] | torch.Tensor,
+    failed: Sequence[bool] | None = None,
 ) -> torch.Tensor:
     """`advantages` by the plan's algorithm section (``lengths``: response tokens per sample); zeros for
-    reinforce_pp, whose per-token advantages `kl_reward_advantages` fills in once the batch is built."""
+    reinforce_pp, whose per-token advantages `kl_reward_advantages` fills in once the batch is built. A group with a
+    failed reward (``failed``, per sample) gets zeros and stays out of the batch moments: every other group's
+    advantages are those of the batch without it."""
     if algo.name == "reinforce_pp":
         return torch.zeros(rewards.shape)
     std = getattr(algo, "group_std", "population")  # older plans: the population std
     flat = rewards.reshape(-1)
-    adv = advantages(algo.name, flat, group_size, normalize_std=algo.normalize_std, group_std=std, lengths=lengths)
-    return adv.reshape(rewards.shape)
+    keep = torch.tensor([not c for c in compromised(failed or [False] * flat.numel(), group_size)], dtype=torch.bool)
+    out = torch.zeros(flat.shape, dtype=torch.float32)
+    if keep.any():
+        kept_lengths = [int(n) for n, k in zip(lengths, keep.tolist(), strict=True) if k]
+        adv = advantages(
+            algo.name, flat[keep], group_size, normalize_std=algo.normalize_std, group_std=std, lengths=kept_lengths
+        )
+        out[keep] = adv
+    return out.reshape(rewards.shape)
 
 
 def reinforce_pp_advantages(
@@ -191,12 +213,21 @@ def reinforce_pp_rows(
     reference: Sequence[Sequence[float]],
     kl_coef: float,
     estimator: KLKind = "k1",
+    excluded: Sequence[bool] | None = None,
 ) -> list[list[float]]:
     """`reinforce_pp_advantages` laid out as training rows: sample ``i``'s response is the tokens where ``masks``
     is 1 in its rows ``samples[i]``, in order (one row for a single completion, one per model call or segment for an
     agent trajectory). ``KL_t`` is the ``estimator``'s estimate from the behaviour policy's and the reference's
     log-probs of the sampled token (k1: ``log π_behave − log π_ref``, the paper's). Returns one advantage per
-    position of every row, 0 off the mask."""
+    position of every row, 0 off the mask. Samples flagged in ``excluded`` (a group with a failed reward,
+    `compromised`) get 0 on every token and stay out of the whitening."""
+    if excluded is not None and any(excluded):
+        kept = [i for i, e in enumerate(excluded) if not e]
+        sub = reinforce_pp_rows(
+            [rewards[i] for i in kept], [samples[i] for i in kept], masks, behaviour, reference, kl_coef, estimator
+        )
+        kept_rows = {r for i in kept for r in samples[i]}
+        return [sub[r] if r in kept_rows else [0.0] * len(m) for r, m in enumerate(masks)]
     kls: list[torch.Tensor] = []
     for rows in samples:
         b = [lp for r in rows for lp, m in zip(behaviour[r], masks[r], strict=True) if m]
@@ -225,13 +256,15 @@ def kl_reward_advantages(
     samples: Sequence[Sequence[int]],
     masks: Sequence[Sequence[int]],
     reference_logprobs: Callable[[dict[str, Any]], list[list[float]]],
+    excluded: Sequence[bool] | None = None,
 ) -> list[list[float]]:
     """reinforce_pp's per-token advantages of a built batch (`reinforce_pp_rows` over ``batch``'s behaviour
     log-probs), scoring it under the reference policy only when β > 0; a plan that also has a KL loss
-    (``kl_coef``) keeps the reference log-probs in ``batch`` so they are computed once."""
+    (``kl_coef``) keeps the reference log-probs in ``batch`` so they are computed once. ``excluded``: per sample,
+    a group with a failed reward (0 on its tokens)."""
     beta, estimator = reward_kl(algo)
     behaviour = batch["behaviour_logprobs"]
     reference = reference_logprobs(batch) if beta > 0 else behaviour
     if beta > 0 and algo.kl_coef > 0:
         batch["ref_logprobs"] = reference
-    return reinforce_pp_rows(rewards, samples, masks, behaviour, reference, beta, estimator)
+    return reinforce_pp_rows(rewards, samples, masks, behaviour, reference, beta, estimator, excluded)

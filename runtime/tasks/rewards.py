@@ -218,8 +218,10 @@ def as_score(value: object) -> tuple[float, str | None]:
 class RewardGuard:
     """Scores samples with the user's reward function, under the plan's policy for the ones it cannot score.
 
-    A sample whose reward raises, outlives `timeout_s` or is not a finite number within ±`MAX_REWARD` scores 0 and
-    is counted (the first is reported with its prompt and completion); when more than `max_failed_share` of the
+    A sample whose reward raises, outlives `timeout_s` or is not a finite number within ±`MAX_REWARD` is a failed
+    sample: it scores 0 and is flagged (`score_flagged`), so its whole group trains with zero advantages (0 is not
+    its reward, and the group's baseline is compromised), and counted (the first is reported with its prompt and
+    completion); when more than `max_failed_share` of the
     last `window` samples (one batch) failed, the run stops with a RunError naming the reward, the last failed
     sample and the reason.
     """
@@ -241,15 +243,21 @@ class RewardGuard:
         self.failed_since_step = 0
         self.reported = False
 
-    def score_group(self, completions: list[str], answer: str, *, prompt: str = "") -> list[float]:
-        """The rewards of one prompt's completions (one alarm set-up for the group, a bound on each call)."""
+    def score_flagged(self, completions: list[str], answer: str, *, prompt: str = "") -> tuple[list[float], list[bool]]:
+        """The rewards of one prompt's completions and which of them failed (one alarm set-up for the group, a
+        bound on each call)."""
         with reward_alarm() as bounded:
-            return [self._score(c, answer, prompt, bounded) for c in completions]
+            scored = [self._score(c, answer, prompt, bounded) for c in completions]
+        return [score for score, _ in scored], [failed for _, failed in scored]
+
+    def score_group(self, completions: list[str], answer: str, *, prompt: str = "") -> list[float]:
+        """The rewards of one prompt's completions (a failed one scores 0)."""
+        return self.score_flagged(completions, answer, prompt=prompt)[0]
 
     def __call__(self, completion: str, answer: str, *, prompt: str = "") -> float:
         return self.score_group([completion], answer, prompt=prompt)[0]
 
-    def _score(self, completion: str, answer: str, prompt: str, bounded: bool) -> float:
+    def _score(self, completion: str, answer: str, prompt: str, bounded: bool) -> tuple[float, bool]:
         try:
             value = call_within(self.fn, self.timeout_s if bounded else None, completion, answer)
         except RewardTimeout:
@@ -260,7 +268,7 @@ class RewardGuard:
             score, problem = as_score(value)
             if problem is None:
                 self.recent.append(False)
-                return score
+                return score, False
         self.recent.append(True)
         self.failed_since_step += 1
         sample = f"(prompt {_clip(prompt)}, completion {_clip(completion)}, answer {_clip(answer)})"
@@ -275,10 +283,10 @@ class RewardGuard:
         if not self.reported:
             self.reported = True
             self.log(
-                f"warning: reward {self.name!r} {problem} {sample}; scored 0 (up to {self.allowed} such "
-                f"sample(s) per {self.window} before the run stops; `reward/failed` counts them)"
+                f"warning: reward {self.name!r} {problem} {sample}; its group trains with zero advantages (up to "
+                f"{self.allowed} such sample(s) per {self.window} before the run stops; `reward/failed` counts them)"
             )
-        return 0.0
+        return 0.0, True
 
     def take_failed(self) -> int:
         """Failed samples since the last call (the step's `reward/failed` metric)."""

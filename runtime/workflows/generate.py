@@ -40,6 +40,7 @@ class Group:
     logprobs: list[list[float]]
     versions: list[int]  # per sample, the oldest version among its tokens (what the staleness bound counts)
     rewards: list[float] = field(default_factory=list)
+    failed: list[bool] = field(default_factory=list)  # per sample, its reward failed (scored 0, no signal)
     request: int = -1  # the generate request that produced it (RUN/rollouts.jsonl)
     token_versions: list[list[int]] = field(default_factory=list)  # per sample, each token's version
 
@@ -180,7 +181,7 @@ class GenerateWorkflow:
                 )
                 t0 = time.perf_counter()
                 completions = [loop.tokenizer.decode(ids, skip_special_tokens=True) for ids in group.output_ids]
-                group.rewards = loop.scorer.score_group(completions, item.answer, prompt=item.prompt)
+                group.rewards, group.failed = loop.scorer.score_flagged(completions, item.answer, prompt=item.prompt)
                 loop.timeline["time/reward_s"] += time.perf_counter() - t0
                 loop.rollout_tokens += sum(len(ids) for ids in group.output_ids)
                 self.keep(group)
@@ -220,14 +221,15 @@ class GenerateWorkflow:
         """File a finished group for a batch; one older than the staleness bound allows (e.g. from a restarted
         engine) is generated again instead.
 
-        With dynamic sampling a group whose rewards are all equal (zero advantage, no gradient) is dropped and
-        gives its samples' slots back to the staleness gate, so replacements are admitted, generated and
-        counted under the same bound; past the plan's `max_draws` for this batch such groups are kept instead.
+        With dynamic sampling a group whose rewards are all equal or include a failed one (zero advantage, no
+        gradient) is dropped and gives its samples' slots back to the staleness gate, so replacements are admitted,
+        generated and counted under the same bound; past the plan's `max_draws` for this batch such groups are
+        kept instead.
         """
         if min(group.versions) < self.loop.version - self.loop.staleness:
             self._reissue.append([group.item])
             return
-        if self.max_drops is not None and len(set(group.rewards)) <= 1:
+        if self.max_drops is not None and (len(set(group.rewards)) <= 1 or any(group.failed)):
             if self.dropped < self.max_drops:
                 self.dropped += 1
                 self.dropped_rewards += group.rewards
@@ -262,7 +264,7 @@ class GenerateWorkflow:
         the sample's advantage (reinforce_pp: one per token, from the reference policy's log-probs)."""
         import torch
 
-        from rlc.runtime.algo.advantages import kl_reward_advantages, plan_advantages
+        from rlc.runtime.algo.advantages import compromised, kl_reward_advantages, plan_advantages
         from rlc.runtime.algo.overlong import is_truncated, overlong_penalty
 
         plan = self.loop.plan
@@ -277,7 +279,9 @@ class GenerateWorkflow:
             shaped = shaped + torch.tensor(
                 [overlong_penalty(n, max_len, overlong.buffer_len, overlong.penalty) for n in lengths_all]
             )
-        advantages = plan_advantages(algo, shaped.reshape(rewards.shape), self.group_size, lengths_all)
+        # A group with a failed reward trains with zero advantages: 0 is not that sample's reward.
+        failed = [bool(g.failed and g.failed[i]) for g in groups for i in range(len(g.output_ids))]
+        advantages = plan_advantages(algo, shaped.reshape(rewards.shape), self.group_size, lengths_all, failed)
         masked = overlong is not None and overlong.filter_truncated
         input_ids, loss_mask, behaviour, adv, lags, lengths, responses = [], [], [], [], [], [], []
         sample = 0
@@ -305,7 +309,13 @@ class GenerateWorkflow:
         if algo.name == "reinforce_pp":
             samples = [[i] for i in range(len(input_ids))]
             batch["advantages"] = kl_reward_advantages(
-                algo, batch, shaped.tolist(), samples, responses, self.loop.reference_logprobs
+                algo,
+                batch,
+                shaped.tolist(),
+                samples,
+                responses,
+                self.loop.reference_logprobs,
+                compromised(failed, self.group_size),
             )
         domains = [g.item.domain for g in groups for _ in g.output_ids]
         flat = rewards.flatten().tolist()

@@ -37,32 +37,37 @@ def _algorithm(name: str, **extra) -> types.SimpleNamespace:  # type: ignore[no-
     return types.SimpleNamespace(**{**base, "overlong": None, "kl_coef": 0.0, **extra})
 
 
-def _generate(algo: types.SimpleNamespace) -> dict:
+def _generate(algo: types.SimpleNamespace, only: tuple[int, ...] = (0, 1), failed: tuple = ()) -> dict:
+    """The single-turn batch of groups ``only``; ``failed``: (group, sample) pairs whose reward failed (scored 0)."""
     loop = fake_loop(reference_logprobs=_reference)
     loop.plan.algorithm = algo
     wf = GenerateWorkflow(loop)  # type: ignore[arg-type]
     groups = []
-    for g, (outs, lps, rewards) in enumerate(zip(OUTPUTS, LOGPROBS, REWARDS, strict=True)):
+    for g in only:
         item = PromptItem(cursor=g, prompt="p", answer="a", domain=None, prompt_ids=PROMPT)
-        groups.append(Group(item, outs, lps, [0] * len(outs), rewards=rewards))
+        flags = [(g, s) in failed for s in range(len(OUTPUTS[g]))]
+        rewards = [0.0 if f else r for f, r in zip(flags, REWARDS[g], strict=True)]
+        groups.append(Group(item, OUTPUTS[g], LOGPROBS[g], [0] * len(OUTPUTS[g]), rewards=rewards, failed=flags))
     return wf.build_batch(groups)[0]
 
 
-def _agent(algo: types.SimpleNamespace, tmp_path: Path) -> dict:
+def _agent(algo: types.SimpleNamespace, tmp_path: Path, only: tuple[int, ...] = (0, 1), failed: tuple = ()) -> dict:
     tokenizer = types.SimpleNamespace(decode=lambda ids, **_: "", convert_ids_to_tokens=lambda ids: [""] * len(ids))
     loop = fake_loop(reference_logprobs=_reference, run_dir=tmp_path, tokenizer=tokenizer, step=0)
     loop.plan.algorithm = algo
     wf = AgentWorkflow.__new__(AgentWorkflow)  # the batch side only: no runners, no engines
     wf.loop, wf.group_size, wf.agent = loop, 2, types.SimpleNamespace(run="agent")
     groups = []
-    for g, (outs, lps, rewards) in enumerate(zip(OUTPUTS, LOGPROBS, REWARDS, strict=True)):
+    for g in only:
         item = PromptItem(cursor=g, prompt="p", answer="a", domain=None, prompt_ids=PROMPT)
         group = AgentGroup(item, 2)
-        for s, (out, lp, reward) in enumerate(zip(outs, lps, rewards, strict=True)):
+        for s, (out, lp, reward) in enumerate(zip(OUTPUTS[g], LOGPROBS[g], REWARDS[g], strict=True)):
             calls = [Call(PROMPT, tuple(out), tuple(lp), (0,) * len(out))]
             record = SessionRecord(f"{g}-{s}", calls, None, 0, 0.0, 0)
             found = segment_calls(calls)
             episode = Episode(f"{g}-{s}", "ok", reward)
+            if (g, s) in failed:  # the agent returned no usable reward
+                episode, reward = Episode(f"{g}-{s}", "error", error="returned inf"), 0.0
             group.trajectories.append(Trajectory(f"{g}-{s}", 0, episode, record, found, trajectory_rows(found), reward))
         groups.append(group)
     return wf.build_batch(groups)[0]
@@ -122,3 +127,31 @@ def test_agent_and_single_turn_estimators_agree(name: str, extra: dict, tmp_path
     assert len(single) == len(agent) == 4
     for s, a in zip(single, agent, strict=True):
         assert s[len(PROMPT) :] == pytest.approx(a[len(PROMPT) :], abs=1e-6)
+
+
+ESTIMATORS = [
+    ("reinforce_pp", {"reward_kl_coef": 0.5, "reward_kl_estimator": "k1"}),
+    ("reinforce_pp_batchnorm", {}),
+    ("reinforce_pp_baseline", {}),
+    ("grpo", {}),
+    ("dr_grpo", {}),
+    ("rloo", {}),
+]
+
+
+@pytest.mark.parametrize(("name", "extra"), ESTIMATORS)
+@pytest.mark.parametrize("path", ["single_turn", "agent"])
+def test_a_failed_reward_leaves_its_group_without_signal(name: str, extra: dict, path: str, tmp_path: Path) -> None:
+    """One failed reward (scored 0): every token of its group gets advantage 0, so the group's tokens give no policy
+    gradient; the other group's advantages are those of a batch without the failed group."""
+    algo = _algorithm(name, **extra)
+
+    def build(**kw) -> list[list[float]]:  # type: ignore[no-untyped-def]
+        return _per_token(_generate(algo, **kw) if path == "single_turn" else _agent(algo, tmp_path, **kw))
+
+    rows = build(failed={(1, 1)})
+    assert all(a == 0.0 for row in rows[2:] for a in row)
+    alone = build(only=(0,))
+    assert any(a != 0.0 for row in alone for a in row)
+    for got, want in zip(rows[:2], alone, strict=True):
+        assert got == pytest.approx(want, abs=1e-6)

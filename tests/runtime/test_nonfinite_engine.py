@@ -47,7 +47,9 @@ def _collect(logprobs: list[list[float]]) -> tuple[object, list[str]]:
         rollout_tokens=0,
         staleness=0,
         tokenizer=types.SimpleNamespace(eos_token_id=1, decode=lambda ids, **k: "2"),
-        scorer=types.SimpleNamespace(score_group=lambda c, a, prompt: scored.extend(c) or [1.0] * len(c)),
+        scorer=types.SimpleNamespace(
+            score_flagged=lambda c, a, prompt: scored.extend(c) or ([1.0] * len(c), [False] * len(c))
+        ),
     )
     wf = GenerateWorkflow(loop)  # type: ignore[arg-type]
     wf.inflight = {Request([[_sample(row) for row in logprobs]]): Chunk(engine=1, items=[ITEM], id=12)}
