@@ -7,7 +7,7 @@ from rlc.compiler import cost, search
 from rlc.compiler.engine_config import engine_dtype
 from rlc.compiler.resolve import Problem
 from rlc.compiler.roles import offload_steps
-from rlc.schemas.plan import Schedule
+from rlc.schemas.plan import MAX_NONFINITE_STEPS, Schedule
 
 #: How far apart a fresh sync's engine and trainer score the post-sync probe (mean |log-prob difference|, nats):
 #: the largest figure measured or published for each engine dtype and model kind.
@@ -67,12 +67,6 @@ STALL_STEPS = 10
 STALL_FLOOR_S = 600.0
 
 
-#: Steps in a row whose update a non-finite loss or gradient norm skipped before the run stops
-#: (`Schedule.max_nonfinite_steps`): one such step is an accident of a batch (an outlier reward, a rare overflow) and
-#: costs only its update; several in a row mean the policy or its inputs are broken, and more skipped steps cost time.
-MAX_NONFINITE_STEPS = 3
-
-
 def stall_timeout_s(step_s: float, uncertainty: float) -> float:
     """max(STALL_FLOOR_S, STALL_STEPS × step estimate × its uncertainty): no single request or train step of a
     healthy run takes longer than a whole step, so a wait this long means a stalled role."""
@@ -107,5 +101,5 @@ def build_schedule(problem: Problem, ctx: search.Context, best: search.Candidate
         checkpoint_every=spec.output.checkpoint_every,
         keep_checkpoints=spec.output.keep_checkpoints,
         stall_timeout_s=stall_timeout_s(best.step.step_s, ctx.target.estimate_uncertainty),
-        max_nonfinite_steps=MAX_NONFINITE_STEPS,
+        max_nonfinite_steps=MAX_NONFINITE_STEPS,  # one source: the plan schema's default, which older plans read
     )

@@ -16,6 +16,12 @@ from .layout import TrainLayout
 #: 2: train roles carry a typed `layout`, every role its Ray placement (`ray`), the plan its `runtime_gaps`.
 PLAN_FORMAT_VERSION = 3
 
+#: Steps in a row whose update a non-finite loss or gradient norm skipped before the run stops
+#: (`Schedule.max_nonfinite_steps`, for compiled plans and older plans alike): one such step is an accident of a batch
+#: (an outlier reward, a rare overflow) and costs only its update; several in a row mean the policy or its inputs are
+#: broken, and more skipped steps cost time.
+MAX_NONFINITE_STEPS = 3
+
 RoleKind = Literal["train", "rollout", "teacher", "reward", "environments"]
 
 
@@ -170,10 +176,10 @@ class Schedule(PlanModel):
         "estimate (`schedule.stall_timeout_s`).",
     )
     max_nonfinite_steps: int = Field(
-        3,
+        MAX_NONFINITE_STEPS,
         ge=1,
         description="Steps in a row whose update was skipped for a non-finite loss or gradient norm before the run "
-        "stops, naming the checkpoint to resume from (`schedule.max_nonfinite_steps`; older plans read 3).",
+        "stops, naming the checkpoint to resume from (`schedule.max_nonfinite_steps`; older plans read the default).",
     )
 
     @model_validator(mode="after")
