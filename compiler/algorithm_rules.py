@@ -103,10 +103,11 @@ def _reward_kl(ctx: RuleContext) -> Iterator[Diagnostic]:
             CODE,
             "algorithm.name",
             "reinforce_pp is REINFORCE++ as published: a per-token KL penalty to a reference policy in the reward "
-            f"(reward_kl_coef {algo.reward_kl[0]:g}, {algo.reward_kl[1]}); earlier rlc versions meant the "
-            "batch-normalised reward by it, now named reinforce_pp_batchnorm",
-            "set reward_kl_coef to state β, or name: reinforce_pp_batchnorm for the former meaning",
-            "info",
+            f"(reward_kl_coef {algo.reward_kl[0]:g}, {algo.reward_kl[1]}), so the run holds a frozen copy of the "
+            "policy's weights as its reference (more memory per trainer device) and scores every batch under it; "
+            "earlier rlc versions meant the batch-normalised reward by the name, now reinforce_pp_batchnorm",
+            "set reward_kl_coef to state β, or name: reinforce_pp_batchnorm for the former meaning (no reference)",
+            "warning",
         )
 
 

@@ -45,8 +45,9 @@ def found(algorithm: str, code: str = "RLC222") -> list[tuple[str, str]]:
             "{name: reinforce_pp, reward_kl_coef: 0.01, dynamic_sampling: {}}",
             [("algorithm.dynamic_sampling", "warning")],
         ),
-        # reinforce_pp changed meaning: a spec that names it without stating β hears about the rename.
-        ("{name: reinforce_pp}", [("algorithm.name", "info")]),
+        # reinforce_pp changed meaning: a spec that names it without stating β is warned of the rename and the
+        # reference copy it now costs.
+        ("{name: reinforce_pp}", [("algorithm.name", "warning")]),
         ("{reward_kl_coef: 0.1}", [("algorithm.reward_kl_coef", "error")]),
         ("{name: reinforce_pp_batchnorm, reward_kl_estimator: k1}", [("algorithm.reward_kl_estimator", "error")]),
         ("{name: rloo, group_std: sample}", [("algorithm.group_std", "warning")]),
