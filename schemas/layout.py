@@ -331,7 +331,9 @@ PLATFORM_KERNELS: dict[str, dict[str, KernelChoice]] = {
             preferred=FLASH_ATTN_ATTENTION, needs="flash-attn imports", fallback=VARLEN_SDPA_ATTENTION
         ),
         "experts": KernelChoice(
-            preferred=GROUPED_MM_EXPERT_KERNEL, needs="torch has _grouped_mm", fallback=TORCH_EXPERT_KERNEL_NAME
+            preferred=GROUPED_MM_EXPERT_KERNEL,
+            needs="torch has _grouped_mm, on an sm90+ GPU",
+            fallback=TORCH_EXPERT_KERNEL_NAME,
         ),
     },
     "npu": {

@@ -28,6 +28,7 @@ model's experts that seam on one rank too, so the kernel the dry run names runs 
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,20 +91,43 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+#: Set when ``torch._grouped_mm`` raised in a forward: this process's experts run on the loop from then on. (A
+#: failure in its backward is not caught: it raises there.)
+_grouped_mm_failed = False
+
+
 def _grouped_gemms(
     rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor, act: Callable[..., Any]
 ) -> torch.Tensor:
     """The SwiGLU experts as two grouped GEMMs (``torch._grouped_mm``, ``offs`` = running row counts), bfloat16 only:
     the dtype every torch build's grouped GEMM takes; other dtypes take the loop."""
-    if rows.dtype != torch.bfloat16 or gate_up.dtype != torch.bfloat16 or not counts:
+    global _grouped_mm_failed
+    if _grouped_mm_failed or rows.dtype != torch.bfloat16 or gate_up.dtype != torch.bfloat16 or not counts:
         return _per_expert_gemms(rows, counts, gate_up, down, act)
-    offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-    hidden = _ContiguousGrad.apply(torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offs))
-    gate, up = hidden.chunk(2, dim=-1)
-    return _ContiguousGrad.apply(torch._grouped_mm((act(gate) * up).contiguous(), down.transpose(-2, -1), offs=offs))
+    try:
+        offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+        hidden = _ContiguousGrad.apply(torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offs))
+        gate, up = hidden.chunk(2, dim=-1)
+        return _ContiguousGrad.apply(
+            torch._grouped_mm((act(gate) * up).contiguous(), down.transpose(-2, -1), offs=offs)
+        )
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:  # a build whose grouped GEMM does not run on this GPU or these shapes
+        _grouped_mm_failed = True
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(
+            f"rlc: warning: torch._grouped_mm failed ({first}); the experts run on the per-expert GEMM loop "
+            "from now on",
+            file=sys.stderr,
+            flush=True,
+        )
+        return _per_expert_gemms(rows, counts, gate_up, down, act)
 
 
 GROUPED_MM_EXPERT_KERNEL_IMPL = ExpertKernel(GROUPED_MM_EXPERT_KERNEL, _grouped_gemms)
+#: Some torch builds' ``_grouped_mm`` runs on sm90+ GPUs only; older GPUs take the loop.
+GROUPED_MM_MIN_CAPABILITY = (9, 0)
 
 
 class _NpuGroupedMatmul(torch.autograd.Function):
@@ -149,10 +173,20 @@ def _npu_grouped_gemms(
 NPU_GROUPED_MATMUL_KERNEL = ExpertKernel(NPU_GROUPED_MATMUL_EXPERT_KERNEL, _npu_grouped_gemms)
 
 
+def _grouped_mm_runs_here() -> bool:
+    """Whether this torch has ``_grouped_mm`` and the GPU is one every build of it runs on (sm90+)."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability() >= GROUPED_MM_MIN_CAPABILITY
+    )
+
+
 def expert_kernel_for(platform: str) -> ExpertKernel:
     """The experts' GEMMs for `platform` (`schemas.layout.PLATFORM_KERNELS`): the loop on cpu; torch's grouped GEMM
-    on CUDA where this torch has one; torch_npu's grouped matmul on Ascend where torch_npu ships it; else the loop."""
-    if platform == "cuda" and hasattr(torch, "_grouped_mm"):
+    on CUDA where this torch has one and the GPU is sm90+ (the loop from the first call it fails, said once on
+    stderr); torch_npu's grouped matmul on Ascend where torch_npu ships it; else the loop."""
+    if platform == "cuda" and _grouped_mm_runs_here():
         return GROUPED_MM_EXPERT_KERNEL_IMPL
     if platform == "npu":
         try:

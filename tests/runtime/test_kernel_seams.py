@@ -144,9 +144,11 @@ def test_the_table_covers_every_platform_and_seam() -> None:
 @pytest.mark.parametrize("platform", ["cpu", "cuda", "npu"])
 @pytest.mark.parametrize("equipped", [True, False], ids=["equipped", "bare"])
 def test_each_platform_selects_a_kernel_its_table_names_and_imports_nothing_it_lacks(
-    image, platform: str, equipped: bool
+    image, monkeypatch: pytest.MonkeyPatch, platform: str, equipped: bool
 ) -> None:
     guard = image(platform, EQUIPPED[platform] if equipped else ())
+    if platform == "cuda":
+        _gpu(monkeypatch, (9, 0))
     chosen = _select(platform)
     assert guard.tried == [], f"{platform} tried to import {guard.tried}"
     for seam, name in chosen.items():
@@ -169,6 +171,51 @@ def test_npu_selection_never_reaches_a_cuda_package_even_when_one_is_installed(i
 
 
 # --------------------------------------------------------------------------------------------- expert kernels
+
+
+def _gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
+    """A CUDA GPU of `capability`, as far as the kernel choice asks."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped GEMM")
+@pytest.mark.parametrize(("capability", "grouped"), [((8, 0), False), ((9, 0), True), ((10, 0), True)])
+def test_grouped_mm_is_chosen_on_sm90_and_later_only(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], grouped: bool
+) -> None:
+    """Some torch builds' grouped GEMM runs on sm90+ only: an A100 (sm80) takes the loop, as the dry run says."""
+    from rlc.runtime.train.expert_parallel import expert_kernel_for
+
+    _gpu(monkeypatch, capability)
+    choice = PLATFORM_KERNELS["cuda"]["experts"]
+    assert "sm90" in (choice.needs or "")
+    assert expert_kernel_for("cuda").name == (choice.preferred if grouped else choice.fallback)
+
+
+def test_a_failing_grouped_mm_falls_back_to_the_loop_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A grouped GEMM that raises (a build that does not run on this GPU) hands the experts to the loop, with one
+    warning line, and is not tried again; the results are the loop's."""
+    from rlc.runtime.train import expert_parallel
+
+    calls = []
+
+    def broken(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        raise RuntimeError("grouped gemm is only supported on SM90\nmore detail")
+
+    monkeypatch.setattr(torch, "_grouped_mm", broken, raising=False)
+    monkeypatch.setattr(expert_parallel, "_grouped_mm_failed", False)
+    args = _experts(seed=2)
+    loop, loop_grads = _run(expert_parallel.TORCH_EXPERT_KERNEL, *args, torch.bfloat16)
+    for _ in range(2):
+        got, got_grads = _run(expert_parallel.GROUPED_MM_EXPERT_KERNEL_IMPL, *args, torch.bfloat16)
+        assert torch.equal(got, loop) and all(map(torch.equal, got_grads, loop_grads))
+    assert len(calls) == 1
+    err = capsys.readouterr().err
+    assert err.count("rlc: warning: torch._grouped_mm failed (grouped gemm is only supported on SM90)") == 1
 
 
 def _experts(seed: int = 0, rows: int = 37, hidden: int = 32, inter: int = 16, experts: int = 4):
