@@ -15,7 +15,9 @@ and hands the packed boundaries to both token mixers through one seam per platfo
 - cuda: flash-linear-attention's (fla-core) varlen Triton kernels, ``chunk_gated_delta_rule(cu_seqlens=...)`` and
   its own causal convolution with ``cu_seqlens``; refused with the package to install when fla does not import.
 - npu: the same fla-core kernels on its Triton-Ascend backends where fla and triton-ascend import, else the torch
-  path (`kernels_for`). Nothing here imports the causal-conv1d CUDA extension or fla's CUDA backends.
+  path (`kernels_for`). rlc itself imports neither the causal-conv1d CUDA extension nor fla's CUDA backends; fla's
+  own ``fla.modules.causal_conv1d`` tries ``causal_conv1d`` when imported, so an image with that package installed
+  would load it through fla.
 
 Under Ulysses context parallelism (`context_parallel`) each rank holds a slice of the row's tokens. The layer's
 projections are per token, so they run on the slice; an all-to-all then gives each rank all tokens of its share
@@ -27,6 +29,7 @@ the recurrent state passed between ranks, which is not built (`schemas/layout.ru
 from __future__ import annotations
 
 import itertools
+import sys
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -199,7 +202,8 @@ def kernels_for(platform: Platform | str) -> LinearKernels:
 
     cpu: torch. cuda: fla-core's Triton kernels, or a refusal naming the package (the torch path is exact there too,
     but a python loop over 64-token chunks is no way to train 64K contexts). npu: fla-core's Triton-Ascend kernels
-    where fla and triton-ascend import, else the torch path, which runs on any torch device; a stock Ascend image
+    where fla and its kernel modules import (fla-core 0.6's layout), else the torch path (with a warning line when
+    fla imports but its kernels do not), which runs on any torch device; a stock Ascend image
     has neither, and no other Ascend package ships a training Gated-DeltaNet with a stable API (MindSpeed's are
     not installable from an index).
     """
@@ -207,7 +211,18 @@ def kernels_for(platform: Platform | str) -> LinearKernels:
     if name == "cpu":
         return torch_kernels()
     if name == "npu":
-        return _fla_kernels(FLA_ASCEND_LINEAR_KERNELS) if _fla_on_ascend() else torch_kernels()
+        if not _fla_on_ascend():
+            return torch_kernels()
+        try:
+            return _fla_kernels(FLA_ASCEND_LINEAR_KERNELS)
+        except ImportError as exc:  # an fla other than 0.6's layout, or one whose kernel modules fail to import
+            print(
+                f"rlc: warning: fla imports on this NPU but not its Gated-DeltaNet kernels ({exc}; rlc calls fla-core "
+                "0.6's fla.modules.causal_conv1d and fla.ops.gated_delta_rule): they run on the torch path",
+                file=sys.stderr,
+                flush=True,
+            )
+            return torch_kernels()
     try:
         return _fla_kernels(FLA_LINEAR_KERNELS)
     except ImportError as exc:

@@ -163,11 +163,28 @@ def test_each_platform_selects_a_kernel_its_table_names_and_imports_nothing_it_l
 
 
 def test_npu_selection_never_reaches_a_cuda_package_even_when_one_is_installed(image) -> None:
-    """An Ascend image that happens to carry causal-conv1d or flash-attn still never imports them."""
+    """On an Ascend image that happens to carry causal-conv1d or flash-attn, rlc itself never imports them (fla's real
+    ``fla.modules.causal_conv1d`` would try causal-conv1d on import; the stand-in here does not)."""
     guard = image("npu", ("fla", "torch_npu"))
     guard.forbidden |= {"causal_conv1d", "flash_attn"}
     _select("npu")
     assert guard.tried == []
+
+
+@pytest.mark.parametrize("broken", ["fla.modules.causal_conv1d", "fla.ops.gated_delta_rule"])
+def test_npu_falls_back_to_torch_when_fla_imports_but_its_kernels_do_not(
+    image, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], broken: str
+) -> None:
+    """fla's device probe imports on the NPU but one of the kernel modules rlc calls does not: the trainer runs the
+    torch path and says which import failed, rather than stopping with an ImportError."""
+    from rlc.schemas.layout import TORCH_LINEAR_KERNELS
+
+    image("npu", ("fla", "torch_npu"))
+    monkeypatch.setitem(sys.modules, broken, None)
+    assert _select("npu")["gated_deltanet"] == TORCH_LINEAR_KERNELS
+    assert f"rlc: warning: fla imports on this NPU but not its Gated-DeltaNet kernels (import of {broken}" in (
+        capsys.readouterr().err
+    )
 
 
 # --------------------------------------------------------------------------------------------- expert kernels
