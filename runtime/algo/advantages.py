@@ -261,7 +261,14 @@ def kl_reward_advantages(
     """reinforce_pp's per-token advantages of a built batch (`reinforce_pp_rows` over ``batch``'s behaviour
     log-probs), scoring it under the reference policy only when β > 0; a plan that also has a KL loss
     (``kl_coef``) keeps the reference log-probs in ``batch`` so they are computed once. ``excluded``: per sample,
-    a group with a failed reward (0 on its tokens)."""
+    a group with a failed reward (0 on its tokens).
+
+    π_behave in KL_t is the engine's log-prob of each sampled token (``behaviour_logprobs``, the version that
+    sampled it), not the actor's own as OpenRLHF scores it: that needs no trainer forward over the batch before the
+    step. The price is a bias: each token's engine-trainer gap (the ``logprob_gap/mean`` metric: under 1e-5 in
+    float32, 0.002-0.04 nats in bf16 after a fresh sync) enters KL_t, so a return carries up to β × the gaps summed
+    over the rest of its response; with staleness the KL is the older sampling policy's. KL_t and the returns are
+    float64 (`kl_penalty` keeps float64 inputs in float64)."""
     beta, estimator = reward_kl(algo)
     behaviour = batch["behaviour_logprobs"]
     reference = reference_logprobs(batch) if beta > 0 else behaviour

@@ -227,9 +227,11 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind 
 
     k1 = log r (unbiased, can be negative), k2 = ½(log r)² (biased, low variance),
     k3 = (1/r − 1) + log r with r = π/π_ref (unbiased and non-negative). The log-ratio is clamped to
-    ±20 for k3 so one wild token cannot produce inf.
+    ±20 for k3 so one wild token cannot produce inf. In float32, or float64 when either input is float64 (as
+    REINFORCE++'s KL reward passes them).
     """
-    log_ratio = logprobs.to(torch.float32) - ref_logprobs.to(torch.float32)
+    dtype = torch.float64 if torch.float64 in (logprobs.dtype, ref_logprobs.dtype) else torch.float32
+    log_ratio = logprobs.to(dtype) - ref_logprobs.to(dtype)
     if kind == "k1":
         return log_ratio
     if kind == "k2":

@@ -102,6 +102,17 @@ def test_reinforce_pp_spans_a_trajectorys_rows() -> None:
     assert rows[0][1] == 0.0
 
 
+@pytest.mark.parametrize("kind", ["k1", "k2"])
+def test_the_kl_reward_stays_in_float64(kind: str) -> None:
+    """REINFORCE++'s KL reward is float64 as its returns are: a log-ratio of 1e-10, lost in float32's rounding of
+    log-probs near -1, survives."""
+    from rlc.runtime.algo.loss import kl_penalty
+
+    behaviour = torch.tensor([-1.0 + 1e-10], dtype=torch.float64)
+    kl = kl_penalty(behaviour, torch.tensor([-1.0], dtype=torch.float64), kind)
+    assert kl.dtype == torch.float64 and float(kl) > 0.0
+
+
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_batchnorm", "reinforce_pp_baseline"])
 def test_group_statistics_do_not_overflow(name: str) -> None:
     """Rewards near float32's maximum (their sum overflows float32) still give finite advantages."""
