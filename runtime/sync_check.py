@@ -28,7 +28,9 @@ its lr (5e-4) moves the probe 0.01-0.26 a step, so an engine one version behind 
 the probe past 0.054 (or past the bound); at the lr of real post-training (1e-6 on billions of parameters) a
 step moves it far less, and an engine one version behind is seen only once the versions it missed add up past
 that. A missed layer is seen once its share of the steps does: one of the quickstart's two layers holds 0.005-0.1
-nats of a step. With routed experts (noise 0.136) this check sees only gross failures.
+nats of a step. With routed experts in bfloat16 (noise 0.136, one published figure and none of rlc's own; bound
+0.408, looser than the 0.25 every bf16 plan had before; no test shows a stale bf16 MoE engine caught) this check
+sees only gross failures.
 """
 
 from __future__ import annotations
