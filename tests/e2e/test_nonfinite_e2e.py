@@ -123,7 +123,8 @@ def score(completion, answer, **_):
 @pytest.mark.slow
 def test_a_huge_reward_never_makes_the_loss_or_gradient_nonfinite(tmp_path: Path) -> None:
     """The quickstart with a reward of 3e38 for one completion in four (allowed as failed rewards): every step trains
-    on finite numbers, and the failed rewards are counted and reported."""
+    on finite numbers, and the failed rewards are counted (`reward/failed`: the test fails if 3e38 stops being
+    recognised as a failed reward) and reported."""
     (tmp_path / "hugereward.py").write_text(REWARD)
     settings = ("reward.fn=hugereward:score", "reward.max_failed_share=0.5", "algorithm.steps=3")
     plan = compile_quickstart(tmp_path, *settings)
@@ -136,3 +137,4 @@ def test_a_huge_reward_never_makes_the_loss_or_gradient_nonfinite(tmp_path: Path
     assert all(r["train/skipped_updates"] == 0 for r in rows)
     assert sum(r["reward/failed"] for r in rows) > 0
     assert "returned 3e+38, beyond the largest reward magnitude accepted (1e+12)" in result.stdout
+    assert "its group trains with zero advantages" in result.stdout  # no false signal from the 0 it scored
