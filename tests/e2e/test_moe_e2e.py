@@ -49,15 +49,18 @@ def test_cpu_moe_trains_with_expert_parallelism_as_planned(tmp_path: Path) -> No
     result = subprocess.run([*RLC, "run", str(plan_dir)], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run = tmp_path / "run"
-    record = assert_layout_as_planned(run, load_plan(plan_dir))
+    plan = load_plan(plan_dir)
+    record = assert_layout_as_planned(run, plan)
     assert record["plan_layout"]["ep"] == 2 and all(r["built"]["ep"] == 2 for r in record["ranks"])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
     # The engine serves the trainer's weights after every sync: probe and sampled tokens alike.
     assert all(r["sync_check/gap"] < 1e-4 for r in rows), [r["sync_check/gap"] for r in rows]
-    # The trainer scored the probe before every step too (null when it did not): each step's engine was judged
-    # nearer the new weights than the old wherever the step moved the probe past twice float32's noise.
-    assert all(r["sync_check/step_moved"] is not None for r in rows), [r["sync_check/step_moved"] for r in rows]
+    # The trainer scored the probe before every step too (null when it did not), and the engine was judged against
+    # the weights before the step wherever the step moved the probe past the plan's sync_check_min_step: at least
+    # once here, so the run passed that judgment and not only the bound.
+    moved = [r["sync_check/step_moved"] for r in rows]
+    assert all(m is not None for m in moved) and max(moved) > plan.schedule.sync_check_min_step, moved
     assert all(r["logprob_gap/max"] < 1e-4 for r in rows), [r["logprob_gap/max"] for r in rows]
 
 
