@@ -17,7 +17,7 @@ Two tables:
    (`compiler.memory.train_memory`: weights, gradients, activations) and time model (`compiler.cost.train`:
    `train_flops` at the target's `train_mfu`) for the `h100` target (`cpu` with --dry).
 
-Figures are recorded in README ("The accelerator check") when a device is lent to run it.
+Figures are recorded in README ("The accelerator check") once it has run on a GPU.
 """
 
 from __future__ import annotations

@@ -339,7 +339,7 @@ def test_installed_expert_kernel_equals_transformers_experts_on_one_rank(tiny_mo
 
 def test_the_accelerator_check_runs_dry_on_cpu_without_vllm_or_ray() -> None:
     """`benchmarks/accelerator_check.py --dry`: both tables print, every tiny model passes on cpu's kernels, and
-    the script imports neither vLLM nor Ray (the lent accelerator machines have neither)."""
+    the script imports neither vLLM nor Ray (a trainer-only GPU machine need not have them)."""
     import subprocess
 
     from paths import REPO
