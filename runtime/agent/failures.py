@@ -1,10 +1,10 @@
 """What a failing agent costs: the policy for trajectories whose agent raised, hung or returned no reward.
 
-Like a failing reward (`tasks.rewards.RewardGuard`): a trajectory whose agent raised or returned something that
-is not a reward scores 0 (its tokens still train: what the policy did led there); one that timed out is dropped
-and its task re-issued. Each is counted, the first of each kind is reported with its task; when more than
-`max_failed_share` of the last batch-worth of trajectories failed, the run stops with a RunError naming the
-agent, the task and the reason.
+A trajectory whose agent raised scores 0 (its tokens still train: what the policy did led there); one whose agent
+returned something that is not a reward, or whose runner failed, is a failed reward as in `tasks.rewards.RewardGuard`:
+its group trains with zero advantages (no baseline holds); one that timed out is dropped and its task re-issued. Each
+is counted, the first of each kind is reported with its task; when more than `max_failed_share` of the last
+batch-worth of trajectories failed, the run stops with a RunError naming the agent, the task and the reason.
 """
 
 from __future__ import annotations
