@@ -103,4 +103,6 @@ def test_an_engine_left_on_stale_experts_stops_the_run(tmp_path: Path) -> None:
     out = result.stdout + result.stderr
     assert result.returncode != 0, out[-3000:]
     assert "after the weight sync to version 1, engine 0 scores the trainer's tokens" in out, out[-3000:]
-    assert "serves other weights than the trainer's" in out and "Traceback" not in out
+    # Either judgment names it: past the bound, or nearer the weights before the step (the start-up experts it kept).
+    assert "serves other weights than the trainer's" in out or "the engine did not take the step" in out, out[-3000:]
+    assert "Traceback" not in out
