@@ -113,14 +113,14 @@ class SyncCheck:
         if probe != self._probe:  # no `before_step` for this batch: nothing to compare the step with
             self._probe, self._before = probe, []
         self._expected = self._score(probe)
-        bad = _non_finite(_scored(self._expected))
+        new = _scored(self._expected)
+        bad = _non_finite(new)
         if bad:
             raise RunError(
                 f"the trainer's new weights score {bad} of the post-sync probe's tokens as NaN or infinite: they "
                 f"are not synced to the engines. The run stopped; `{resume_command('PLAN')}` continues from the "
                 "last checkpoint"
             )
-        new = _scored(self._expected)
         self.moved = _mean_abs_diff(new, self._before) if len(self._before) == len(new) and new else float("nan")
 
     def verify(self, version: int) -> float:
