@@ -23,11 +23,14 @@ CFG = {"lr": 1e-2, "logprob_chunk_tokens": 7, "micro_batch_tokens": 64, "packing
 POLICY = {"clip": 0.2}
 
 
-@pytest.fixture(scope="module")
-def worker(tiny_model_dir: Path):
-    from rlc.runtime.train.trainer import TrainerWorker
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def worker(tiny_model_dir: Path, request: pytest.FixtureRequest):
+    """A one-rank worker computing in float32, or in bfloat16 over float32 master weights (the dtype users run)."""
+    from rlc.runtime.train.trainer import TrainerWorker, default_layout
+    from rlc.schemas.layout import Precision
 
-    w = TrainerWorker(0, 1, None, 0, str(tiny_model_dir), "cpu", CFG)  # a group of one: no rendezvous address
+    layout = default_layout(1, CFG).model_copy(update={"precision": Precision(compute_dtype=request.param)})
+    w = TrainerWorker(0, 1, None, 0, str(tiny_model_dir), "cpu", CFG, layout)  # a group of one: no rendezvous
     w.train_step(_batch(w), POLICY)  # a good step first: AdamW holds moments and a step count
     yield w
     w.shutdown()
@@ -46,7 +49,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _state(w) -> dict[str, torch.Tensor]:
-    """Every parameter and every AdamW state tensor (moments and step counts), copied."""
+    """Every master weight and every AdamW state tensor (moments and step counts), copied. The root FSDP unit stays
+    unsharded after a forward, holding its compute-dtype copy: resharding first reads the master weights."""
+    for module in w.model.modules():
+        if hasattr(module, "reshard"):
+            module.reshard()
     out = {f"param/{name}": _local(p) for name, p in w.model.named_parameters()}
     for k, opt in enumerate(w.optimizer.optimizers):
         for i, state in enumerate(opt.state.values()):
