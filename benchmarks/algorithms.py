@@ -43,10 +43,9 @@ VARIANTS: dict[str, tuple[Path, dict[str, str]]] = {
 }
 
 
-def run_variant(name: str, work: Path, steps: int, seed: int) -> dict[str, float | str]:
-    """Compile and run one variant; its reward curve's ends and its step time."""
-    spec, sets = VARIANTS[name]
-    out, run_dir = work / name / "plan", work / name / "run"
+def run_spec(spec: Path, sets: dict[str, str], work: Path, steps: int, seed: int) -> tuple[list[dict], float]:
+    """Compile `spec` with `sets` overridden and run it in `work`; its metrics rows and the run's wall seconds."""
+    out, run_dir = work / "plan", work / "run"
     sets = {
         **sets,
         "algorithm.steps": str(steps),
@@ -59,13 +58,26 @@ def run_variant(name: str, work: Path, steps: int, seed: int) -> dict[str, float
         cmd += ["--set", f"{key}={value}"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
     t0 = time.perf_counter()
-    with (work / name / "run.log").open("w") as log:
+    work.mkdir(parents=True, exist_ok=True)
+    with (work / "run.log").open("w") as log:
         subprocess.run([sys.executable, "-m", "rlc", "run", str(out)], check=True, stdout=log, stderr=log, cwd=ROOT)
     wall = time.perf_counter() - t0
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()], wall
+
+
+def fifths(values: list[float]) -> tuple[float, float]:
+    """Means of the first and the last fifth of a curve."""
+    fifth = max(1, len(values) // 5)
+    return statistics.fmean(values[:fifth]), statistics.fmean(values[-fifth:])
+
+
+def run_variant(name: str, work: Path, steps: int, seed: int) -> dict[str, float | str]:
+    """Compile and run one variant; its reward curve's ends and its step time."""
+    spec, sets = VARIANTS[name]
+    rows, wall = run_spec(spec, sets, work / name, steps, seed)
     rewards = [r.get("reward/generated_mean", r["reward/mean"]) for r in rows]
     fifth = max(1, len(rows) // 5)
-    first, last = statistics.fmean(rewards[:fifth]), statistics.fmean(rewards[-fifth:])
+    first, last = fifths(rewards)
     result: dict[str, float | str] = {
         "variant": name,
         "steps": float(len(rows)),

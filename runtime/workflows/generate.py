@@ -43,6 +43,9 @@ class Group:
     failed: list[bool] = field(default_factory=list)  # per sample, its reward failed (scored 0, no signal)
     request: int = -1  # the generate request that produced it (RUN/rollouts.jsonl)
     token_versions: list[list[int]] = field(default_factory=list)  # per sample, each token's version
+    # Per sample, the experts the engine's routers chose for each input position (`rollout.routing_capture`), or
+    # None: what rollout routing replay (R3) has the trainer use.
+    routed_experts: list[Any] = field(default_factory=list)
 
     def sample_versions(self, index: int) -> list[int]:
         """Each token's policy version of sample `index` (one version throughout where none was recorded)."""
@@ -178,6 +181,7 @@ class GenerateWorkflow:
                     [int(s.version) for s in samples],
                     request=chunk.id,
                     token_versions=[list(s.versions) for s in samples],
+                    routed_experts=[getattr(s, "routed_experts", None) for s in samples],
                 )
                 t0 = time.perf_counter()
                 completions = [loop.tokenizer.decode(ids, skip_special_tokens=True) for ids in group.output_ids]
@@ -306,6 +310,9 @@ class GenerateWorkflow:
             "behaviour_logprobs": behaviour,
             "advantages": adv,
         }
+        routed = [r for g in groups for r in (g.routed_experts or [None] * len(g.output_ids))]
+        if any(r is not None for r in routed):  # the engines' experts per input position, for R3
+            batch["routed_experts"] = routed
         if algo.name == "reinforce_pp":
             samples = [[i] for i in range(len(input_ids))]
             batch["advantages"] = kl_reward_advantages(
