@@ -5,20 +5,26 @@ what comes back (`RequestOutput`) holds the prompt ids, the sampled ids, their l
 spans of the tokens (vLLM labels each output token with the version set by `update_weight_version`). Recording
 here, rather than parsing HTTP responses, takes those numbers exactly as the engine produced them, including
 the versions no HTTP response carries, whatever the client asked to see. A session call always asks the engine
-for the sampled token's log-prob; the response shows it only when the client asked.
+for the sampled token's log-prob; the response shows it only when the client asked. On an engine that captures
+its routers' choices (rollout routing replay), the client is given `fetch_routing` and files each call's routing
+with it once the call has finished; otherwise nothing more is asked of the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from rlc.runtime.agent.sessions import SessionTable
 from rlc.runtime.agent.trajectory import Call
 from rlc.runtime.rollout.versions import token_versions
 
-__all__ = ["RecordingClient", "call_from_output", "token_versions"]
+__all__ = ["FetchRouting", "RecordingClient", "call_from_output", "token_versions"]
+
+#: The routing of a finished request by its id and its number of completions, one array (or None) per completion.
+FetchRouting = Callable[[str, int], Awaitable[list[Any]]]
 
 
 def call_from_output(output: Any, version: int, seconds: float) -> Call:
@@ -41,10 +47,13 @@ def call_from_output(output: Any, version: int, seconds: float) -> Call:
 class RecordingClient:
     """Delegates everything to vLLM's `AsyncLLM`; `generate` of a session call also records it."""
 
-    def __init__(self, engine: Any, sessions: SessionTable, version: Any) -> None:
+    def __init__(
+        self, engine: Any, sessions: SessionTable, version: Any, fetch_routing: FetchRouting | None = None
+    ) -> None:
         self._engine = engine
         self._sessions = sessions
         self._version = version  # a callable: the engine's current policy version
+        self._fetch_routing = fetch_routing  # None: the engine captures no routing
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -61,12 +70,18 @@ class RecordingClient:
             sampling_params.logprobs = 0  # the sampled token's log-prob: the behaviour policy
         started, version = time.monotonic(), self._version()
         session.running.add(request_id)
-        last = None
+        call: Call | None = None
         try:
+            last = None
             async for out in self._engine.generate(prompt, sampling_params, request_id, *args, **kwargs):
                 last = out
                 yield out
+            if last is not None and last.finished and last.outputs and last.outputs[0].finish_reason != "abort":
+                call = call_from_output(last, version, time.monotonic() - started)
+                if self._fetch_routing is not None:  # session calls have n = 1 (the router refuses others)
+                    routing = (await self._fetch_routing(request_id, 1))[0]
+                    call = dataclasses.replace(call, routed_experts=routing)
         finally:
             session.running.discard(request_id)
-        if last is not None and last.finished and last.outputs and last.outputs[0].finish_reason != "abort":
-            session.calls.append(call_from_output(last, version, time.monotonic() - started))
+        if call is not None:
+            session.calls.append(call)

@@ -316,6 +316,9 @@ class AgentWorkflow:
                 f"agent {self.agent.run!r}: no trajectory of this batch made a model call, so there is nothing to "
                 "train on; check that the agent calls llm.base_url with llm.api_key"
             )
+        routed = [row.routed_experts for t in trajectories for row in t.rows]
+        if any(r is not None for r in routed):  # the engines' experts per row position, for rollout routing replay
+            batch["routed_experts"] = routed
         if algo.name == "reinforce_pp":
             weights = [row.weight for t in trajectories for row in t.rows]
             token_adv = kl_reward_advantages(

@@ -3,8 +3,9 @@
 `AgentServer` mounts vLLM's own OpenAI app (`build_app` + `init_app_state`) on the engine's `AsyncLLM`, behind
 rlc's `SessionRouter`, and serves it with uvicorn on the actor's event loop, bound to its node's address. Agents
 call `/v1/chat/completions` and `/v1/completions` with a session key; the `RecordingClient` files each call's
-tokens, log-probs and per-token policy versions under that session. Weight updates are the engine's
-(`RolloutEngine`): a call that spans one carries both versions, token by token.
+tokens, log-probs and per-token policy versions under that session, and, where the engine captures its routers'
+choices (`routing_capture`), each call's routing. Weight updates are the engine's (`RolloutEngine`): a call that
+spans one carries both versions, token by token.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rlc.runtime.agent.recording import RecordingClient
+from rlc.runtime.agent.recording import FetchRouting, RecordingClient
 from rlc.runtime.agent.router import SessionRouter
 from rlc.runtime.agent.sessions import Limits, SessionRecord, SessionTable
 
@@ -53,8 +55,16 @@ def app_args(model: str, served_name: str, tool_call_parser: str | None, max_log
 class AgentServer:
     """The session table and the OpenAI app of one engine; `start` once its `AsyncLLM` runs."""
 
-    def __init__(self, engine_args: Mapping[str, Any], agent: Mapping[str, Any], sampling: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        engine_args: Mapping[str, Any],
+        agent: Mapping[str, Any],
+        sampling: Mapping[str, Any],
+        routing_capture: str | None = None,
+    ) -> None:
+        """``routing_capture``: the engine's ("rlc" or "vllm"), or None where it captures no routing."""
         self.engine_args = dict(engine_args)
+        self.routing_capture = routing_capture
         self.served_name = str(agent.get("served_model_name") or engine_args["model"])
         self.tool_call_parser = agent.get("tool_call_parser")
         self.limits = Limits(
@@ -75,7 +85,7 @@ class AgentServer:
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.app import build_app
 
-        client = RecordingClient(llm, self.sessions, version)
+        client = RecordingClient(llm, self.sessions, version, self._fetch_routing(llm))
         args = app_args(
             str(self.engine_args["model"]),
             self.served_name,
@@ -111,6 +121,14 @@ class AgentServer:
         else:
             raise RuntimeError(f"the agent endpoint on {host}:{port} did not start listening within 5 s")
         self.base_url = f"http://{host}:{port}/v1"
+
+    def _fetch_routing(self, llm: Any) -> FetchRouting | None:
+        """How the recording client asks the engine for a finished call's routing; None keeps it from asking."""
+        if self.routing_capture is None:
+            return None
+        from rlc.runtime.rollout.routing_capture import fetch_routing
+
+        return functools.partial(fetch_routing, llm)
 
     @property
     def serving(self) -> bool:
