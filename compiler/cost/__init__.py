@@ -17,6 +17,7 @@ from rlc.compiler.cost.overheads import (  # noqa: F401
     DECODE_SEQUENCE_OVERHEAD_S,
     DECODE_STEP_OVERHEAD_S,
     EAGER_LAYER_LAUNCH_S,
+    HOST_OVERLAPS_DEVICE,
     KIND_DEFAULTS,
     agent_call_overhead_s,
     decode_sequence_overhead_s,
@@ -40,6 +41,7 @@ from rlc.compiler.cost.rollout import (  # noqa: F401
 )
 from rlc.compiler.cost.step import (  # noqa: F401
     DISK_GBPS,
+    ENGINE_CYCLE_S,
     StepTime,
     engine_offload_s,
     engine_weight_share,

@@ -11,6 +11,7 @@ __all__ = [
     "DECODE_SEQUENCE_OVERHEAD_S",
     "DECODE_STEP_OVERHEAD_S",
     "EAGER_LAYER_LAUNCH_S",
+    "HOST_OVERLAPS_DEVICE",
     "KIND_DEFAULTS",
     "agent_call_overhead_s",
     "decode_sequence_overhead_s",
@@ -44,9 +45,21 @@ EAGER_LAYER_LAUNCH_S = {
 }
 #: Host-side cost per sequence per decode step in the engine's own process (scheduling, sampler bookkeeping,
 #: output processing), which tensor parallelism does not split. cpu: measured 0.23 ms with the quickstart
-#: model (vLLM generate of 4 tokens for 8 vs 128 sequences, TP 1 and TP 2 alike). Accelerators: not measured
-#: here; a dedicated host core makes it small next to the device's step, so it is left in their efficiencies.
-DECODE_SEQUENCE_OVERHEAD_S = {"npu": 0.0, "gpu": 0.0, "cpu": 0.23e-3}
+#: model (vLLM generate of 4 tokens for 8 vs 128 sequences, TP 1 and TP 2 alike). [estimate] accelerators: the
+#: same Python path (vLLM's scheduler and output processor; vllm-ascend adds no host work per sequence of its
+#: own) on host cores of about this machine's single-thread speed (Kunpeng 920 on Atlas 800T A2/A3, Xeon on
+#: DGX hosts), so the cpu figure; `rlc calibrate` fits it from a run. On accelerators it overlaps the device's
+#: step (`HOST_OVERLAPS_DEVICE`), so it only shows where c sequences' host work outlasts the device's step.
+#: gpu: 0, bounded by data: with 0.23 ms the NeMo-RL v0.3 per-phase generation timings (the GPU fit runs of
+#: benchmarks/published_runs.yaml) cannot be met at any decode efficiency (benchmarks/fit_gpu_efficiency.py
+#: then prices Llama-3.1-8B's generation 1.39x slow), so a DGX host's per-sequence work stays inside the
+#: fitted decode efficiency.
+DECODE_SEQUENCE_OVERHEAD_S = {"npu": 0.23e-3, "gpu": 0.0, "cpu": 0.23e-3}
+#: Whether an engine's per-sequence host work runs beside the device's step rather than after it. Accelerators:
+#: vLLM V1 splits the engine core (scheduling, the device step) from output processing in the front-end
+#: process and queues device work asynchronously, so one step's host work overlaps the device's:
+#: step = max(device, c × per-sequence cost). cpu: the host is the device, so they add (what was measured).
+HOST_OVERLAPS_DEVICE = {"npu": True, "gpu": True, "cpu": False}
 #: Host seconds one agent model call costs beyond the engine's decode work: the OpenAI-compatible endpoint in
 #: the engine's actor (HTTP, rlc's session router, chat template, tokenization, detokenization, recording) and
 #: the agent's `openai` client. Both run on Python event loops that take calls one at a time, so an engine

@@ -9,6 +9,7 @@ from math import ceil
 
 from rlc.compiler.cost.links import COLLECTIVE_LATENCY_S, collective_s, ep_width_bandwidth, link_gbps, nodes_spanned
 from rlc.compiler.cost.overheads import (
+    HOST_OVERLAPS_DEVICE,
     agent_call_overhead_s,
     decode_sequence_overhead_s,
     decode_step_overhead_s,
@@ -65,6 +66,9 @@ class RolloutTime:
     step_s: float
     concurrency: int
     tokens_per_s: float
+    #: One trajectory's sequential critical path (agent turns, their tool waits and the batch's tail, prefill
+    #: included): what staleness can spread over s + 1 steps but not hide (`step.step_time`); 0 for single-turn.
+    chain_s: float = 0.0
 
 
 def decode_step_s(
@@ -85,7 +89,9 @@ def decode_step_s(
     params per token / t, plus attention 4·n_q·d_h·context per full layer. Verification of k draft tokens
     multiplies the FLOPs by k + 1; an MTP drafter reads its layer k more times. TP adds two all-reduces per
     layer, EP two all-to-alls per MoE layer (at `ep_width_bandwidth` of the link when the group spans several
-    nodes); a fixed engine overhead covers scheduling and launches.
+    nodes); a fixed engine overhead covers scheduling and launches, and the engine's host work per sequence
+    (`decode_sequence_overhead_s` × the attention rank's tokens: each rank runs its own scheduler) runs
+    beside the device's step on accelerators (max of the two) and after it on cpu.
 
     What TP does not split is charged per engine: the vocab-parallel logits are all-gathered
     ((t−1)/t · tokens · V · bytes) and every rank samples the whole batch (SAMPLER_PASSES over fp32 logits).
@@ -131,7 +137,10 @@ def decode_step_s(
     if layout.tp > 1:
         # A multi-worker engine hands every step to its workers and collects the result: two more exchanges.
         t += 2 * COLLECTIVE_LATENCY_S[target.kind]
-    return t + decode_step_overhead_s(target) + engine_tokens * decode_sequence_overhead_s(target)
+    host = tokens_step * decode_sequence_overhead_s(target)  # each attention-DP rank schedules its own batch
+    # Per-sequence host work beside the device's step (accelerators) or after it (cpu): HOST_OVERLAPS_DEVICE.
+    t = max(t, host) if HOST_OVERLAPS_DEVICE[target.kind] else t + host
+    return t + decode_step_overhead_s(target)
 
 
 def decode_attention_flops(arch: ModelArch) -> float:
@@ -285,7 +294,7 @@ def _agent_time(
         )
     async_s = max(busy + prefill, sync_s / (work.staleness + 1))
     agent_tokens = work.samples * agent.turns * agent.turn_tokens
-    return RolloutTime(sync_s, async_s, prefill, step, c_sync, agent_tokens / async_s)
+    return RolloutTime(sync_s, async_s, prefill, step, c_sync, agent_tokens / async_s, chain_s=sync_s)
 
 
 def decoding_share(agent: AgentWork, step: float, tau: float) -> float:
