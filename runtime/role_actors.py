@@ -133,7 +133,14 @@ def build_roles(plan: Plan, model_path: Path, version: int, created: list[Any]) 
         stamped = version if stamp == 0 else stamp
         hosts = spec.core_host_starts(plan.platform, engine_env)
         return cls.remote(
-            engine_args, plan.platform, env, stamped, plan.schedule.weight_update, *agent, core_hosts=hosts
+            engine_args,
+            plan.platform,
+            env,
+            stamped,
+            plan.schedule.weight_update,
+            *agent,
+            core_hosts=hosts,
+            routing_capture=rollout.routing_capture,  # who records the experts R3 replays (the plan's choice)
         )
 
     def trainers() -> dict[str, Any]:

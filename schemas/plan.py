@@ -103,9 +103,19 @@ class Role(PlanModel):
     estimates: dict[str, float] = Field(default_factory=dict, description="Per-role time/throughput figures.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for this role's processes.")
     notes: list[str] = Field(default_factory=list, description="Why the planner chose this.")
+    routing_capture: Literal["rlc", "vllm"] | None = Field(
+        None,
+        description="Rollout roles of plans that replay the engine's experts in training (the train role's "
+        "`engine.routing_replay` is rollout): who records the experts each engine's router chose for every token. "
+        "rlc: rlc's capture inside vLLM's worker (the cpu target; the engines run without prefix caching, since a "
+        "prompt served from it has no recorded routing); vllm: the engine's own (engine argument "
+        "enable_return_routed_experts). None: nothing records routing.",
+    )
 
     @model_validator(mode="after")
     def _layout_matches(self) -> Role:
+        if self.routing_capture is not None and self.kind != "rollout":
+            raise ValueError(f"{self.kind} role {self.name} records routing; only rollout engines do")
         if self.kind == "train":
             if self.layout is None:
                 raise ValueError(f"train role {self.name} has no layout")
@@ -324,6 +334,19 @@ class ExpertLayers(PlanModel):
     layers: int = Field(ge=1, description="Decoder layers whose FFN is a mixture of experts.")
     num_experts: int = Field(ge=1, description="Routed experts per MoE layer.")
     experts_per_token: int = Field(ge=1, description="Routed experts per token (top-k).")
+    routing_id_bytes: Literal[1, 2] = Field(
+        description="Bytes of one recorded expert id in the routing that travels from the engines to the trainer: "
+        "1 (uint8) below 255 experts, else 2 (uint16). A token's routing is the model's decoder layers × "
+        "experts_per_token ids. Plans from before it: derived from num_experts.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_plans(cls, data: Any) -> Any:
+        """Plans compiled before the field state the width the compiler would have chosen."""
+        if isinstance(data, dict) and "routing_id_bytes" not in data and isinstance(data.get("num_experts"), int):
+            return {**data, "routing_id_bytes": 1 if data["num_experts"] < 255 else 2}
+        return data
 
 
 class ModelSettings(PlanModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 TargetName = Literal["a2", "a2-32g", "a3", "cpu", "h100", "h800", "h20", "a800"]
 TARGET_NAMES: tuple[str, ...] = TargetName.__args__  # type: ignore[attr-defined]
@@ -34,6 +34,18 @@ Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
 Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
 Degree = Annotated[int, Field(ge=1, le=MAX_DEVICES)]
 Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
+#: `train.routing_replay`: the JSON Schema also accepts the booleans older specs wrote (true: proximal).
+RoutingReplay = Annotated[
+    Literal["auto", "off", "proximal", "rollout"],
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"enum": ["auto", "off", "proximal", "rollout"], "type": "string"},
+                {"type": "boolean", "deprecated": True},
+            ]
+        }
+    ),
+]
 
 
 def _no_nul(value: str) -> str:
@@ -608,15 +620,30 @@ class Train(StrictModel):
         ge=0.0,
         le=1.0,
         description="MoE models: coefficient of the router's load-balancing loss (Switch Transformer, Fedus et al. "
-        "2021), over every rank's tokens of a micro-batch. 0 (off) is what RL recipes use (AReaL, MindSpeed-RL "
-        "moe_aux_loss_coeff 0.0): the policy gradient alone moves the router.",
+        "2021), taken over each optimizer step's whole batch (every rank's and micro-batch's tokens) as Qwen3-MoE "
+        "training does, with the meaning transformers' `router_aux_loss_coef` has (Qwen3-MoE configs: 0.001). 0 "
+        "(off) is what RL recipes use (AReaL, MindSpeed-RL moe_aux_loss_coeff 0.0): the policy gradient alone moves "
+        "the router.",
     )
-    routing_replay: bool = Field(
-        False,
-        description="MoE models: the policy forward reuses the experts the proximal pass chose for each token "
-        "(trainer-side routing replay), so the decoupled loss compares log-probs computed with the same experts. "
-        "Matters with several minibatches, where later ones train after earlier updates moved the router.",
+    routing_replay: RoutingReplay = Field(
+        "auto",
+        description="MoE models: which experts the trainer's forwards use for the sampled tokens. rollout (R3, "
+        "arXiv 2510.11370): the experts the rollout engine chose, recorded per token and replayed in the proximal, "
+        "policy and reference forwards, so the behaviour log-probs and the trained ones come from the same experts. "
+        "proximal: the policy forward reuses the experts the proximal pass chose (trainer-side replay; it acts with "
+        "several minibatches, where later ones train after earlier updates moved the router). off: every forward "
+        "routes afresh. auto: rollout where the target's engines record their experts, else proximal where the "
+        "plan makes a proximal pass, else off; the plan says which and why. true and false (older specs) mean "
+        "proximal and off.",
     )
+
+    @field_validator("routing_replay", mode="before")
+    @classmethod
+    def _older_routing_replay(cls, value: object) -> object:
+        """Specs written when the key was a switch for trainer-side replay keep their meaning."""
+        if isinstance(value, bool):
+            return "proximal" if value else "off"
+        return value
 
 
 class Lora(StrictModel):

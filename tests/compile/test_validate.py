@@ -395,6 +395,14 @@ def test_rule_lora_on_a_moe_model_router_refused() -> None:
     assert d.severity == "error" and d.path == "lora.target_modules"
 
 
+def test_rule_rollout_routing_replay_needs_engines_that_record_experts() -> None:
+    """More in test_routing_replay.py."""
+    hybrid = GOOD.replace("target: a2", "target: a3").replace("qwen3-8b", "qwen3.5-35b-a3b")
+    d = only(check(hybrid + "train: {routing_replay: rollout}\n"), "RLC225")
+    assert d.severity == "error" and d.path == "train.routing_replay" and "a3 target" in d.message
+    assert only(check(GOOD + "train: {routing_replay: rollout}\n"), "RLC225").severity == "warning"  # dense
+
+
 def test_every_rule_is_exercised() -> None:
     source = Path(__file__).read_text()
     for registered in RULES:
