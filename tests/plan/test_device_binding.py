@@ -48,19 +48,23 @@ def test_every_actor_binds_its_own_slice_of_its_roles_devices(name: str) -> None
 
 
 def test_engines_of_one_node_get_disjoint_devices() -> None:
-    """The A3 golden runs four TP 8 engines on two 16-device nodes: two per node, each on its own half."""
+    """The A3 golden runs several engines on each of two 16-device nodes: each on its own consecutive slice, in
+    order, and every engine's first bundle is its first device's (node 0's bundles 0-15, node 1's 16-31)."""
     plan = _plan("a3-colocated-mopd-lora-mtp")
     engines = [a for a in launch_request(plan).actors if a.kind == "rollout"]
-    halves = [tuple(range(8)), tuple(range(8, 16))]
-    assert [a.devices for a in engines] == halves * 2
-    assert [a.bundle_index for a in engines] == [0, 8, 16, 24]  # node 0's bundles 0-15, node 1's 16-31
+    width = len(engines[0].devices)
+    assert 16 % width == 0 and len(engines) == 2 * 16 // width
+    slices = [tuple(range(k * width, (k + 1) * width)) for k in range(16 // width)]
+    assert [a.devices for a in engines] == slices * 2
+    assert [a.bundle_index for a in engines] == [k * width for k in range(len(engines))]
 
 
 def test_an_actor_whose_devices_span_nodes_is_refused() -> None:
     plan = _plan("a2-disaggregated")
     rollout = plan.role("rollout")
-    # Two engines over 8 devices split 2 + 6 across nodes: the first engine would reach onto the second node.
-    rollout.placement = [NodeDevices(node=1, local_ids=[0, 1]), NodeDevices(node=2, local_ids=[0, 1, 2, 3, 4, 5])]
+    devices = sum(len(p.local_ids) for p in rollout.placement)
+    # The same devices split 1 + the rest across two nodes: the first engine would reach onto the second node.
+    rollout.placement = [NodeDevices(node=1, local_ids=[0]), NodeDevices(node=2, local_ids=list(range(devices - 1)))]
     refusals = launch_request(plan).refusals
     assert any("role rollout: actor 0 drives devices on several nodes" in r for r in refusals), refusals
 
