@@ -6,8 +6,8 @@ spans of the tokens (vLLM labels each output token with the version set by `upda
 here, rather than parsing HTTP responses, takes those numbers exactly as the engine produced them, including
 the versions no HTTP response carries, whatever the client asked to see. A session call always asks the engine
 for the sampled token's log-prob; the response shows it only when the client asked. On an engine that captures
-its routers' choices (rollout routing replay), the client is given `fetch_routing` and files each call's routing
-with it once the call has finished; otherwise nothing more is asked of the engine.
+its routers' choices (rollout routing replay), the client is given `routing` and files each call's routing with
+it once the call has finished; otherwise nothing more is asked of the engine.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from rlc.runtime.rollout.versions import token_versions
 
 __all__ = ["FetchRouting", "RecordingClient", "call_from_output", "token_versions"]
 
-#: The routing of a finished request by its id and its number of completions, one array (or None) per completion.
-FetchRouting = Callable[[str, int], Awaitable[list[Any]]]
+#: The routing of each completion of a finished `RequestOutput` (`routing_capture.output_routing` of the engine).
+FetchRouting = Callable[[Any], Awaitable[list[Any]]]
 
 
 def call_from_output(output: Any, version: int, seconds: float) -> Call:
@@ -47,13 +47,11 @@ def call_from_output(output: Any, version: int, seconds: float) -> Call:
 class RecordingClient:
     """Delegates everything to vLLM's `AsyncLLM`; `generate` of a session call also records it."""
 
-    def __init__(
-        self, engine: Any, sessions: SessionTable, version: Any, fetch_routing: FetchRouting | None = None
-    ) -> None:
+    def __init__(self, engine: Any, sessions: SessionTable, version: Any, routing: FetchRouting | None = None) -> None:
         self._engine = engine
         self._sessions = sessions
         self._version = version  # a callable: the engine's current policy version
-        self._fetch_routing = fetch_routing  # None: the engine captures no routing
+        self._routing = routing  # None: the engine captures no routing
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -78,9 +76,8 @@ class RecordingClient:
                 yield out
             if last is not None and last.finished and last.outputs and last.outputs[0].finish_reason != "abort":
                 call = call_from_output(last, version, time.monotonic() - started)
-                if self._fetch_routing is not None:  # session calls have n = 1 (the router refuses others)
-                    routing = (await self._fetch_routing(request_id, 1))[0]
-                    call = dataclasses.replace(call, routed_experts=routing)
+                if self._routing is not None:  # session calls have n = 1 (the router refuses others)
+                    call = dataclasses.replace(call, routed_experts=(await self._routing(last))[0])
         finally:
             session.running.discard(request_id)
         if call is not None:

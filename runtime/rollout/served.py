@@ -85,7 +85,7 @@ class AgentServer:
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.app import build_app
 
-        client = RecordingClient(llm, self.sessions, version, self._fetch_routing(llm))
+        client = RecordingClient(llm, self.sessions, version, self._routing(llm))
         args = app_args(
             str(self.engine_args["model"]),
             self.served_name,
@@ -122,13 +122,13 @@ class AgentServer:
             raise RuntimeError(f"the agent endpoint on {host}:{port} did not start listening within 5 s")
         self.base_url = f"http://{host}:{port}/v1"
 
-    def _fetch_routing(self, llm: Any) -> FetchRouting | None:
+    def _routing(self, llm: Any) -> FetchRouting | None:
         """How the recording client asks the engine for a finished call's routing; None keeps it from asking."""
         if self.routing_capture is None:
             return None
-        from rlc.runtime.rollout.routing_capture import fetch_routing
+        from rlc.runtime.rollout.routing_capture import output_routing
 
-        return functools.partial(fetch_routing, llm)
+        return functools.partial(output_routing, llm, capture=self.routing_capture)
 
     @property
     def serving(self) -> bool:

