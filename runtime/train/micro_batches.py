@@ -8,7 +8,9 @@ Three shapes, one interface:
 
 Per-token rows (advantages, behaviour log-probs, masks...) are aligned with ``input_ids``: entry t is about
 token t. `MicroBatch.local(rows)` turns them into the tensor the loss needs next to the model's log-probs:
-the whole row, or under CP the slice of tokens this rank predicts.
+the whole row, or under CP the slice of tokens this rank predicts. The MoE routers see the tokens of the
+model input itself, flattened (the row, the padded ``[B, W]`` batch row by row, or this rank's CP slice,
+unshifted): `MicroBatch.routing_tokens` and `MicroBatch.routed_experts` lay out what they need in that order.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -68,6 +71,73 @@ class MicroBatch:
         if self.cp is not None:
             row = F.pad(row, (0, 1))[:, self.cp.start + 1 : self.cp.end + 1]
         return row.to(self.device)
+
+    def _token_slots(self) -> tuple[list[int], int]:
+        """Where each sequence starts among the tokens the model input flattens to, and their number before any
+        CP slicing (packed: the sequences back to back, then the CP pad; padded: one row of the widest each)."""
+        if self.packed is None:
+            width = max(len(s) for s in self.seqs)
+            return [i * width for i in range(len(self.seqs))], width * len(self.seqs)
+        starts, at = [], 0
+        for s in self.seqs:
+            starts.append(at)
+            at += len(s)
+        return starts, at + self.pad
+
+    def _local_tokens(self, values: np.ndarray) -> torch.Tensor:
+        """Host tensor of per-token `values` (the whole flattened input), this rank's CP slice of them."""
+        if self.cp is not None:
+            values = values[self.cp.start : self.cp.end]
+        return torch.from_numpy(np.ascontiguousarray(values))
+
+    def routing_tokens(self) -> torch.Tensor:
+        """Which tokens of the model input (flattened, this rank's CP slice) the MoE routing statistics and the
+        load-balancing loss count, on the host: not padding, and not a sequence's last token (nothing reads its
+        output, and no rollout engine routed it)."""
+        starts, total = self._token_slots()
+        mask = np.zeros(total, dtype=bool)
+        for start, s in zip(starts, self.seqs, strict=True):
+            mask[start : start + len(s) - 1] = True
+        return self._local_tokens(mask)
+
+    def routed_experts(
+        self, arrays: Sequence[Any], layers: int, top_k: int, num_experts: int, names: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rollout engine's experts for the tokens of the model input (flattened, this rank's CP slice), on the
+        host: (ids ``[n, layers, top_k]`` long, captured ``[n, layers]`` bool).
+
+        `arrays` holds one entry per sequence: None, or its ``routed_experts`` (row t: the experts each decoder
+        layer chose for the token at position t, at most one row per token but the last, which no engine feeds;
+        fewer rows leave the rest to the trainer). A (token, layer) entry holding the "not captured" mark (255
+        below 255 experts, else 65535), a pad token and a missing row are not captured. A shape or expert id the
+        model cannot have is refused, naming the sequence by `names` (its index in the batch)."""
+        missing = 255 if num_experts < 255 else 65535
+        starts, total = self._token_slots()
+        ids = np.zeros((total, layers, top_k), dtype=np.int64)
+        captured = np.zeros((total, layers), dtype=bool)
+        for j, (start, s, arr) in enumerate(zip(starts, self.seqs, arrays, strict=True)):
+            i = names[j] if names is not None else j
+            if arr is None:
+                continue
+            arr = np.asarray(arr)
+            if arr.size == 0:
+                continue
+            if arr.ndim != 3 or arr.shape[1:] != (layers, top_k) or arr.shape[0] > len(s) - 1:
+                raise ValueError(
+                    f"routed_experts of sequence {i} has shape {list(arr.shape)}; a sequence of {len(s)} tokens "
+                    f"on this model needs [at most {len(s) - 1} rows, {layers} decoder layers, top-k {top_k}]"
+                )
+            rows = arr.astype(np.int64)
+            known = rows != missing
+            bad = known & ((rows < 0) | (rows >= num_experts))
+            if bad.any():
+                raise ValueError(
+                    f"routed_experts of sequence {i} names expert {int(rows[bad][0])}; the model has {num_experts}"
+                )
+            ok = known.all(-1)
+            ids[start : start + len(rows)] = np.where(ok[..., None], rows, 0)
+            captured[start : start + len(rows)] = ok
+        return self._local_tokens(ids), self._local_tokens(captured)
 
     def split(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Per-sequence rows back out of a whole-row tensor (``gather_logprobs`` under CP), each as long as its

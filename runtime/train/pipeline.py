@@ -21,6 +21,9 @@ stage's copy takes the same step and stays identical (Megatron's embedding group
 norm counts each stage's own layers once and the root weights once. LoRA adapters live inside the layers, so
 each stage trains its own (the frozen root weights then take no step); every stage disables its adapters for a
 reference pass, and an adapter export gathers each stage's factors on rank 0 (`gather_to_first`), as full weights.
+An MoE stage's routers know their decoder layers by name, so each reads its own layers' columns of the engine's
+routing that every stage receives with the micro-batch, and its routing statistics are summed with the other
+stages' over the stage group (`router.Routing.take_stats`).
 """
 
 from __future__ import annotations
@@ -256,17 +259,11 @@ class Pipeline:
             parts.append(part)
         return _in_model_order(parts)
 
-    def combine_routing(self, stats: dict[str, float]) -> dict[str, float]:
-        """Every stage's MoE routing statistics (`router.Routing.take_stats`, each over its own layers) as one:
-        the busiest expert of any stage, drift and load-balancing loss averaged over the stages that have them.
-        A few floats, as an object (see `merge_across_stages` for why object collectives run on every backend)."""
-        parts: list[Any] = [None] * self.stages
-        dist.all_gather_object(parts, stats, group=self.group)
-        out: dict[str, float] = {}
-        for key in sorted({k for part in parts for k in part}):
-            values = [part[key] for part in parts if key in part]
-            out[key] = max(values) if key == "moe/expert_load_max" else sum(values) / len(values)
-        return out
+    def sum_over_stages(self, value: float, device: torch.device) -> float:
+        """`value` summed over the stages (a step's loss: the last stage's plus the earlier stages' router losses)."""
+        box = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(box, group=self.group)
+        return float(box.item())
 
     def broadcast_from_last(self, obj: Any) -> Any:
         """The last stage's `obj` on every stage (results only the last stage computes: a step's statistics, as an

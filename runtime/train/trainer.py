@@ -13,7 +13,10 @@ Batches are dicts of per-sequence lists. ``input_ids`` holds full sequences (pro
 ``loss_mask`` marks the response tokens. Per-token arrays (``behaviour_logprobs``, ``proximal_logprobs``,
 ``ref_logprobs``, ``teacher_logprobs``, ``advantages``) are aligned with ``input_ids``: entry ``t`` is about
 token ``t``, i.e. log p(x_t | x_<t); entry 0 is unused. ``advantages`` may also be one number per sequence.
-Ranks that differ only in their cp or tp coordinate receive the same share of a batch.
+Ranks that differ only in their cp or tp coordinate receive the same share of a batch. An MoE batch may carry
+``routed_experts``: per sequence, the experts the rollout engine's routers chose for each token
+(``[tokens - 1, decoder layers, top_k]``, or None), which the routers compare with their own choice and, with
+``routing_replay: rollout``, replay (`router`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from .parallelize import (
 )
 from .phases import PhaseMoves
 from .pipeline import BODY_METHOD, Pipeline, find_root, split_model
-from .router import install_routing
+from .router import RoutedTokens, install_routing
 from .weights_out import WeightExport
 
 __all__ = ["DEFAULT_TRAIN_CFG", "TrainerWorker", "default_layout"]
@@ -73,8 +76,10 @@ DEFAULT_TRAIN_CFG: dict[str, Any] = {
     "local_rank": 0,  # device index inside this process's visible devices
     "lora": None,  # the plan's lora block (rank, alpha, dropout, target_modules, rollout): train adapters only
     "weight_sync": None,  # the run's weight path (`weight_push.sync_method`); broadcast: rank 0 sends
-    "router_aux_loss_coef": 0.0,  # MoE: the load-balancing loss's coefficient (`router.Routing`)
-    "routing_replay": False,  # MoE: the policy forward reuses the proximal pass's experts
+    "router_aux_loss_coef": 0.0,  # MoE: the load-balancing loss's coefficient, over the global batch (`router`)
+    # MoE: "off", "proximal" (the policy forward reuses the proximal pass's experts) or "rollout" (every forward of a
+    # batch with the engine's routing uses its experts, R3); a bool from older plans: True is "proximal".
+    "routing_replay": "off",
 }
 
 _PER_TOKEN_KEYS = (
@@ -170,20 +175,21 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             # MoE models: adapters on the attention, dense and shared-expert linears; routers and experts frozen.
             self.peft = lora_lib.inject(model, self.lora)
             self.lora_scaling = float(self.lora["alpha"]) / float(self.lora["rank"])
+        # MoE routers count expert load, compare passes, replay and add the load-balancing loss (`router`). Installed
+        # on the whole model, so every pipeline stage's `Routing` knows every MoE layer, holding some or none.
+        self.routing = install_routing(
+            model,
+            float(self.cfg["router_aux_loss_coef"]),
+            self.cfg["routing_replay"],
+            self.mesh.shard_group if self.layout.shard_group > 1 else None,
+            self.device,
+        )
         # Pipeline parallelism: this rank keeps its stage's layers (`pipeline`), before anything shards them.
         self.pipeline: Pipeline | None = None
         if self.layout.pp > 1:
             _check_pipeline_layout(model)
             self.pipeline = split_model(model, self.mesh.pp)
         # The model stays on the host: `apply_layout` moves it to the device shard by shard.
-        # MoE routers count expert load, compare passes, replay and add the load-balancing loss (`router`).
-        self.routing = install_routing(
-            model,
-            float(self.cfg["router_aux_loss_coef"]),
-            bool(self.cfg["routing_replay"]),
-            self.mesh.shard_group if self.layout.shard_group > 1 else None,
-            self.device,
-        )
         self._partial_grads = apply_layout(model, self.mesh, self.platform)
         install_logprob_forward(model)  # body + chunked head inside the root FSDP unit
         if self.pipeline is not None:
@@ -306,6 +312,20 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def _routed_tokens(self, mb: MicroBatch, batch: Mapping[str, Any], idx: Sequence[int]) -> RoutedTokens | None:
+        """What the MoE routers need of micro-batch `mb` (sequences `idx` of `batch`; none: a dummy): which tokens
+        count, and the engine's experts where the batch carries them (None for a model without routers)."""
+        routing = self.routing
+        if routing is None:
+            return None
+        tokens = RoutedTokens(mb.routing_tokens())
+        arrays = batch.get("routed_experts")
+        if arrays is not None and idx and any(arrays[i] is not None for i in idx):
+            tokens.experts, tokens.captured = mb.routed_experts(
+                [arrays[i] for i in idx], routing.columns, routing.top_k, routing.num_experts, idx
+            )
+        return tokens
+
     @measured("logprobs")
     @torch.no_grad()
     def compute_logprobs(
@@ -333,14 +353,17 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         micro = self._micro_batches(seqs)
         built = [self.batcher.build([seqs[i] for i in idx] or [self._dummy]) for idx in micro]  # dummies keep step
         pipe = self.pipeline
+        routed = lambda j: self._routed_tokens(built[j], batch, micro[j])  # noqa: E731
 
         def run(j: int, hidden: torch.Tensor | None) -> torch.Tensor | None:
             """Micro-batch j: its rows (the last or only stage), or the hidden states to pass on (other stages)."""
             mb, result = built[j], None
             if self.routing is not None:
-                # Only the proximal and policy passes count (not behaviour, reference or probe scoring).
+                # Only the proximal and policy passes count (not behaviour, reference or probe scoring); with
+                # rollout replay every pass over a batch carrying the engine's routing uses its experts.
                 key = (proximal_of, j) if proximal_of is not None else None
-                self.routing.begin(key, record=key is not None, counted=bool(micro[j]) and key is not None)
+                counted = bool(micro[j]) and key is not None
+                self.routing.begin(key, record=key is not None, counted=counted, tokens=routed(j))
             if pipe is None or pipe.last:
                 lp, _ = self._forward_logprobs(mb, with_entropy=False, temperature=temperature, inputs_embeds=hidden)
                 for i, row in zip(micro[j], mb.split(mb.gather_logprobs(lp)), strict=False):
@@ -424,8 +447,12 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(vec, group=self.mesh.shard_group)
         out = {k: float(v) for k, v in zip(keys, vec.tolist(), strict=True)}
-        # (A pipeline stage before the last computed no loss: the last one's result is broadcast below.)
-        result = {"loss": out.pop("loss", 0.0) / len(minibatches)}
+        # (A pipeline stage before the last computed only its layers' router loss; its other results are the last
+        # stage's, broadcast below.)
+        loss = out.pop("loss", 0.0)
+        if self.pipeline is not None:  # the last stage's loss and the earlier stages' load-balancing shares
+            loss = self.pipeline.sum_over_stages(loss, self.device)
+        result = {"loss": loss / len(minibatches)}
         gap_tokens = out.pop("gap_tokens", 0.0)
         if "behaviour_gap" in out:  # over the tokens whose pre-step log-probs are known
             result["behaviour_gap"] = out.pop("behaviour_gap") / max(gap_tokens, 1.0)
@@ -436,10 +463,9 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             peaks = torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64, device=self.device)
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.mesh.shard_group)
             result.update({k: max(float(v), 0.0) for k, v in zip(max_keys, peaks.tolist(), strict=True)})
-        if self.routing is not None:
-            routing = self.routing.take_stats()
+        if self.routing is not None:  # every stage's layers together
+            result.update(self.routing.take_stats(self.pipeline.group if self.pipeline is not None else None))
             self.routing.forget()  # the proximal experts are this step's only
-            result.update(self.pipeline.combine_routing(routing) if self.pipeline is not None else routing)
         if self.pipeline is not None:  # the last stage computed the losses and statistics
             result = self.pipeline.broadcast_from_last(result)
         result.update(
@@ -506,6 +532,9 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         own_loss = [0.0]  # this minibatch's loss alone: a running total stays NaN for every later minibatch
         micro = self._micro_batches(seqs)
         built = [self.batcher.build([seqs[i] for i in idx] if idx else [self._dummy]) for idx in micro]
+        routed = [self._routed_tokens(mb, batch, idx) for mb, idx in zip(built, micro, strict=True)]
+        if self.routing is not None:  # the load-balancing loss's global token count and expert shares
+            self.routing.start_minibatch(minibatch, routed, [bool(idx) for idx in micro])  # type: ignore[arg-type]
 
         def loss_of(j: int, lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
             """Micro-batch j's loss (unscaled) from its log-probs and entropy; adds its statistics."""
@@ -549,8 +578,8 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             if entropy_coef:
                 loss = loss - entropy_coef * (torch.where(mask, ent, torch.zeros_like(ent)) * weights).sum()
             aux = self.routing.aux_loss() if self.routing is not None else None
-            if aux is not None:  # each rank's share of the micro-batch's global load-balancing loss, averaged over
-                loss = loss + aux / len(micro)  # the minibatch's micro-batches (as Megatron averages its aux loss)
+            if aux is not None:  # this micro-batch's share of the global batch's load-balancing loss
+                loss = loss + aux
             n = float(mask.sum())
             own_loss[0] += float(loss.detach())
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
@@ -566,11 +595,14 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
 
         entropy_grad = bool(entropy_coef)
         if self.pipeline is not None:
-            self._pipeline_train(built, micro, loss_of, scale, entropy_grad, minibatch)
+            stage_aux = self._pipeline_train(built, micro, routed, loss_of, scale, entropy_grad, minibatch)
+            if stage_aux is not None:  # a stage before the last: its layers' load-balancing loss, part of the loss
+                own_loss[0] += stage_aux
+                sums["loss"] = sums.get("loss", 0.0) + stage_aux
         else:
             for j, idx in enumerate(micro):
                 if self.routing is not None:  # compared with (or replaying) the proximal pass of the same micro-batch
-                    self.routing.begin((minibatch, j), record=False, counted=bool(idx))
+                    self.routing.begin((minibatch, j), record=False, counted=bool(idx), tokens=routed[j])
                 lp, ent = self._forward_logprobs(built[j], with_entropy=True, entropy_grad=entropy_grad)
                 (loss_of(j, lp, ent) * scale).backward()
                 if self.routing is not None:
@@ -607,21 +639,24 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
         self,
         built: list[MicroBatch],
         micro: list[list[int]],
+        routed: list[RoutedTokens | None],
         loss_of: Any,
         scale: float,
         entropy_grad: bool,
         minibatch: int,
-    ) -> None:
+    ) -> float | None:
         """Forward and backward of one minibatch's micro-batches through the stages (1F1B): the last stage's loss,
-        each stage's share of the router's load-balancing loss."""
+        each stage's share of the router's load-balancing loss. Returns a stage before the last's summed share of
+        that loss (None on the last stage, whose share is in its loss, or without one)."""
         pipe = self.pipeline
         assert pipe is not None
-        routed: dict[int, Any] = {}  # each micro-batch's routing, for the layers its backward recomputes
+        kept: dict[int, Any] = {}  # each micro-batch's routing, for the layers its backward recomputes
+        stage_aux: list[float] = []
 
         def run(j: int, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
             mb = built[j]
-            if self.routing is not None:
-                self.routing.begin((minibatch, j), record=False, counted=bool(micro[j]))
+            if self.routing is not None:  # every stage gets the micro-batch's routing; each reads its own layers'
+                self.routing.begin((minibatch, j), record=False, counted=bool(micro[j]), tokens=routed[j])
             extra = None
             if pipe.last:
                 lp, ent = self._forward_logprobs(mb, with_entropy=True, entropy_grad=entropy_grad, inputs_embeds=hidden)
@@ -629,21 +664,24 @@ class TrainerWorker(WeightExport, TrainerCheckpoints, PhaseMoves):
             else:
                 out = getattr(self.model, BODY_METHOD)(mb.input_ids, mb.body_kwargs, hidden)
                 aux = self.routing.aux_loss() if self.routing is not None else None
-                extra = aux / len(micro) * scale if aux is not None else None
+                extra = aux * scale if aux is not None else None
+                if aux is not None:
+                    stage_aux.append(float(aux.detach()))
             if self.routing is not None:
-                routed[j] = self.routing.end(keep=True)
+                kept[j] = self.routing.end(keep=True)
             return out, extra
 
         def around_backward(j: int, starting: bool) -> None:
             if self.routing is None:
                 return
             if starting:
-                self.routing.recompute(routed.pop(j) or {})
+                self.routing.recompute(kept.pop(j) or {})
             else:
                 self.routing.end()
 
         shape = lambda j: self._hidden_shape(built[j])  # noqa: E731
         pipe.one_f_one_b(len(built), shape, self._hidden_dtype(), self.device, run, around_backward)
+        return sum(stage_aux) if stage_aux else None
 
     def _hidden_dtype(self) -> torch.dtype:
         return getattr(torch, self.layout.precision.compute_dtype)
