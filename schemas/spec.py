@@ -619,11 +619,16 @@ class Train(StrictModel):
         0.0,
         ge=0.0,
         le=1.0,
-        description="MoE models: coefficient of the router's load-balancing loss (Switch Transformer, Fedus et al. "
-        "2021), taken over each optimizer step's whole batch (every rank's and micro-batch's tokens) as Qwen3-MoE "
-        "training does, with the meaning transformers' `router_aux_loss_coef` has (Qwen3-MoE configs: 0.001). 0 "
-        "(off) is what RL recipes use (AReaL, MindSpeed-RL moe_aux_loss_coeff 0.0): the policy gradient alone moves "
-        "the router.",
+        description="MoE models: coefficient of the router's load-balancing loss (Switch Transformer, Fedus et "
+        "al. 2021): per MoE layer E·Σ f_i·P_i, f_i the tokens routed to expert i over all tokens (summing to "
+        "top-k) and P_i the mean router probability, averaged over the MoE layers: per layer transformers' "
+        "load_balancing_loss_func, so the coefficient means what transformers' router_aux_loss_coef means "
+        "(Qwen3-MoE configs: 0.001). f and P run over each optimizer step's whole minibatch (every micro-batch, "
+        "every data- and context-parallel rank), as Qwen3-MoE training does; padding and each sequence's last "
+        "token are not counted. f is fixed before the first backward: from the proximal pass where one runs, from "
+        "the engine's experts under rollout replay, else from the micro-batches run so far (exact with one "
+        "micro-batch per rank). 0 (off) is what RL recipes use (AReaL, MindSpeed-RL moe_aux_loss_coeff 0.0): the "
+        "policy gradient alone moves the router.",
     )
     routing_replay: RoutingReplay = Field(
         "auto",
@@ -633,8 +638,10 @@ class Train(StrictModel):
         "proximal: the policy forward reuses the experts the proximal pass chose (trainer-side replay; it acts with "
         "several minibatches, where later ones train after earlier updates moved the router). off: every forward "
         "routes afresh. auto: rollout where the target's engines record their experts, else proximal where the "
-        "plan makes a proximal pass, else off; the plan says which and why. true and false (older specs) mean "
-        "proximal and off.",
+        "plan makes a proximal pass, else off; the plan says which and why. Tokens without recorded experts (a "
+        "sequence's last token) route afresh; moe/rollout_routing_agreement reports the share of (token, MoE layer) "
+        "pairs where the trainer's own choice equals the engine's. true and false (older specs) mean proximal and "
+        "off.",
     )
 
     @field_validator("routing_replay", mode="before")
