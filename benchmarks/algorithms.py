@@ -110,18 +110,29 @@ def table(results: list[dict[str, float | str]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--seed", type=int, default=0)
+def variant_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
+    """The options every variant benchmark takes."""
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--only", default="", help="comma-separated variants (default: all)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--work", type=Path, help="keep plans and runs here (default: a temporary folder)")
-    args = parser.parse_args()
-    names = [n for n in args.only.split(",") if n] or list(VARIANTS)
-    unknown = sorted(set(names) - set(VARIANTS))
+
+
+def chosen_variants(parser: argparse.ArgumentParser, only: str, known: list[str]) -> list[str]:
+    """The variants `--only` names (all by default); an unknown name is a usage error."""
+    names = [n for n in only.split(",") if n] or list(known)
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    return names
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    variant_arguments(parser, 600)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    names = chosen_variants(parser, args.only, list(VARIANTS))
     work = args.work or Path(tempfile.mkdtemp(prefix="rlc-algorithms-"))
     results = []
     for name in names:

@@ -22,7 +22,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from algorithms import ROOT, fifths, run_spec
+from algorithms import ROOT, chosen_variants, fifths, run_spec, variant_arguments
 
 SPEC = ROOT / "examples" / "cpu-moe.yaml"
 COMMON = {"train.precision": "bfloat16", "algorithm.minibatches": "2"}
@@ -66,16 +66,10 @@ def table(results: list[dict[str, float | str]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=400)
+    variant_arguments(parser, 400)
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    parser.add_argument("--only", default="", help="comma-separated variants (default: all)")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--work", type=Path, help="keep plans and runs here (default: a temporary folder)")
     args = parser.parse_args()
-    variants = [v for v in args.only.split(",") if v] or list(VARIANTS)
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    variants = chosen_variants(parser, args.only, list(VARIANTS))
     seeds = [int(s) for s in args.seeds.split(",") if s]
     work = args.work or Path(tempfile.mkdtemp(prefix="rlc-routing-replay-"))
     results = []
