@@ -62,6 +62,11 @@ def test_cpu_moe_trains_with_expert_parallelism_as_planned(tmp_path: Path) -> No
     moved = [r["sync_check/step_moved"] for r in rows]
     assert all(m is not None for m in moved) and max(moved) > plan.schedule.sync_check_min_step, moved
     assert all(r["logprob_gap/max"] < 1e-4 for r in rows), [r["logprob_gap/max"] for r in rows]
+    # Rollout routing replay (the cpu plan's default): the engine recorded its experts for every step's tokens and
+    # the trainer, in float32 like the engine, chose the same ones before replaying them.
+    assert plan.role("actor").engine["routing_replay"] == "rollout"
+    agreement = [r.get("moe/rollout_routing_agreement") for r in rows]
+    assert all(a is not None and a > 0.99 for a in agreement), agreement
 
 
 @pytest.mark.slow
@@ -90,6 +95,8 @@ def test_cpu_moe_trains_with_two_pipeline_stages_as_planned(tmp_path: Path) -> N
     assert [r["built"]["pp"] for r in record["ranks"]] == [2, 2]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["sync_check/gap"] < 1e-4 and r["logprob_gap/max"] < 1e-4 for r in rows)
+    # The engine's experts reach both stages' routers (each stage reads its own decoder layers' columns).
+    assert all(r.get("moe/rollout_routing_agreement", 0.0) > 0.99 for r in rows), rows
 
 
 @pytest.mark.slow
