@@ -22,6 +22,12 @@ PLAN_FORMAT_VERSION = 3
 #: broken, and more skipped steps cost time.
 MAX_NONFINITE_STEPS = 3
 
+#: What `rlc run` executes of the weight-sync contract (`Schedule.weight_sync*`): the methods, plus "senders"
+#: (weight_sync_senders > 1) and "tp_slicing" (weight_sync_slicing "tp"). The planner prices every variant and
+#: picks only among these; the others are stated in the plan as priced but not executable. Widen it when the
+#: runtime lands a path.
+WEIGHT_SYNC_EXECUTABLE: frozenset[str] = frozenset({"broadcast", "disk", "inplace"})
+
 RoleKind = Literal["train", "rollout", "teacher", "reward", "environments"]
 
 
@@ -134,6 +140,18 @@ class OffloadStep(PlanModel):
     what: str = Field(description="params, optimizer, grads, rollout_weights, kv_cache.")
 
 
+class WeightSyncOption(PlanModel):
+    """One weight-sync method the planner priced for the chosen layout."""
+
+    method: Literal["broadcast", "disk", "inplace", "shared_memory", "adapter"]
+    senders: int = Field(1, ge=1, description="Trainer ranks sending in parallel (broadcast).")
+    slicing: Literal["full", "tp"] = Field("full", description="Bytes per engine worker: everything, or its TP shard.")
+    seconds: float = Field(description="Estimated seconds per sync (`cost.weight_sync`).")
+    bytes_per_worker: int = Field(description="Bytes each engine worker receives per sync.")
+    runs: bool = Field(description="The runtime executes it (`WEIGHT_SYNC_EXECUTABLE`).")
+    verdict: str = Field("", description="chosen, or why it was not.")
+
+
 class Schedule(PlanModel):
     mode: Literal["colocated", "disaggregated"]
     steps: int
@@ -150,7 +168,32 @@ class Schedule(PlanModel):
         description="Generate requests each engine holds at once; they run concurrently "
         "(`cost.engine_inflight_requests`).",
     )
-    weight_sync: Literal["broadcast", "disk", "inplace"]
+    weight_sync: Literal["broadcast", "disk", "inplace", "shared_memory"] = Field(
+        description="How new weights reach the engines. broadcast: trainer ranks send buckets over collective groups "
+        "to every engine worker; disk: a safetensors folder every engine reloads; inplace (colocated): each node's "
+        "first trainer rank writes a safetensors folder into its node's /dev/shm and the node's engines reload from "
+        "it; shared_memory (colocated, cpu): the trainer rank on the engine's node writes the weights as flat tensors "
+        "into POSIX shared memory that the engine's workers map directly, with no file (`cost.weight_sync`)."
+    )
+    weight_sync_senders: int = Field(
+        1,
+        ge=1,
+        description="broadcast: trainer ranks that send buckets in parallel, each over its own group to every engine "
+        "worker (at most the trainer's ranks); 1 in older plans and for the other methods.",
+    )
+    weight_sync_slicing: Literal["full", "tp"] = Field(
+        "full",
+        description="broadcast: tp = each engine worker receives only its tensor-parallel shard of the TP-sharded "
+        "dense weights (attention, MLP, embedding; routed experts of an engine with EP > 1 or attention DP still "
+        "arrive whole); full = every byte to every worker (older plans).",
+    )
+    weight_sync_note: str = Field(
+        "", description="Why this method, its estimate and the runner-up, or which path runs where a faster one cannot."
+    )
+    weight_sync_options: list[WeightSyncOption] = Field(
+        default_factory=list,
+        description="Every method the planner priced for the chosen layout, fastest first (empty in older plans).",
+    )
     weight_update: Literal["interrupt", "wait"] = Field(
         "interrupt",
         description="What a weight update does to samples in flight: continue them under the new weights, or let "
@@ -461,6 +504,9 @@ class Estimates(PlanModel):
     rollout_s: float
     train_s: float
     weight_sync_s: float
+    weight_sync_bytes_per_worker: int = Field(
+        0, ge=0, description="Bytes each engine worker receives per weight sync (0 in older plans: not stated)."
+    )
     switch_s: float = Field(0.0, description="Colocated phase-switch cost (offload/onload, sleep/wake).")
     tokens_per_s: float = Field(description="Trained tokens per second (the ranking score).")
     overhead_s: float = Field(0.0, description="Fixed per-step cost beside the phases (the target's step_overhead_s).")
