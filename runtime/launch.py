@@ -164,7 +164,6 @@ class RunParts:
     def shut_down(self, plan: Plan, run_dir: Path) -> None:
         """Record the run's measured memory peaks (when the ranks still answer), end every actor, and stop Ray
         (ours) or release the placement groups (a cluster's)."""
-        import ray
 
         if self.controller is not None and self.trainer is not None:
             with contextlib.suppress(Exception):
@@ -178,7 +177,9 @@ class RunParts:
                 except Exception as exc:  # a dead actor: one line, not Ray's whole report again
                     print(f"rlc: warning: shutdown: {first_line(exc)}", file=sys.stderr)
         if self.started_ray:
-            ray.shutdown()
+            from rlc.runtime.local_ray_stop import stop_local_ray
+
+            stop_local_ray()
             return
         from ray.util.placement_group import remove_placement_group
 
