@@ -1,9 +1,11 @@
 """`WeightPush`: how the trainer's new weights reach the rollout engines, by the plan's sync path.
 
-`broadcast` sends them over a collective group of the trainer's rank 0 and every engine worker (rebuilt when
-an engine restarts); `disk` writes a safetensors folder that engines load; `inplace` (colocated) writes it into
-each engine node's /dev/shm through a trainer rank on that node (`host_moves`); LoRA runs served as adapters
-write the adapter instead. A sync that loses an engine restarts it and is redone, a bounded number of times.
+`broadcast` sends them over collective groups of the plan's sending trainer ranks (rank 0, or ranks 0..k-1 each
+with its share of the buckets) and the engine workers, every worker receiving every byte or, with TP slicing, only
+its shard (rebuilt when an engine restarts); `disk` writes a safetensors folder that engines load; `inplace`
+(colocated) writes it into each engine node's /dev/shm through a trainer rank on that node (`host_moves`);
+LoRA runs served as adapters write the adapter instead. A sync that loses an engine restarts it and is redone, a
+bounded number of times.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from rlc.runtime.errors import RunError, resume_command
 from rlc.runtime.host_moves import HostMoves, plan_host_moves, weight_bytes
 from rlc.runtime.rollout.pool import RolloutPool
+from rlc.runtime.rollout.weight_sync import SyncGroups
 from rlc.schemas.plan import Plan
 
 __all__ = ["SYNC_TIMEOUT_S", "WeightPush"]
@@ -69,7 +72,8 @@ class WeightPush:
         self.plan, self.trainer, self.rollout, self.run_dir, self.message = plan, trainer, rollout, run_dir, message
         self.lora_adapter = sync_method(plan) == "adapter"
         self.synced_version = version
-        self._group: tuple[str, int] | None = None  # the broadcast group's address, once formed
+        self._group: SyncGroups | None = None  # the broadcast's groups, once formed
+        self._slices: tuple[int, list[list[Any]]] | None = None  # tp slicing: TP size, each TP rank's cut
         self._in_group: set[int] = set()
         self._host_moves: HostMoves | None = None  # colocated: who writes the weights into which node's /dev/shm
         self.written_dirs: dict[int, str] = {}  # folders trainer ranks wrote, removed at the end
@@ -152,7 +156,9 @@ class WeightPush:
         return sync_method(self.plan)
 
     def prepare(self) -> None:
-        """Check, before any step, that the plan's weight path works here; colocated runs find their writers."""
+        """Check, before any step, that the plan's weight path works here (its senders and slicing too); colocated
+        runs find their writers."""
+        self._check_sync_shape()
         if self.method() == "inplace":
             self._moves()
 
@@ -200,29 +206,118 @@ class WeightPush:
             self.push_files(list(range(len(engines))), version)
             return
         meta = self.meta()
-        world = 1 + len(engines) * self.rollout.workers
         refs: list[Any] = []
         if self._group is None:
-            for index in sorted(self._in_group):  # leave the old group; a broken one may refuse politely
+            for index in sorted(self._in_group):  # leave the old groups; a broken one may refuse politely
                 with contextlib.suppress(Exception):
                     ray.get(engines[index].close_sync_group(), timeout=60)
-            self._group = self.trainer.weight_sync_address()
-            host, port = self._group
-            refs = [
-                e.init_sync_group(host, port, 1 + i * self.rollout.workers, world, self.rollout.sync_backend)
-                for i, e in enumerate(engines)
-            ]
+            groups = self._form_groups()
+            per_engine = (groups["worlds"][0] - 1) // len(engines)  # each engine's workers in one group
+            refs = [e.init_sync_groups(groups, 1 + i * per_engine) for i, e in enumerate(engines)]
             self._calls = {i: [ref] for i, ref in enumerate(refs)}
             self._in_group = set(range(len(engines)))
-        host, port = self._group
+            self._group = groups
         updates = [e.update_weights_broadcast(meta, version) for e in engines]
         for i, ref in enumerate(updates):
             self._calls.setdefault(i, []).append(ref)
         refs += updates
-        refs += self.trainer.sync_weights_broadcast_async(host, port, world, meta)
+        refs += self.trainer.sync_weights_async(self._group, meta)
         # A dead engine's side of the broadcast may never return; the trainer's side then waits out its collective
         # timeout (`rollout.weight_sync.SYNC_TIMEOUT_S`) before the retry's calls reach it.
         _bounded(refs, dict(enumerate(engines)), deadline)
+
+    # ---------------------------------------------------------------- broadcast: senders and slicing
+
+    def sync_shape(self) -> tuple[int, str]:
+        """The plan's broadcast senders and slicing (plans older than those fields: 1 sender, full)."""
+        schedule = self.plan.schedule
+        senders = getattr(schedule, "weight_sync_senders", 1)
+        slicing = getattr(schedule, "weight_sync_slicing", "full")
+        return int(1 if senders is None else senders), str(slicing or "full")
+
+    def _check_sync_shape(self) -> None:
+        """Refuse a plan whose senders or slicing this runtime cannot execute as stated, before any step."""
+        senders, slicing = self.sync_shape()
+        if self.method() != "broadcast":
+            if (senders, slicing) != (1, "full"):
+                raise RunError(
+                    f"the plan states weight_sync_senders {senders} and weight_sync_slicing {slicing!r} for weight "
+                    f"sync {self.method()!r}; both apply to broadcast only (1 and 'full' elsewhere): compile the plan "
+                    "again"
+                )
+            return
+        world = int(getattr(self.trainer, "world_size", 1))
+        if not 1 <= senders <= world:
+            raise RunError(
+                f"the plan's weight_sync_senders is {senders}, but the trainer has {world} rank(s) and each sender is "
+                f"one of them: set it between 1 and {world} (compile the plan again)"
+            )
+        if slicing not in ("full", "tp"):
+            raise RunError(f"weight_sync_slicing {slicing!r}: this runtime slices 'full' or 'tp'")
+        if slicing == "tp":
+            self._tp_slices()
+
+    def _form_groups(self) -> SyncGroups:
+        """The sync groups of this formation: ``senders`` trainer ranks, each hosting one group per TP rank of the
+        engines (one under full slicing), on fresh ports of its own node."""
+        senders, slicing = self.sync_shape()
+        tp, slices = self._tp_slices() if slicing == "tp" else (1, None)
+        workers = self.rollout.workers
+        if workers % tp:
+            raise RunError(f"engines of {workers} workers cannot be cut into TP {tp} groups")
+        return SyncGroups(
+            senders=senders,
+            slicing=slicing,
+            tp=tp,
+            addresses=self.trainer.weight_sync_addresses(senders, tp),
+            worlds=[1 + len(self.rollout.engines) * (workers // tp)] * tp,
+            backend=self.rollout.sync_backend,
+            slices=slices,
+        )
+
+    def _tp_slices(self) -> tuple[int, list[list[Any]]]:
+        """tp slicing: the engines' TP size and what each TP rank's workers receive of every tensor, asked of the
+        first engine's workers once (every engine serves the same model at the same TP); says how many tensors go
+        as shards, replicated or whole, and the bytes each worker receives."""
+        if self._slices is None:
+            import ray
+
+            from rlc.runtime.rollout.tp_slices import shard_numel
+            from rlc.runtime.rollout.weight_sync import dtype_from_str
+
+            meta = self.meta()
+            try:
+                reports = ray.get(self.rollout.engines[0].sync_shards(meta), timeout=300)
+            except Exception as exc:
+                cause = getattr(exc, "cause", None) or exc
+                raise RunError(f"weight_sync_slicing 'tp' cannot run on these engines: {cause}") from None
+            tp = int(reports[0]["tp_size"])
+            by_rank: dict[int, list[Any]] = {}
+            for report in reports:
+                if by_rank.setdefault(int(report["tp_rank"]), report["slices"]) != report["slices"]:
+                    raise RunError("engine workers of one TP rank would receive different shards (mixed layouts?)")
+            if sorted(by_rank) != list(range(tp)):
+                raise RunError(f"the engine's workers report TP ranks {sorted(by_rank)} for TP {tp}")
+            slices = [by_rank[r] for r in range(tp)]
+            full = weight_bytes(meta)
+            per_worker = max(
+                sum(
+                    shard_numel(shape, spec) * dtype_from_str(dt).itemsize
+                    for (_, shape, dt), spec in zip(meta, row, strict=True)
+                )
+                for row in slices
+            )
+            counts = reports[0]["counts"]
+            whole = reports[0]["whole"]
+            self.message(
+                f"weight sync sliced for TP {tp}: {counts['slice']} tensor(s) as each worker's shard, "
+                f"{counts['replicated']} replicated, {counts['whole']} whole through vLLM's loader"
+                + (f" (e.g. {', '.join(whole[:3])})" if whole else "")
+                + f", {counts['skip']} tied alias(es) not sent; at most {per_worker / 2**20:.1f} MiB of "
+                f"{full / 2**20:.1f} MiB per worker"
+            )
+            self._slices = (tp, slices)
+        return self._slices
 
 
 def _bounded(refs: list[Any], engines: Mapping[int, Any] | None = None, deadline: float | None = None) -> list[Any]:

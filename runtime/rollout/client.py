@@ -87,6 +87,18 @@ class EngineClient:
         """→ int: join the trainer's weight-sync group as `rank` (returns once the trainer joins too)."""
         return self.actor.init_sync_group.remote(host, port, rank, world_size, backend)
 
+    def init_sync_groups(self, groups: Mapping[str, Any], rank: int) -> Ref:
+        """→ int: join the trainer's weight-sync groups (`weight_sync.SyncGroups`), `rank` first in each."""
+        return self.actor.init_sync_groups.remote(dict(groups), rank)
+
+    def sync_shards(self, meta: Sequence[TensorMeta]) -> Ref:
+        """→ list[dict]: each worker's TP rank and what it receives of each tensor under tp slicing."""
+        return self.actor.sync_shards.remote(list(meta))
+
+    def sync_stats(self) -> Ref:
+        """→ list[dict[str, int]]: bytes and tensors the last broadcast sync brought each worker."""
+        return self.actor.sync_stats.remote()
+
     def update_weights_broadcast(
         self, meta: Sequence[TensorMeta], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> Ref:

@@ -43,7 +43,7 @@ from .routing_capture import MODES as ROUTING_CAPTURE_MODES
 from .routing_capture import output_routing, start_routing_capture
 from .served import AgentServer
 from .versions import token_versions
-from .weight_sync import DEFAULT_BUCKET_BYTES, TensorMeta
+from .weight_sync import DEFAULT_BUCKET_BYTES, TensorMeta, one_group
 
 __all__ = [
     "WEIGHT_UPDATE_MODES",
@@ -472,19 +472,35 @@ class RolloutEngine:
     async def init_sync_group(
         self, host: str, port: int, rank: int, world_size: int, backend: str | None = None
     ) -> int:
-        """Join the trainer's weight-sync group as ``rank`` (and up, one per worker).
+        """Join the single-sender weight-sync group as ``rank`` (and up, one per worker): `init_sync_groups` over
+        `weight_sync.one_group`. Returns this engine's first rank."""
+        groups = one_group(host, port, world_size, backend or self.platform.dist_backend)
+        return await self.init_sync_groups(groups, rank)
 
-        Blocks until the trainer's ``SyncSender`` joins too: issue it as a Ray call concurrently with the
-        trainer's, then wait for both. Returns this engine's first rank.
+    async def init_sync_groups(self, groups: Mapping[str, Any], rank: int) -> int:
+        """Join the trainer's weight-sync groups (`weight_sync.SyncGroups`: one per sender, and per TP rank under tp
+        slicing), ``rank`` being this engine's first rank in each.
+
+        Blocks until the senders join too: issue it as a Ray call concurrently with the trainer's sync, then wait
+        for both. Returns this engine's first rank.
         """
         assert self._joined is not None, "engine not started"
-        backend = backend or self.platform.dist_backend
         self._joined.clear()
         ranks = await asyncio.wait_for(
-            self.llm.collective_rpc("init_sync_group", args=(host, port, rank, world_size, backend)), JOIN_TIMEOUT_S
+            self.llm.collective_rpc("init_sync_groups", args=(dict(groups), int(rank))), JOIN_TIMEOUT_S
         )
         self._joined.set()
         return min(ranks)
+
+    async def sync_shards(self, meta: Sequence[TensorMeta]) -> list[dict[str, Any]]:
+        """Each worker's TP rank and what it would receive of each tensor of ``meta`` under tp slicing, with counts
+        by kind (`WeightSyncExtension.sync_shards`)."""
+        meta = [(n, tuple(s), str(d)) for n, s, d in meta]
+        return list(await self.llm.collective_rpc("sync_shards", args=(meta,)))
+
+    async def sync_stats(self) -> list[dict[str, int]]:
+        """What the last broadcast sync brought each worker: bytes received and tensors by kind."""
+        return list(await self.llm.collective_rpc("sync_stats"))
 
     async def update_weights_broadcast(
         self, meta: Sequence[TensorMeta], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -502,7 +518,7 @@ class RolloutEngine:
         return await self._load_in_workers("receive_broadcast", (meta, bucket_bytes), version)
 
     async def close_sync_group(self) -> None:
-        """Leave the weight-sync group."""
+        """Leave the weight-sync groups."""
         if self._joined is not None:
             self._joined.clear()
         await self.llm.collective_rpc("close_sync_group")

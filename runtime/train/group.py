@@ -200,6 +200,18 @@ class TrainerGroup:
         host, port = ray.get(self.workers[0].sync_address.remote())
         return host, port
 
+    def weight_sync_addresses(self, senders: int, per_sender: int = 1) -> list[list[Any]]:
+        """``per_sender`` [host, port] pairs on each of ranks 0..senders-1's nodes, rank by rank: the addresses of
+        the sync groups each sending rank hosts (`weight_sync.SyncGroups`)."""
+        import ray
+
+        if not 1 <= senders <= self.world_size:
+            raise ValueError(
+                f"weight_sync_senders {senders}: the trainer has {self.world_size} rank(s), and each sender is one"
+            )
+        parts = ray.get([w.sync_addresses.remote(per_sender) for w in self.workers[:senders]])
+        return [address for part in parts for address in part]
+
     def host_info(self) -> dict[str, Any]:
         """Rank 0's Ray node id and free /dev/shm bytes: rank 0 writes the gathered weights."""
         import ray
@@ -232,6 +244,11 @@ class TrainerGroup:
         then waits on these refs and the engines' together.
         """
         return self._all_async("sync_weights_broadcast", host, port, world_size, meta)
+
+    def sync_weights_async(self, groups: Mapping[str, Any], meta: Sequence[TensorMeta] | None = None) -> list[Any]:
+        """Start a sync over ``groups`` (`weight_sync.SyncGroups`) on every rank (the senders send, all gather);
+        returns Ray refs, so engines can be driven alongside (as `sync_weights_broadcast_async`)."""
+        return self._all_async("sync_weights", dict(groups), meta)
 
     def close_weight_sync(self) -> None:
         """Leave the weight-sync group on every rank (before re-forming it with other engines)."""

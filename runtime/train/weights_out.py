@@ -1,9 +1,10 @@
 """Weights out of the trainer: what engines load (gathered, LoRA merged, draft head left out) and how.
 
 Every method is collective (FSDP2 gathers shards, TP gathers DTensor slices); only the ranks that write or
-send keep the result. Engines receive weights three ways, chosen by the plan: a broadcast from rank 0 over a
-stateless process group, safetensors files rank 0 writes (disk or LoRA adapters), or, colocated, files each
-node's leader rank writes into its own node's host memory for the engines on that node.
+send keep the result. Engines receive weights three ways, chosen by the plan: a broadcast from the plan's
+sending ranks (rank 0, or ranks 0..k-1 each with its share of the buckets) over stateless process groups,
+safetensors files rank 0 writes (disk or LoRA adapters), or, colocated, files each node's leader rank writes into
+its own node's host memory for the engines on that node.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..rollout.weight_sync import SyncSender, TensorMeta, tensor_meta, write_safetensors
+from ..rollout.weight_sync import SyncGroups, SyncSender, TensorMeta, one_group, write_safetensors
 from . import lora as lora_lib
 from .checkpoint_names import CheckpointNames
 from .memory_probe import measured
@@ -40,6 +41,7 @@ class WeightExport:
     device: torch.device
     _sender: SyncSender | None
     _sender_key: tuple[str, int, int] | None
+    _sender_groups: tuple[tuple[Any, ...], ...] | None  # the addresses of the groups `_sender` joined
 
     @property
     def checkpoint_names(self) -> CheckpointNames:
@@ -175,27 +177,94 @@ class WeightExport:
     def sync_weights_broadcast(
         self, host: str, port: int, world_size: int, meta: Sequence[TensorMeta] | None = None
     ) -> float:
-        """Gather the full weights and broadcast them from rank 0 to the engines. Collective.
+        """Today's single sender: gather the weights and broadcast them from rank 0 to the engines (`sync_weights`
+        over `one_group`). Collective. Returns seconds taken."""
+        return self._sync_weights(one_group(host, port, world_size, self.platform.dist_backend), meta)
 
-        Rank 0 joins the stateless sync group on first use (engines join concurrently with
-        ``init_sync_group``) and reuses it afterwards. Returns seconds taken.
-        """
+    @measured("sync")
+    def sync_weights(self, groups: SyncGroups, meta: Sequence[TensorMeta] | None = None) -> float:
+        """Send the weights over the sync groups (`SyncGroups`): ranks 0..k-1 each send their share of the buckets,
+        every rank takes part in the gathers. Collective. Returns seconds taken."""
+        return self._sync_weights(groups, meta)
+
+    def _sync_weights(self, groups: SyncGroups, meta: Sequence[TensorMeta] | None) -> float:
+        """Each sender joins its groups on first use (engines join concurrently with ``init_sync_groups``) and keeps
+        them for later syncs. Where the module's tensors are what engines load (no LoRA merge, no pipeline stages),
+        the weights are gathered tensor by tensor in announced order and only the owning sender keeps each, so
+        gathering the next bucket overlaps sending the last; otherwise every sender gathers the whole state dict
+        first (`sync_state_dict`)."""
         t0 = time.perf_counter()
-        sd = self.sync_state_dict()
-        if self.rank == 0:
-            key = (host, int(port), int(world_size))
-            if self._sender_key != key:
-                self.close_weight_sync()
-                self._sender = SyncSender(host, port, world_size, backend=self.platform.dist_backend)
-                self._sender_key = key
-            self._sender.broadcast(sd, meta if meta is not None else tensor_meta(sd), device=self.device)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        senders = int(groups["senders"])
+        if not 1 <= senders <= world:
+            raise ValueError(
+                f"weight_sync_senders {senders}: the trainer has {world} rank(s), and each sender is one of them"
+            )
+        sender = self._sync_sender(groups) if self.rank < senders else None
+        meta = list(meta) if meta is not None else self.weight_meta()
+        if sender is not None:
+            sender.start(meta, device=self.device)
+        module_names = self._streamable(meta)
+        if module_names is not None:
+            state = self.model.state_dict()
+            for i, name in enumerate(module_names):
+                full = _unsharded(state[name])  # collective: every rank gathers every tensor, in announced order
+                if sender is not None and sender.owns(i):
+                    sender.push(i, full)
+                del full
+        else:
+            sd = self.sync_state_dict(keep=sender is not None)
+            if sender is not None:
+                assert sd is not None
+                for i, (name, _, _) in enumerate(meta):
+                    if sender.owns(i):
+                        sender.push(i, sd[name])
+        if sender is not None:
+            sender.finish()
         return time.perf_counter() - t0
 
+    def _streamable(self, meta: Sequence[TensorMeta]) -> list[str] | None:
+        """The module's state-dict name of each announced tensor, where every one is a module tensor as it is (no
+        LoRA merge, no pipeline stage split); None otherwise."""
+        if getattr(self, "pipeline", None) is not None or self.lora:
+            return None
+        names = self.checkpoint_names
+        module = {names.outward(k): k for k in self.model.state_dict()}
+        found = [module.get(name) for name, _, _ in meta]
+        return None if any(n is None for n in found) else found  # type: ignore[return-value]
+
+    def _sync_sender(self, groups: SyncGroups) -> SyncSender:
+        """This rank's sender of ``groups``, joined on first use (a new formation has new ports)."""
+        key = tuple(tuple(a) for a in groups["addresses"])
+        if self._sender is None or getattr(self, "_sender_groups", None) != key:
+            self.close_weight_sync()
+            self._sender = SyncSender.of(groups, self.rank)
+            self._sender_groups = key
+        return self._sender
+
+    def sync_addresses(self, count: int) -> list[list[Any]]:
+        """This rank's IP and ``count`` distinct ports free on its node, for the sync groups it will host."""
+        import socket
+
+        import ray
+
+        socks = [socket.socket() for _ in range(count)]
+        try:
+            for sock in socks:
+                sock.bind(("", 0))
+            ports = [sock.getsockname()[1] for sock in socks]
+        finally:
+            for sock in socks:
+                sock.close()
+        host = ray.util.get_node_ip_address()
+        return [[host, port] for port in ports]
+
     def close_weight_sync(self) -> None:
-        """Leave the weight-sync group, if this rank joined one."""
+        """Leave the weight-sync groups, if this rank joined any."""
         if self._sender is not None:
             self._sender.close()
         self._sender, self._sender_key = None, None
+        self._sender_groups = None
 
 
 def _share_from_rank0(
