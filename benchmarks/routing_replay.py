@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -57,8 +58,10 @@ def table(results: list[dict[str, float | str]]) -> str:
         def mean(key: str, rows: list[dict[str, float | str]] = mine) -> float:
             return statistics.fmean(float(r[key]) for r in rows)
 
+        agreement = mean(METRICS[0])  # nan where nothing was captured (replay off or proximal)
+        shown = "not captured" if math.isnan(agreement) else f"{agreement:.4f}"
         lines.append(
-            f"| {variant} | {mean(METRICS[0]):.4f} | {mean(METRICS[1]):.2e} | {mean(METRICS[2]):.3f} | "
+            f"| {variant} | {shown} | {mean(METRICS[1]):.2e} | {mean(METRICS[2]):.3f} | "
             f"{mean(METRICS[3]):.3f} | {mean('first'):.2f} → {mean('last'):.2f} |"
         )
     return "\n".join(lines)
