@@ -22,7 +22,7 @@ from typing import Any
 from rlc.runtime.errors import RunError, resume_command
 from rlc.runtime.host_moves import HostMoves, plan_host_moves, weight_bytes
 from rlc.runtime.rollout.pool import RolloutPool
-from rlc.runtime.rollout.weight_sync import SyncGroups
+from rlc.runtime.rollout.weight_sync import SyncGroups, sync_bucket_bytes
 from rlc.schemas.plan import Plan
 
 __all__ = ["SYNC_TIMEOUT_S", "WeightPush"]
@@ -74,6 +74,7 @@ class WeightPush:
         self.synced_version = version
         self._group: SyncGroups | None = None  # the broadcast's groups, once formed
         self._slices: tuple[int, list[list[Any]]] | None = None  # tp slicing: TP size, each TP rank's cut
+        self.last_broadcast_s: dict[str, float] = {}  # the last broadcast's seconds, engines' side and trainer's
         self._in_group: set[int] = set()
         self._host_moves: HostMoves | None = None  # colocated: who writes the weights into which node's /dev/shm
         self.written_dirs: dict[int, str] = {}  # folders trainer ranks wrote, removed at the end
@@ -217,14 +218,20 @@ class WeightPush:
             self._calls = {i: [ref] for i, ref in enumerate(refs)}
             self._in_group = set(range(len(engines)))
             self._group = groups
-        updates = [e.update_weights_broadcast(meta, version) for e in engines]
+        updates = [e.update_weights_broadcast(meta, version, self._group["bucket_bytes"]) for e in engines]
         for i, ref in enumerate(updates):
             self._calls.setdefault(i, []).append(ref)
         refs += updates
-        refs += self.trainer.sync_weights_async(self._group, meta)
+        sending = self.trainer.sync_weights_async(self._group, meta)
+        refs += sending
         # A dead engine's side of the broadcast may never return; the trainer's side then waits out its collective
         # timeout (`rollout.weight_sync.SYNC_TIMEOUT_S`) before the retry's calls reach it.
-        _bounded(refs, dict(enumerate(engines)), deadline)
+        done = _bounded(refs, dict(enumerate(engines)), deadline)
+        # The slowest engine's update (pause, receive, load, resume) and the slowest trainer rank's gather and send.
+        self.last_broadcast_s = {
+            "engines": max(done[len(refs) - len(sending) - len(updates) : len(refs) - len(sending)], default=0.0),
+            "trainer": max(done[len(refs) - len(sending) :], default=0.0),
+        }
 
     # ---------------------------------------------------------------- broadcast: senders and slicing
 
@@ -272,6 +279,7 @@ class WeightPush:
             addresses=self.trainer.weight_sync_addresses(senders, tp),
             worlds=[1 + len(self.rollout.engines) * (workers // tp)] * tp,
             backend=self.rollout.sync_backend,
+            bucket_bytes=sync_bucket_bytes(self.meta(), senders),
             slices=slices,
         )
 

@@ -49,6 +49,7 @@ __all__ = [
     "iter_safetensors",
     "one_group",
     "plan_buckets",
+    "sync_bucket_bytes",
     "tensor_meta",
     "write_safetensors",
 ]
@@ -64,6 +65,20 @@ SYNC_TIMEOUT_S = 300
 #: Buckets each sender keeps on the wire at once: a sender gathers and packs the next while the last two travel, and
 #: a worker has that many receives posted per sender (the memory bound: ``IN_FLIGHT`` buckets per sender).
 IN_FLIGHT = 2
+#: Receive buffers a worker keeps posted at most (``IN_FLIGHT`` buckets of each sender): many senders get smaller
+#: buckets rather than more memory (`sync_bucket_bytes`).
+RECEIVE_BUDGET_BYTES = 1 << 30
+#: Buckets no smaller than this (per-bucket costs stay small beside the bytes), unless the model is.
+MIN_BUCKET_BYTES = 16 << 20
+
+
+def sync_bucket_bytes(meta: Sequence[TensorMeta], senders: int) -> int:
+    """The bucket size of a sync by ``senders``: ``DEFAULT_BUCKET_BYTES`` for a large model and one sender (today's),
+    smaller where that leaves each sender fewer than four buckets (no overlap of gathering, sending and loading, nor
+    a balanced share) or where ``IN_FLIGHT`` buckets of every sender would pass ``RECEIVE_BUDGET_BYTES``."""
+    total = sum(_numel(shape) * dtype_from_str(dt).itemsize for _, shape, dt in meta)
+    size = min(DEFAULT_BUCKET_BYTES, RECEIVE_BUDGET_BYTES // (IN_FLIGHT * senders), -(-total // (4 * senders)))
+    return max(size, MIN_BUCKET_BYTES)
 
 
 class SyncGroups(TypedDict):
@@ -79,6 +94,7 @@ class SyncGroups(TypedDict):
     addresses: list[list[Any]]  # [host, port] of each group, index g * tp + r
     worlds: list[int]
     backend: str
+    bucket_bytes: int  # the senders' and workers' `plan_buckets` size (`sync_bucket_bytes`)
     #: tp slicing: what each TP rank's workers receive of every announced tensor (`tp_slices.WireSpec`), by TP rank.
     slices: list[list[WireSpec]] | None
 
@@ -92,6 +108,7 @@ def one_group(host: str, port: int, world_size: int, backend: str) -> SyncGroups
         addresses=[[host, int(port)]],
         worlds=[int(world_size)],
         backend=backend,
+        bucket_bytes=DEFAULT_BUCKET_BYTES,
         slices=None,
     )
 

@@ -19,7 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..rollout.weight_sync import SyncGroups, SyncSender, TensorMeta, one_group, write_safetensors
+from ..rollout.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    SyncGroups,
+    SyncSender,
+    TensorMeta,
+    one_group,
+    write_safetensors,
+)
 from . import lora as lora_lib
 from .checkpoint_names import CheckpointNames
 from .memory_probe import measured
@@ -203,7 +210,7 @@ class WeightExport:
         sender = self._sync_sender(groups) if self.rank < senders else None
         meta = list(meta) if meta is not None else self.weight_meta()
         if sender is not None:
-            sender.start(meta, device=self.device)
+            sender.start(meta, int(groups.get("bucket_bytes") or DEFAULT_BUCKET_BYTES), self.device)
         module_names = self._streamable(meta)
         if module_names is not None:
             state = self.model.state_dict()

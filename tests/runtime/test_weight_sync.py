@@ -22,7 +22,15 @@ import torch
 from rlc.runtime.errors import RunError
 from rlc.runtime.rollout import weight_sync
 from rlc.runtime.rollout.tp_slices import cut, shard_numel
-from rlc.runtime.rollout.weight_sync import SyncGroups, SyncSender, assign_buckets, plan_buckets
+from rlc.runtime.rollout.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    MIN_BUCKET_BYTES,
+    SyncGroups,
+    SyncSender,
+    assign_buckets,
+    plan_buckets,
+    sync_bucket_bytes,
+)
 from rlc.runtime.weight_push import WeightPush
 
 TOL = 1e-4
@@ -41,6 +49,19 @@ def test_buckets_go_to_the_sender_with_the_fewest_bytes_in_order() -> None:
     assert assign_buckets(meta, buckets, 3) == [0, 1, 2]
     with pytest.raises(ValueError, match="at least one"):
         assign_buckets(meta, buckets, 0)
+
+
+def test_buckets_shrink_for_many_senders_and_small_models() -> None:
+    mib = 1 << 20
+    big = [(f"w{i}", (256, mib), "float32") for i in range(16)]  # 16 GiB
+    assert sync_bucket_bytes(big, 1) == DEFAULT_BUCKET_BYTES  # today's size for a large model and one sender
+    assert sync_bucket_bytes(big, 2) == DEFAULT_BUCKET_BYTES  # 2 senders x 2 in flight x 256 MiB = the 1 GiB budget
+    assert sync_bucket_bytes(big, 16) == 32 * mib  # 16 senders x 2 in flight x 32 MiB
+    assert sync_bucket_bytes(big, 64) == MIN_BUCKET_BYTES
+    model = [("w", (75, mib), "float32")]  # 300 MiB: four buckets per sender
+    assert sync_bucket_bytes(model, 1) == 75 * mib
+    assert sync_bucket_bytes(model, 2) == -(-300 * mib // 8)
+    assert sync_bucket_bytes([("w", (8,), "float32")], 1) == MIN_BUCKET_BYTES
 
 
 def _push(method: str = "broadcast", senders: Any = 2, slicing: Any = "full", ranks: int = 2) -> WeightPush:
@@ -100,9 +121,10 @@ def test_two_senders_deliver_each_tp_rank_its_pieces(monkeypatch: pytest.MonkeyP
         addresses=[["h", p] for p in range(4)],
         worlds=[2, 2],
         backend="gloo",
+        bucket_bytes=64,
         slices=slices,
     )
-    bucket_bytes = 64
+    bucket_bytes = groups["bucket_bytes"]
     assert len(plan_buckets(meta, bucket_bytes)) >= 4
     received: dict[int, dict[int, torch.Tensor]] = {0: {}, 1: {}}
     sent: dict[int, int] = {}
@@ -171,13 +193,19 @@ def _set_in_place(ray: Any, engine: Any, on: bool) -> None:
 
 
 @pytest.mark.slow
-def test_many_senders_and_tp_shards_leave_the_engine_serving_the_trainers_weights(ray_cluster, tiny_model_dir):
+def test_many_senders_and_tp_shards_leave_the_engine_serving_the_trainers_weights(
+    ray_cluster, tiny_model_dir, monkeypatch
+):
+    import rlc.runtime.weight_push as weight_push
     from rlc.compiler.engine_config import CPU_ENGINE_ARGS
     from rlc.runtime.rollout.client import EngineClient
     from rlc.runtime.rollout.engine import rollout_engine_actor
     from rlc.runtime.train.group import TrainerGroup
     from rlc.schemas.engine_args import RL_ENGINE_ARGS
 
+    # 128 KiB buckets: the tiny model's 1.2 MB in ten, so both senders carry several and overlap (the runtime's
+    # own size would put so small a model in one).
+    monkeypatch.setattr(weight_push, "sync_bucket_bytes", lambda meta, senders: 128 << 10)
     ray = ray_cluster
     args = {
         "model": str(tiny_model_dir),
