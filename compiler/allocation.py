@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from math import inf, lcm
 
 from rlc.compiler import cost
-from rlc.compiler.candidates import Candidate, SearchResult, combine, crosses_nodes, sync_method
+from rlc.compiler.candidates import Candidate, SearchResult, combine, sync_bound_s, sync_shape
 from rlc.compiler.engine_search import rollout_rank, rollout_search, teacher_search
 from rlc.compiler.options import RoleSearch, RolloutOption, TeacherOption, record
 from rlc.compiler.search_context import Context
@@ -79,14 +79,7 @@ class Allocation:
 
 
 def _bound(ctx: Context, mode: str, n_train: int, ro: RolloutOption, teachers: Teachers, rollout_end: int) -> float:
-    sync = cost.weight_sync_s(
-        ctx.sizes,
-        ctx.target,
-        sync_method(ctx, mode),
-        cross_node=crosses_nodes(ctx, mode, n_train, rollout_end),
-        adapter_params=ctx.adapter_params,
-        engine_share=cost.engine_weight_share(ctx.sizes, ro.layout),
-    )
+    sync = sync_bound_s(ctx, sync_shape(ctx, mode, n_train, ro.layout, rollout_end))
     teacher_s = max((t.seconds for t in teachers[0]), default=0.0)
     lower = train_lower_bound_s(ctx, n_train)
     overhead = ctx.target.efficiency.step_overhead_s
@@ -321,14 +314,9 @@ class _TrainerPool:
     remaining: int
 
     def bound(self, ctx: Context) -> float:
-        sync = cost.weight_sync_s(
-            ctx.sizes,
-            ctx.target,
-            sync_method(ctx, self.mode),
-            cross_node=self.mode == "colocated" and self.train_devices > ctx.devices_per_node,
-            adapter_params=ctx.adapter_params,
-            engine_share=0.0,  # no engine layout yet: the smallest share keeps this a lower bound
-        )
+        # No engine layout yet: nothing per engine worker and every trainer rank sending keep this a lower bound.
+        shape = sync_shape(ctx, self.mode, self.train_devices, None, self.train_devices)
+        sync = sync_bound_s(ctx, shape)
         teacher_s = max((t.seconds for t in self.teachers[0]), default=0.0)
         lower = train_lower_bound_s(ctx, self.train_devices)
         overhead = ctx.target.efficiency.step_overhead_s

@@ -10,7 +10,11 @@ hardware terms, not of the length assumptions. Each phase is fitted with the par
   rollout  decode_bandwidth_efficiency, prefill_mfu, decode_step_overhead_s, decode_sequence_overhead_s,
            agent_call_overhead_s (agent runs only) (cost.rollout_time; synchronous runs only, where
            time/rollout_s is the generation itself rather than a wait for the streaming pool)
-  sync     weight_sync_overhead_s, weight_reload_gbps (cost.weight_sync_s)
+  sync     weight_sync_overhead_s and the link figure each run's method reads (cost.weight_sync):
+           weight_sync_link_share (broadcast), weight_sync_host_share (inplace, shared_memory),
+           weight_sync_disk_gbps (disk, served LoRA adapters); weight_reload_gbps stays the base's, since on
+           engines whose workers serve the whole model (every TP 1 engine) it scales with the same bytes as the
+           link figure and one fit cannot tell them apart
   step     step_overhead_s                          (the rest of time/step_s, cost.step_time)
 
 by least squares on log(predicted / measured) with a weak pull towards the base profile's values (ridge in
@@ -30,7 +34,7 @@ from pathlib import Path
 from rlc.compiler import cost, memory
 from rlc.compiler.memory import ModelSizes, RolloutLayout
 from rlc.schemas.metrics_file import MEASURED_BOUNDS, read_metrics_rows
-from rlc.schemas.plan import Plan
+from rlc.schemas.plan import WEIGHT_SYNC_TP_SLICES, Plan
 from rlc.schemas.registry import load_arch
 from rlc.schemas.spec import Environments
 from rlc.schemas.target import TargetProfile
@@ -52,14 +56,37 @@ PHASE_PARAMS: dict[str, tuple[str, ...]] = {
         "decode_sequence_overhead_s",
         "agent_call_overhead_s",
     ),
-    "sync": ("weight_sync_overhead_s", "weight_reload_gbps"),
+    "sync": (
+        "weight_sync_overhead_s",
+        "weight_sync_link_share",
+        "weight_sync_host_share",
+        "weight_sync_disk_gbps",
+    ),
     "step": ("step_overhead_s",),
 }
 #: The spec's default tool latency, for a plan that records none.
 TOOL_LATENCY_S = Environments.model_fields["tool_latency_s"].default
 #: Parameters only agent runs read (`cost.agent_rollout_s`).
 AGENT_PARAMS = {"agent_call_overhead_s"}
-FRACTIONS = {"train_mfu", "prefill_mfu", "decode_bandwidth_efficiency", "collective_efficiency"}
+FRACTIONS = {
+    "train_mfu",
+    "prefill_mfu",
+    "decode_bandwidth_efficiency",
+    "collective_efficiency",
+    "weight_sync_link_share",
+    "weight_sync_host_share",
+}
+#: Coordinate-descent rounds per phase (3 unless named): a sync's fixed cost and its link figure both move every
+#: run's time and trade off against each other, so they converge slowly.
+ROUNDS = {"sync": 12}
+#: The link figure a weight-sync method reads (`cost.weight_sync`): only runs of that method can fit it.
+SYNC_METHOD_FIGURES = {
+    "broadcast": "weight_sync_link_share",
+    "inplace": "weight_sync_host_share",
+    "shared_memory": "weight_sync_host_share",
+    "disk": "weight_sync_disk_gbps",
+    "adapter": "weight_sync_disk_gbps",
+}
 
 
 class CalibrationError(ValueError):
@@ -211,22 +238,49 @@ def predict(plan: Plan, target: TargetProfile, work: cost.Workload) -> dict[str,
     rl = _rollout_layout(plan)
     rollout_t = cost.rollout_time(sizes, rl, target, work, dpn, max(1, rl.max_num_seqs))
     mode = plan.schedule.mode
-    nodes = {nd.node for r in plan.roles for nd in r.placement}
-    adapter = 0
-    if plan.lora is not None and plan.lora.rollout == "adapter":
-        adapter = memory.lora_params(sizes.arch, plan.lora.rank, plan.lora.target_modules)
-    sync = cost.weight_sync_s(
+    sync = cost.sync_seconds(
         sizes,
         target,
-        plan.schedule.weight_sync,
-        cross_node=len(nodes) > 1,
-        adapter_params=adapter,
-        engine_share=cost.engine_weight_share(sizes, rl),
+        sync_shape(plan, sizes, rl),
+        sync_method(plan),
+        plan.schedule.weight_sync_senders,
+        plan.schedule.weight_sync_slicing,
+        WEIGHT_SYNC_TP_SLICES.get(sizes.arch.hf_architecture, frozenset()),
     )
     step = cost.step_time(
         mode, work, rollout_t, train, 0.0, sync, plan.estimates.switch_s, target.efficiency.step_overhead_s
     )
     return {"train": train, "rollout": step.rollout_s, "sync": sync, "step": step.step_s}
+
+
+def sync_method(plan: Plan) -> str:
+    """The path a run's weights took: a served LoRA adapter, or the plan's `schedule.weight_sync`."""
+    return "adapter" if plan.lora is not None and plan.lora.rollout == "adapter" else plan.schedule.weight_sync
+
+
+def sync_shape(plan: Plan, sizes: ModelSizes, engine: RolloutLayout) -> cost.SyncShape:
+    """Where a run's weights went, from its plan's placement (`cost.SyncShape`)."""
+    actor = plan.role("actor")
+    trainer_nodes = sorted({nd.node for nd in actor.placement})
+    engine_nodes = {nd.node for r in plan.roles_of("rollout") for nd in r.placement}
+    colocated = plan.schedule.mode == "colocated"
+    cross = len(trainer_nodes) > 1 if colocated else bool(engine_nodes - set(trainer_nodes[:1]))
+    adapter = 0
+    if sync_method(plan) == "adapter":
+        assert plan.lora is not None
+        adapter = memory.lora_params(sizes.arch, plan.lora.rank, plan.lora.target_modules)
+    merged = plan.lora is not None and plan.lora.rollout != "adapter"
+    return cost.SyncShape(
+        mode=plan.schedule.mode,
+        trainer_ranks=actor.devices,
+        trainer_nodes=len(trainer_nodes),
+        cross_node=cross,
+        devices_per_node=plan.cluster.devices_per_node,
+        engine=engine,
+        adapter_params=adapter,
+        streamed=actor.parallel.pp == 1 and not merged,
+        trainer_pp=actor.parallel.pp,
+    )
 
 
 def _with(target: TargetProfile, values: dict[str, float]) -> TargetProfile:
@@ -288,7 +342,7 @@ def fit(base: TargetProfile, runs: list[Run]) -> tuple[TargetProfile, dict[str, 
         if not usable:
             continue
         names = _phase_names(all_names, usable)
-        for _ in range(3):
+        for _ in range(ROUNDS.get(phase, 3)):
             for name in names:
                 lo, hi = _bounds(name, cost.efficiency(base, name))
 
@@ -304,7 +358,12 @@ def _phase_names(names: tuple[str, ...], usable: list[Run]) -> tuple[str, ...]:
     """The parameters a phase's runs can tell apart. Only agent runs tell the per-call cost, so without one it
     stays what the base profile says; agent runs alone leave the decode parameters to the base too, since their
     rollout time is mostly calls and tool waits: a fit of both would blame the decode for the calls and
-    mispredict every plan without an agent."""
+    mispredict every plan without an agent. A weight-sync link figure is fitted only from runs whose method reads
+    it (SYNC_METHOD_FIGURES): a broadcast run says nothing of the host path."""
+    sync_figures = set(SYNC_METHOD_FIGURES.values())
+    if sync_figures & set(names):
+        read = {SYNC_METHOD_FIGURES[sync_method(r.plan)] for r in usable}
+        names = tuple(n for n in names if n not in sync_figures or n in read)
     if not AGENT_PARAMS & set(names):
         return names
     agents = sum(r.work.agent is not None for r in usable)

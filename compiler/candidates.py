@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlc.compiler import cost
+from rlc.compiler.memory import RolloutLayout
 from rlc.compiler.options import RoleSearch, RolloutOption, TeacherOption, TrainOption
 from rlc.compiler.search_context import Context
+from rlc.schemas.plan import WEIGHT_SYNC_EXECUTABLE, WEIGHT_SYNC_TP_SLICES
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class Candidate:
     train_start: int = 0
     rollout_start: int = 0
     teacher_starts: tuple[int, ...] = ()
+    #: How its weights reach the engines (`sync_choice`), with the seconds the step counts.
+    sync: cost.SyncOption | None = None
 
     @property
     def summary(self) -> str:
@@ -92,23 +96,74 @@ class SearchResult:
     evaluated: int = 0
 
 
-def sync_method(ctx: Context, mode: str) -> str:
-    if ctx.spec.rollout.weight_sync == "disk":
-        return "disk"
-    if mode == "colocated":
-        return "inplace"
-    return "broadcast"
-
-
 def crosses_nodes(ctx: Context, mode: str, train_devices: int, rollout_end: int) -> bool:
     """Whether the weight sync leaves node 0.
 
-    Disaggregated: trainer rank 0 (device 0) broadcasts to every engine, so the group spans the devices up to
+    Disaggregated: the senders are the first trainer ranks (node 0), so a broadcast group spans the devices up to
     the rollout pool's end. Colocated: each node's leader rank gathers the weights, which crosses the scale-out
     link as soon as the trainer spans nodes.
     """
     end = train_devices if mode == "colocated" else rollout_end
     return end > ctx.devices_per_node
+
+
+def sync_shape(
+    ctx: Context,
+    mode: str,
+    train_devices: int,
+    engine: RolloutLayout | None,
+    rollout_end: int,
+    trainer: TrainOption | None = None,
+) -> cost.SyncShape:
+    """Where a layout's weights go (`cost.SyncShape`): the trainer's ranks and nodes, the engines, and whether the
+    sync leaves the senders' node. `engine` None: a bound before the engines are chosen, priced in-node; without
+    the `trainer` option the gather is taken as streamed and senders' memory as ample (both lower the bound)."""
+    dpn = ctx.devices_per_node
+    streamed, room, pp = True, float("inf"), 1
+    if trainer is not None and trainer.layout.backend == "fsdp2":
+        # rlc's trainer; a Megatron layout (priced only against published runs) exports stage by stage, each
+        # stage's ranks their own layers, which the streamed single-stage path stands for.
+        merged = ctx.spec.lora is not None and not ctx.lora_adapter
+        pp = trainer.layout.pp
+        streamed = pp == 1 and not merged
+    if trainer is not None:
+        room = trainer.memory.capacity_gib - trainer.memory.total_gib
+    cross = crosses_nodes(ctx, mode, train_devices, rollout_end) if engine is not None or mode == "colocated" else False
+    return cost.SyncShape(
+        mode=mode,
+        trainer_ranks=train_devices,
+        trainer_nodes=max(1, -(-train_devices // dpn)),
+        cross_node=cross,
+        devices_per_node=dpn,
+        engine=engine,
+        adapter_params=ctx.adapter_params,
+        streamed=streamed,
+        sender_room_gib=room,
+        trainer_pp=pp,
+    )
+
+
+def sync_options(ctx: Context, shape: cost.SyncShape) -> list[cost.SyncOption]:
+    """Every weight-sync method this layout could run, priced, fastest first; a served LoRA adapter has one."""
+    if ctx.adapter_params:
+        return [cost.adapter_option(ctx.sizes, ctx.target, shape)]
+    requested = ctx.spec.rollout.weight_sync
+    sliced = WEIGHT_SYNC_TP_SLICES.get(ctx.sizes.arch.hf_architecture, frozenset())
+    return cost.priced_options(
+        ctx.sizes, ctx.target, shape, requested=requested, executable=WEIGHT_SYNC_EXECUTABLE, sliced=sliced
+    )
+
+
+def sync_choice(ctx: Context, shape: cost.SyncShape) -> cost.SyncOption:
+    """The weight sync the plan runs for this layout (`cost.pick`)."""
+    return cost.pick(sync_options(ctx, shape))
+
+
+def sync_bound_s(ctx: Context, shape: cost.SyncShape) -> float:
+    """A lower bound on the sync of any layout this shape stands for: the fastest eligible option's seconds."""
+    options = sync_options(ctx, shape)
+    eligible = [o for o in options if o.eligible] or options
+    return min(o.seconds for o in eligible)
 
 
 def combine(
@@ -122,17 +177,16 @@ def combine(
     """Price a complete layout: weight sync for where the pools sit, switch for a colocated trainer."""
     sizes, target, work = ctx.sizes, ctx.target, ctx.work
     adapter = ctx.adapter_params
-    cross = crosses_nodes(ctx, mode, tr.layout.world_size, starts[1] + ro.layout.devices)
-    share = cost.engine_weight_share(sizes, ro.layout)
-    sync = cost.weight_sync_s(
-        sizes, target, sync_method(ctx, mode), cross_node=cross, adapter_params=adapter, engine_share=share
-    )
+    shape = sync_shape(ctx, mode, tr.layout.world_size, ro.layout, starts[1] + ro.layout.devices, tr)
+    sync = sync_choice(ctx, shape)
     switch = tr.switch_s if mode == "colocated" else 0.0
     if mode == "colocated" and adapter:
-        switch += cost.engine_offload_s(sizes, target, share)
+        switch += cost.engine_offload_s(sizes, target, cost.engine_weight_share(sizes, ro.layout))
     teacher_s = max((t.seconds for t in teachers), default=0.0)
-    step = cost.step_time(mode, work, ro.time, tr.seconds, teacher_s, sync, switch, target.efficiency.step_overhead_s)
-    return Candidate(mode, tr, ro, teachers, step, starts[0], starts[1], starts[2])
+    step = cost.step_time(
+        mode, work, ro.time, tr.seconds, teacher_s, sync.seconds, switch, target.efficiency.step_overhead_s
+    )
+    return Candidate(mode, tr, ro, teachers, step, starts[0], starts[1], starts[2], sync)
 
 
 def step_terms(c: Candidate, effective: bool = True) -> dict[str, float]:

@@ -55,6 +55,7 @@ CODES: dict[str, str] = {
     "RLC304": "Thin memory headroom: under a GiB spare per device",
     "RLC305": "The environment workers do not fit the nodes' host memory",
     "RLC306": "A minibatch smaller than the trainer's data parallelism leaves ranks idle",
+    "RLC307": "Colocated weights staged in each node's /dev/shm outgrow a default /dev/shm",
     "RLC701": "Not a compiled plan directory",
     "RLC702": "Unsupported plan format",
     "RLC703": "Plan compiled by an incompatible rlc",

@@ -34,7 +34,7 @@ DERIVED_PATTERNS: tuple[str, ...] = (
     "schedule.micro_batch_tokens",
     "schedule.batch_samples",
     "schedule.offload*",
-    "schedule.weight_sync",
+    "schedule.weight_sync*",
     "distill.teachers.*.role",
 )
 

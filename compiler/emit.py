@@ -40,6 +40,7 @@ from rlc.compiler.node_setup import (
 from rlc.compiler.rayjob import render_rayjob
 from rlc.compiler.resolved_spec import render_resolved_spec
 from rlc.compiler.routing import plan_routing, routing_lines
+from rlc.compiler.sync_lines import sync_rows
 from rlc.schemas.cluster_nodes import NODE_RESOURCE_PREFIX, NODE_RESOURCE_UNITS
 from rlc.schemas.plan import Plan, Role
 from rlc.schemas.spec import Spec
@@ -214,6 +215,7 @@ def render_summary(plan: Plan, *, plan_hash: str, version: str = __version__) ->
         parts.append(("fixed per step", est.overhead_s))
     routing = plan_routing(plan)
     context = {
+        "sync_rows": sync_rows(plan),
         "band": est.band,
         "plan": plan,
         "plan_hash": plan_hash,

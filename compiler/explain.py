@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from rlc.compiler.routing import plan_routing, routing_lines
+from rlc.compiler.sync_lines import sync_rows
 from rlc.schemas.plan import Plan
 
 #: The row of the time table that compares dynamic sampling's over-sampling with the plan's.
@@ -136,6 +137,20 @@ def runners_table(plan: Plan) -> Table:
     return table
 
 
+def sync_table(plan: Plan) -> Table | None:
+    """Which weight-sync method the plan runs, its estimate and bytes per engine worker, and the others priced
+    (None for a plan compiled before the planner priced them)."""
+    rows = sync_rows(plan)
+    if not rows:
+        return None
+    table = Table(title=f"weight sync: {plan.schedule.weight_sync}")
+    for col in ("method", "seconds", "per engine worker", "verdict"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*(escape(x) for x in row))
+    return table
+
+
 def explain_plan(
     plan: Plan,
     console: Console,
@@ -154,8 +169,13 @@ def explain_plan(
     routing = plan_routing(plan)
     for line in routing_lines(routing, why=False) if routing else []:  # the actor's note above says why
         console.print(escape(line))
-    for table in (time_table(plan, measured), runners_table(plan)):
-        console.print(table)
+    console.print(time_table(plan, measured))
+    sync = sync_table(plan)
+    if sync is not None:
+        console.print(sync)
+    if plan.schedule.weight_sync_note:
+        console.print(f"weight sync: {escape(plan.schedule.weight_sync_note)}")
+    console.print(runners_table(plan))
     for line in profile_lines(plan):
         console.print(escape(line))
     for line in reproducibility_lines(plan):
@@ -189,6 +209,13 @@ def explain_json(
         "runtime_gaps": plan.runtime_gaps,
         "routing": plan_routing(plan),
         "estimates": plan.estimates.model_dump(),
+        "weight_sync": {
+            "method": plan.schedule.weight_sync,
+            "senders": plan.schedule.weight_sync_senders,
+            "slicing": plan.schedule.weight_sync_slicing,
+            "note": plan.schedule.weight_sync_note,
+            "options": [o.model_dump() for o in plan.schedule.weight_sync_options],
+        },
         "step_time_band_s": list(plan.estimates.band),
         "profile": plan.profile,
         "reproducibility": plan.reproducibility.model_dump(),

@@ -137,13 +137,15 @@ def distill_settings(spec: Spec, teachers: list[TeacherSettings]) -> DistillSett
     )
 
 
-def estimates(step: Any, target: TargetProfile) -> Estimates:
-    """The chosen layout's step time, split by phase, and the target's stated uncertainty band."""
+def estimates(step: Any, target: TargetProfile, sync_bytes_per_worker: float = 0.0) -> Estimates:
+    """The chosen layout's step time, split by phase, the bytes each engine worker receives per weight sync, and
+    the target's stated uncertainty band."""
     return Estimates(
         step_time_s=r3(step.step_s),
         rollout_s=r3(step.rollout_s),
         train_s=r3(step.train_s),
         weight_sync_s=r3(step.sync_s),
+        weight_sync_bytes_per_worker=round(sync_bytes_per_worker),
         switch_s=r3(step.switch_s),
         tokens_per_s=r3(step.tokens_per_s),
         overhead_s=r3(step.overhead_s),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlc.compiler import search
+from rlc.compiler import memory, search
 from rlc.compiler.diagnostics import Diagnostic
 from rlc.compiler.load import LineMap
 from rlc.compiler.resolve import Problem
@@ -96,6 +96,38 @@ def idle_minibatch_ranks(problem: Problem, best: search.Candidate, lines: LineMa
             "warning",
             f"use minibatches <= {max(1, algo.batch_samples // dp)}, or a larger batch",
             lines.line_for("algorithm.minibatches"),
+            file,
+        )
+    ]
+
+
+#: /dev/shm must hold the staged weights with this much room to spare (the runtime's `host_moves.SHM_HEADROOM`).
+SHM_HEADROOM = 1.1
+#: Share of a node's host memory a tmpfs such as /dev/shm may fill by default (Linux: half of RAM).
+SHM_DEFAULT_SHARE = 0.5
+
+
+def shm_staging(problem: Problem, best: search.Candidate, lines: LineMap, file: str) -> list[Diagnostic]:
+    """RLC307 when a colocated sync stages more in each node's /dev/shm than a default tmpfs holds: every node's
+    writer stages the whole model there (`inplace`, `shared_memory`), and a node whose /dev/shm is too small
+    stops the run at its first sync."""
+    sync = best.sync
+    if best.mode != "colocated" or sync is None or sync.method not in ("inplace", "shared_memory"):
+        return []
+    sizes = memory.model_sizes(problem.arch)
+    gib = sizes.total * memory.dtype_bytes(problem.target) * SHM_HEADROOM / 2**30
+    room = problem.target.host_memory_gib * SHM_DEFAULT_SHARE
+    if gib <= room:
+        return []
+    return [
+        Diagnostic(
+            "RLC307",
+            f"weight sync {sync.method} stages the whole model in each node's /dev/shm: {gib:,.0f} GiB with room "
+            f"to spare, more than a default /dev/shm of half the node's {problem.target.host_memory_gib:,.0f} GiB",
+            "mode",
+            "warning",
+            "enlarge /dev/shm on every node (mount -o remount,size=...) or run disaggregated",
+            lines.line_for("mode"),
             file,
         )
     ]

@@ -24,7 +24,7 @@ from rlc.compiler.plan_sections import (
     lora_settings,
     sampling_settings,
 )
-from rlc.compiler.plan_warnings import idle_minibatch_ranks, long_context_warnings, thin_headroom
+from rlc.compiler.plan_warnings import idle_minibatch_ranks, long_context_warnings, shm_staging, thin_headroom
 from rlc.compiler.ray_placement import ray_placements
 from rlc.compiler.reproducibility import reproducibility
 from rlc.compiler.resolve import Problem
@@ -65,6 +65,7 @@ def build_plan(
         return None, diags + refusal.infeasible(problem, result, lines, file)
     diags += thin_headroom(problem, result.best, lines, file)
     diags += idle_minibatch_ranks(problem, result.best, lines, file)
+    diags += shm_staging(problem, result.best, lines, file)
     for gap in plan_gaps(problem, result.best):
         diags.append(
             Diagnostic(
@@ -217,7 +218,7 @@ def assemble(problem: Problem, ctx: search.Context, result: search.SearchResult,
         run_dir=spec.run_dir,
         loggers=list(spec.output.loggers),
         env=dict(sorted({**target.env, **repro.switches}.items())),
-        estimates=estimates(step, target),
+        estimates=estimates(step, target, best.sync.bytes_per_worker if best.sync else 0.0),
         reproducibility=repro,
         profile=profile_record(target, problem.profile_source),
         runners_up=runners,

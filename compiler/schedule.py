@@ -3,7 +3,7 @@ bound, the bound on steps skipped for non-finite numbers."""
 
 from __future__ import annotations
 
-from rlc.compiler import cost, search
+from rlc.compiler import cost, search, weight_sync_plan
 from rlc.compiler.engine_config import engine_dtype
 from rlc.compiler.resolve import Problem
 from rlc.compiler.roles import offload_steps
@@ -92,7 +92,7 @@ def build_schedule(problem: Problem, ctx: search.Context, best: search.Candidate
         rollout_chunks_per_engine=cost.engine_inflight_requests(
             best.rollout.layout.max_num_seqs, spec.algorithm.group_size, best.rollout.layout.attention_dp
         ),
-        weight_sync=search.sync_method(ctx, best.mode),  # type: ignore[arg-type]
+        **weight_sync_plan.schedule_fields(ctx, best),
         weight_update=search.weight_update(problem),  # type: ignore[arg-type]
         sync_check_max_gap=sync_check_max_gap(problem, best.train.layout.precision.compute_dtype),
         sync_check_noise=sync_noise(problem, best.train.layout.precision.compute_dtype),

@@ -10,7 +10,7 @@ idle, so a larger cluster never gets a slower plan.
 from __future__ import annotations
 
 from rlc.compiler.allocation import allocate, pool_sizes
-from rlc.compiler.candidates import Candidate, SearchResult, runner_up_verdict, sync_method
+from rlc.compiler.candidates import Candidate, SearchResult, runner_up_verdict
 from rlc.compiler.engine_search import (
     MAX_AUTO_FRACTION,
     groups_in_nodes,
@@ -59,7 +59,6 @@ __all__ = [
     "runner_up_verdict",
     "search",
     "search_context",
-    "sync_method",
     "teacher_search",
     "train_precision",
     "train_search",

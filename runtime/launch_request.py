@@ -19,7 +19,7 @@ from rlc.schemas.layout import (
     runtime_gaps,
     split_layers,
 )
-from rlc.schemas.plan import ExpertLayers, Plan, Role
+from rlc.schemas.plan import WEIGHT_SYNC_EXECUTABLE, ExpertLayers, Plan, Role
 from rlc.schemas.platforms import PLATFORM_FACTS
 
 __all__ = [
@@ -231,6 +231,27 @@ def weight_sync_path(plan: Plan) -> dict[str, Any]:
     }
 
 
+def weight_sync_refusals(plan: Plan) -> list[str]:
+    """What of the plan's weight sync the runtime cannot run (`WEIGHT_SYNC_EXECUTABLE`); the compiler picks only
+    what it runs, so these catch plans edited by hand or compiled by another rlc."""
+    s = plan.schedule
+    out: list[str] = []
+    fix = "recompile the plan with this rlc, which picks a path it runs"
+    if s.weight_sync not in WEIGHT_SYNC_EXECUTABLE:
+        out.append(f"weight sync {s.weight_sync}: this runtime does not execute it; {fix}")
+    if s.weight_sync == "shared_memory" and (plan.platform != "cpu" or s.mode != "colocated"):
+        out.append(f"weight sync shared_memory runs colocated on cpu only, not {s.mode} on {plan.platform}; {fix}")
+    trainer = plan.roles_of("train")[0].devices if plan.roles_of("train") else 1
+    if s.weight_sync_senders > 1:
+        if s.weight_sync != "broadcast" or "senders" not in WEIGHT_SYNC_EXECUTABLE:
+            out.append(f"weight sync with {s.weight_sync_senders} senders: this runtime sends from one; {fix}")
+        elif s.weight_sync_senders > trainer:
+            out.append(f"weight sync with {s.weight_sync_senders} senders but {trainer} trainer ranks; {fix}")
+    if s.weight_sync_slicing == "tp" and (s.weight_sync != "broadcast" or "tp_slicing" not in WEIGHT_SYNC_EXECUTABLE):
+        out.append(f"weight sync slicing tp with {s.weight_sync}: this runtime sends whole tensors; {fix}")
+    return out
+
+
 def _device_slices(plan: Plan, role: Role, actors: int, refusals: list[str]) -> list[tuple[int, ...]]:
     """The planned devices of each of a role's `actors`, in order: consecutive equal slices of the role's
     placement (node by node, the plan's device ids). On cpu, or where a slice would span nodes (one process
@@ -377,6 +398,7 @@ def launch_request(plan: Plan) -> LaunchRequest:
             )
             if g not in refusals
         ]
+    refusals += [g for g in weight_sync_refusals(plan) if g not in refusals]
     return LaunchRequest(
         plan=plan.name,
         platform=plan.platform,

@@ -90,6 +90,26 @@ class Efficiency(BaseModel):
         description="Host seconds per agent model call (the engine's OpenAI endpoint and the agent's client, one "
         "call at a time); unset: the cost model's default for the target's kind.",
     )
+    weight_sync_link_share: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="Share of a device's link (intra-node, scale-out) one weight-sync sender or receiver achieves "
+        "per byte, buckets and their round trips included; unset: the cost model's default for the target's kind.",
+    )
+    weight_sync_host_share: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="Share of host_to_device_bandwidth_gbps a colocated weight sync achieves staging weights "
+        "through host memory (/dev/shm files, shared memory); unset: the cost model's default for the kind.",
+    )
+    weight_sync_disk_gbps: float | None = Field(
+        None,
+        gt=0.0,
+        description="Rate a disk weight sync writes and reads its safetensors folder, GB/s; unset: the cost "
+        "model's default for the target's kind.",
+    )
 
 
 #: Efficiencies a profile may leave unset (the cost model's default for the target's kind applies).

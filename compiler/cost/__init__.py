@@ -6,7 +6,8 @@ the target's measured efficiency) plus explicit communication terms. Every formu
 fixed assumptions (response length, overlap, latencies) are module constants with a stated reason.
 Pure functions only.
 
-The model is a package of one idea per module: `workload`, `links`, `overheads`, `rollout`, `train`, `step`.
+The model is a package of one idea per module: `workload`, `links`, `overheads`, `rollout`, `train`, `step`,
+`weight_sync`.
 """
 
 from __future__ import annotations
@@ -40,15 +41,12 @@ from rlc.compiler.cost.rollout import (  # noqa: F401
     rollout_time,
 )
 from rlc.compiler.cost.step import (  # noqa: F401
-    DISK_GBPS,
     ENGINE_CYCLE_S,
     StepTime,
     engine_offload_s,
-    engine_weight_share,
     step_time,
     switch_s,
     teacher_time_s,
-    weight_sync_s,
 )
 from rlc.compiler.cost.train import (  # noqa: F401
     DP_OVERLAP,
@@ -59,6 +57,23 @@ from rlc.compiler.cost.train import (  # noqa: F401
     train_flops,
     train_mfu,
     train_time,
+)
+from rlc.compiler.cost.weight_sync import (  # noqa: F401
+    SYNC_TIE,
+    WEIGHT_SYNC_DISK_GBPS,
+    WEIGHT_SYNC_HOST_SHARE,
+    WEIGHT_SYNC_LINK_SHARE,
+    SyncOption,
+    SyncShape,
+    adapter_option,
+    bound_shape,
+    engine_weight_share,
+    max_senders,
+    pick,
+    priced_options,
+    sync_figure,
+    sync_seconds,
+    worker_bytes,
 )
 from rlc.compiler.cost.workload import (  # noqa: F401
     EULER_GAMMA,

@@ -3,6 +3,7 @@ target profile's measured value wins over the kind's default."""
 
 from __future__ import annotations
 
+from rlc.compiler.cost.weight_sync import SYNC_FIGURES
 from rlc.compiler.memory import ModelSizes
 from rlc.schemas.target import TargetProfile
 
@@ -69,11 +70,13 @@ HOST_OVERLAPS_DEVICE = {"npu": True, "gpu": True, "cpu": False}
 #: 7.2, 8.4 and 11.8 ms; about 4 ms of it the engine actor's CPU, 5 ms the clients'). [estimate] accelerators:
 #: the same Python path on a server's faster host cores; not measured, `rlc calibrate` fits it from an agent run.
 AGENT_CALL_OVERHEAD_S = {"npu": 2e-3, "gpu": 2e-3, "cpu": 8e-3}
-#: Host overheads a profile may leave unset, each with its default per target kind (the constants above).
+#: Figures a profile may leave unset, each with its default per target kind (the host overheads above and the
+#: weight-sync rates, `weight_sync.SYNC_FIGURES`).
 KIND_DEFAULTS = {
     "decode_step_overhead_s": DECODE_STEP_OVERHEAD_S,
     "decode_sequence_overhead_s": DECODE_SEQUENCE_OVERHEAD_S,
     "agent_call_overhead_s": AGENT_CALL_OVERHEAD_S,
+    **SYNC_FIGURES,
 }
 
 

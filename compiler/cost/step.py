@@ -1,29 +1,23 @@
-"""Weight sync, colocated switches and the whole step: how the phases of one RL step compose into its time."""
+"""Colocated switches and the whole step: how the phases of one RL step compose into its time."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlc.compiler.cost.links import collective_s
 from rlc.compiler.cost.rollout import RolloutTime
 from rlc.compiler.cost.workload import Workload
-from rlc.compiler.memory import ModelSizes, RolloutLayout, dtype_bytes, rollout_weights_bytes
+from rlc.compiler.memory import ModelSizes, dtype_bytes
 from rlc.schemas.target import TargetProfile
 
 __all__ = [
-    "DISK_GBPS",
     "ENGINE_CYCLE_S",
     "StepTime",
     "engine_offload_s",
-    "engine_weight_share",
     "step_time",
     "switch_s",
     "teacher_time_s",
-    "weight_sync_s",
 ]
 
-#: Shared-filesystem bandwidth for disk weight sync, GB/s (one writer, readers in parallel).
-DISK_GBPS = 2.0
 #: Fixed seconds a colocated step spends cycling its engines, whatever the model's size: sleep (vLLM sleep
 #: level 2 drops the weights and the KV cache), wake (its allocator maps the weight and KV-cache pools again:
 #: the KV cache is re-allocated every step) and the first request's re-warm after waking. gpu: 2.7 s, the
@@ -32,56 +26,6 @@ DISK_GBPS = 2.0
 #: [estimate] npu: vllm-ascend's sleep mode (its CaMem allocator) does the same work; no published timing, so
 #: the gpu figure. cpu: 0 (rlc's cpu engines do not sleep: vLLM refuses sleep mode there).
 ENGINE_CYCLE_S = {"gpu": 1.7 + 0.96, "npu": 1.7 + 0.96, "cpu": 0.0}
-
-
-def weight_sync_s(
-    sizes: ModelSizes,
-    target: TargetProfile,
-    method: str,
-    *,
-    cross_node: bool,
-    adapter_params: int = 0,
-    engine_share: float = 1.0,
-) -> float:
-    """Seconds to move new weights from the trainer to the engines.
-
-    Volume: the full model in compute dtype (total params × bytes), or only the LoRA adapters when the
-    engine serves them. broadcast: one pipelined broadcast from trainer rank 0 (bytes / link bw; across
-    nodes the scale-out link bounds it) after gathering the shards on that rank (same volume, intra-node).
-    inplace (colocated): the gathered weights go through host shared memory, because the trainer rank
-    and the engine worker of one device cannot both be ranks of one NCCL group: each node's leader rank
-    gathers the full weights (over the scale-out link when the trainer spans nodes) and copies them to its
-    host (bytes / host↔device bandwidth); that node's engine workers then copy back, in parallel, only the
-    shard each one serves (`engine_share` × bytes each: vLLM's weight loaders narrow every checkpoint tensor
-    to the rank's TP slice and skip experts outside its EP rank before the device copy).
-    disk: safetensors written once and read in parallel at DISK_GBPS.
-
-    `engine_share` is the share of the full weights one engine device holds (`memory.rollout_weights_bytes`
-    over the full bytes; 1 for a TP 1 engine). The engine's reload (`weight_reload_gbps`) is per device too:
-    each worker copies and repacks its own shard, all workers at once.
-    """
-    b = dtype_bytes(target)
-    volume = (adapter_params or sizes.total) * b
-    # Every path ends with the engine taking the weights in (vLLM reload_weights: copies into its parameters
-    # and, on cpu and NPUs, repacking for its kernels), at the target's measured or estimated rate.
-    # A LoRA adapter is small and whole on every engine device.
-    shard = volume if adapter_params else volume * min(1.0, max(0.0, engine_share))
-    reload = shard / (target.efficiency.weight_reload_gbps * 1e9) + target.efficiency.weight_sync_overhead_s
-    if method == "disk":
-        return 2 * volume / (DISK_GBPS * 1e9) + reload
-    intra = collective_s(target, volume, target.intra_node_bandwidth_gbps)
-    link = target.inter_node_bandwidth_gbps if cross_node else target.intra_node_bandwidth_gbps
-    if method == "inplace":
-        gather = collective_s(target, volume, link)
-        return gather + (volume + shard) / (target.host_to_device_bandwidth_gbps * 1e9) + reload
-    return intra + collective_s(target, volume, link) + reload
-
-
-def engine_weight_share(sizes: ModelSizes, layout: RolloutLayout) -> float:
-    """Share of the full weights one device of an engine with `layout` holds (dense parts over TP, routed
-    experts over EP or TP): what each engine worker copies in and repacks when new weights arrive."""
-    full = sizes.dense + sizes.embedding + sizes.head + sizes.expert
-    return rollout_weights_bytes(sizes, layout.tp, layout.ep, 1) / full if full else 1.0
 
 
 def switch_s(target: TargetProfile, train_state_gib: float) -> float:

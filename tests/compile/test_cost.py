@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from rlc.compiler import cost, memory
-from rlc.compiler.memory import RolloutLayout, TrainLayout, dtype_bytes
+from rlc.compiler.memory import RolloutLayout, TrainLayout
 from rlc.schemas.registry import load_arch, load_target
 
 A2 = load_target("a2")
@@ -69,23 +69,6 @@ def test_step_composition() -> None:
     assert sync.step_s == 152
     col = cost.step_time("colocated", w, r, 50, 0, 2, 3)
     assert col.step_s == 155 and col.switch_s == 3
-
-
-def test_weight_sync_methods() -> None:
-    inplace = cost.weight_sync_s(SIZES, A2, "inplace", cross_node=False)
-    cross = cost.weight_sync_s(SIZES, A2, "broadcast", cross_node=True)
-    disk = cost.weight_sync_s(SIZES, A2, "disk", cross_node=True)
-    assert inplace < cross < disk
-    fixed = A2.efficiency.weight_sync_overhead_s
-    assert cost.weight_sync_s(SIZES, A2, "broadcast", cross_node=True, adapter_params=10**6) - fixed < 0.01
-    # Colocated weights go through host memory: the gather on rank 0 (half an intra-node broadcast) plus one
-    # device-to-host and one host-to-device copy of the model; every path ends with the engine's reload.
-    volume = SIZES.total * dtype_bytes(A2)
-    reload = volume / (A2.efficiency.weight_reload_gbps * 1e9) + A2.efficiency.weight_sync_overhead_s
-    gather = (cost.weight_sync_s(SIZES, A2, "broadcast", cross_node=False) - reload) / 2
-    copies = 2 * volume / (A2.host_to_device_bandwidth_gbps * 1e9)
-    assert inplace == pytest.approx(gather + copies + reload)
-    assert disk == pytest.approx(2 * volume / (cost.DISK_GBPS * 1e9) + reload)
 
 
 def test_engine_feed_is_what_the_plan_tells_the_controller() -> None:

@@ -116,19 +116,23 @@ def test_colocated_weight_moves_cost_host_memory_on_every_node() -> None:
     assert one is not None and two is not None
     sizes, a2 = model_sizes(load_arch("qwen3-8b")), load_target("a2")
 
-    def sync(plan, cross: bool) -> float:  # type: ignore[no-untyped-def]
-        engine = plan.role("rollout").parallel
-        share = cost.engine_weight_share(sizes, RolloutLayout(plan.role("rollout").devices, engine.tp, engine.ep))
-        return cost.weight_sync_s(sizes, a2, "inplace", cross_node=cross, engine_share=share)
+    def shape(ranks: int, engine: RolloutLayout, method: str = "inplace") -> float:
+        nodes = -(-ranks // 8)
+        where = cost.SyncShape("colocated", ranks, nodes, nodes > 1, 8, engine)
+        return cost.sync_seconds(sizes, a2, where, method)
 
-    assert one.estimates.weight_sync_s == pytest.approx(sync(one, False), abs=1e-3)
-    assert two.estimates.weight_sync_s == pytest.approx(sync(two, True), abs=1e-3)
-    shm = cost.weight_sync_s(sizes, a2, "inplace", cross_node=False)
-    across = cost.weight_sync_s(sizes, a2, "inplace", cross_node=True)
-    assert shm < across < cost.weight_sync_s(sizes, a2, "disk", cross_node=True)
+    def sync(plan) -> float:  # type: ignore[no-untyped-def]
+        engine = plan.role("rollout").parallel
+        return shape(plan.role("actor").devices, RolloutLayout(plan.role("rollout").devices, engine.tp, engine.ep))
+
+    assert one.schedule.weight_sync == two.schedule.weight_sync == "inplace"
+    assert one.estimates.weight_sync_s == pytest.approx(sync(one), abs=1e-3)
+    assert two.estimates.weight_sync_s == pytest.approx(sync(two), abs=1e-3)
+    shm = shape(8, RolloutLayout(8))
+    across = shape(16, RolloutLayout(16))
+    assert shm < across < shape(16, RolloutLayout(16), "disk")
     # A TP 4 engine's devices each copy back and reload a quarter of the dense weights.
-    wide = cost.weight_sync_s(sizes, a2, "inplace", cross_node=False, engine_share=0.25)
-    assert wide < shm
+    assert shape(8, RolloutLayout(8, tp=4)) < shm
 
 
 def test_mtp_and_lora_engine_args() -> None:
