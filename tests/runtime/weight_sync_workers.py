@@ -1,7 +1,8 @@
 """rlc's worker extension for a test engine whose vLLM workers run in processes of their own (TP > 1) and keep their
 weights: importing this module in a worker (vLLM imports the extension before it builds the model) takes the plan's
 cpu GEMM choice there too, so the tp-sliced sync copies shards straight into the parameters. The engine's front-end
-process takes the choice already; its workers, started afresh, do not (see `test_weight_sync.py`)."""
+process takes the choice (`engine_setup`), but vLLM spawns its workers afresh inside a Ray actor, and rlc's own
+extension does not apply it there: those workers pack their weights for oneDNN and every update is a reload."""
 
 from __future__ import annotations
 
