@@ -116,17 +116,15 @@ def test_profiles_are_frozen() -> None:
 
 
 def test_the_estimate_band_leans_the_way_the_evidence_does() -> None:
-    """Published Ascend runs mostly took longer than estimated, so those bands reach further on the slow side; the
-    GPU runs checked after the GPU profiles' fit (benchmarks/fit_gpu_efficiency.py) missed furthest the other way.
-    A plan written before the fast side existed reads as the symmetric band it stated."""
+    """Out of sample (leave-one-out, benchmarks/estimate_accuracy.py) the published runs missed furthest on the slow
+    side, on Ascend and on GPUs alike (a GPU MoE run held out from the MoE ratio's one-run fit took 1.88x), so every
+    accelerator band reaches further that way. A plan written before the fast side existed reads as the symmetric
+    band it stated."""
     from rlc.schemas.plan import Estimates
 
-    for name in ("a2", "a2-32g", "a3"):
+    for name in ("a2", "a2-32g", "a3", "h100", "h800", "h20", "a800"):
         p = load_target(name)
         assert p.estimate_uncertainty_fast is not None and p.estimate_uncertainty_fast < p.estimate_uncertainty, name
-    for name in ("h100", "h800", "h20", "a800"):
-        p = load_target(name)
-        assert p.estimate_uncertainty_fast is not None and p.estimate_uncertainty_fast > p.estimate_uncertainty, name
     assert load_target("cpu").estimate_uncertainty_fast is None
     leaning = Estimates(
         step_time_s=100,
