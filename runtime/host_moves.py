@@ -1,24 +1,28 @@
 """Colocated weight moves through each node's host memory: which trainer rank writes for which engines.
 
-A colocated plan (`schedule.weight_sync: inplace`) never uses a broadcast group: a device's trainer rank and
-engine worker cannot be two ranks of one NCCL/HCCL group. Instead, on every node the first trainer rank
-there gathers the weights and writes them as one safetensors file into that node's /dev/shm, and the
-engines on that node reload from it. Which rank and engine landed on which node is Ray's placement, found
-at run time; the path itself is the plan's. A node whose /dev/shm cannot hold the weights is an error with
-what to do, not a silent detour through the run directory.
+A colocated plan (`schedule.weight_sync: inplace` or `shared_memory`) never uses a broadcast group: a device's
+trainer rank and engine worker cannot be two ranks of one NCCL/HCCL group. Instead, on every node the first
+trainer rank there gathers the weights and writes them into a folder in that node's /dev/shm, and the engines on
+that node load from it: `inplace` as one safetensors file they reload, `shared_memory` as one flat segment their
+workers map (`rollout.shared_weights`). Which rank and engine landed on which node is Ray's placement, found at
+run time; the path itself is the plan's. A node whose /dev/shm cannot hold the weights is an error with what to
+do, not a silent detour through the run directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SHM_HEADROOM", "HostMoves", "HostMovesError", "plan_host_moves"]
+__all__ = ["SHM_HEADROOM", "HostMoves", "HostMovesError", "plan_host_moves", "shared_tag", "stale_glob"]
 
 #: /dev/shm must hold the gathered weights with this much room to spare.
 SHM_HEADROOM = 1.1
+#: The start of a shared-memory run's tag (`shared_tag`), so its folders are ``/dev/shm/rlc-shm-...``.
+SHARED_TAG_PREFIX = "shm-"
 
 
 class HostMovesError(RuntimeError):
@@ -85,3 +89,18 @@ def plan_host_moves(
     across = any(len(nodes) > 1 for nodes in engine_nodes)
     dirs = {rank: str(Path("/dev/shm") / (f"rlc-{tag}" if across else f"rlc-{tag}-r{rank}")) for rank in readers}
     return HostMoves(dirs, readers)
+
+
+def shared_tag(run_dir: str | Path, pid: int) -> str:
+    """`plan_host_moves`' tag for `shared_memory`: a key of the run directory (the same for every run on it, so a
+    later run finds the folders a killed one left: `stale_glob`) and the driver's pid."""
+    key = hashlib.sha1(str(Path(run_dir).absolute()).encode()).hexdigest()[:12]
+    return f"{SHARED_TAG_PREFIX}{key}-{pid}"
+
+
+def stale_glob(tag: str) -> str:
+    """The /dev/shm folders of every `shared_memory` run on the run directory of `tag` (a `shared_tag`), this run's
+    among them: on a node, any other is an earlier run's (the run directory's lock keeps two live runs off one
+    directory)."""
+    key = tag.removeprefix(SHARED_TAG_PREFIX).split("-")[0]
+    return str(Path("/dev/shm") / f"rlc-{SHARED_TAG_PREFIX}{key}-*")

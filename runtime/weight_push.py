@@ -4,8 +4,9 @@
 with its share of the buckets) and the engine workers, every worker receiving every byte or, with TP slicing, only
 its shard (rebuilt when an engine restarts); `disk` writes a safetensors folder that engines load; `inplace`
 (colocated) writes it into each engine node's /dev/shm through a trainer rank on that node (`host_moves`);
-LoRA runs served as adapters write the adapter instead. A sync that loses an engine restarts it and is redone, a
-bounded number of times.
+`shared_memory` (colocated, cpu) has that rank copy the weights into a shared-memory segment the engines' workers
+map (`rollout.shared_weights`); LoRA runs served as adapters write the adapter instead. A sync that loses an engine
+restarts it and is redone, a bounded number of times.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rlc.runtime.errors import RunError, resume_command
-from rlc.runtime.host_moves import HostMoves, plan_host_moves, weight_bytes
+from rlc.runtime.host_moves import HostMoves, plan_host_moves, shared_tag, stale_glob, weight_bytes
 from rlc.runtime.rollout.pool import RolloutPool
 from rlc.runtime.rollout.weight_sync import SyncGroups, sync_bucket_bytes
 from rlc.schemas.plan import Plan
@@ -79,6 +80,7 @@ class WeightPush:
         self._host_moves: HostMoves | None = None  # colocated: who writes the weights into which node's /dev/shm
         self.written_dirs: dict[int, str] = {}  # folders trainer ranks wrote, removed at the end
         self._meta: list[Any] | None = None
+        self._shm_held: dict[int, tuple[str, int]] = {}  # shared_memory: each writer's folder and the version in it
 
     def meta(self) -> list[Any]:
         """Names, shapes and dtypes of what a sync sends: fixed for the run, so asked of the trainer once."""
@@ -160,7 +162,7 @@ class WeightPush:
         """Check, before any step, that the plan's weight path works here (its senders and slicing too); colocated
         runs find their writers."""
         self._check_sync_shape()
-        if self.method() == "inplace":
+        if self.method() in ("inplace", "shared_memory"):
             self._moves()
 
     def _moves(self) -> HostMoves:
@@ -171,9 +173,19 @@ class WeightPush:
 
             ranks = self.trainer.hosts_info()
             nodes = ray.get([e.node_ids() for e in self.rollout.engines])
-            tag = f"{os.getpid()}-{abs(hash(str(self.run_dir))) % 10**8}"
+            shared = self.method() == "shared_memory"
+            if shared:
+                # A segment this run already holds is rewritten in place: its bytes count as free for it.
+                from rlc.runtime.rollout.shared_weights import segment_layout
+
+                held = segment_layout(self.meta())[1]
+                ranks = [{**r, "shm_free": r["shm_free"] + held * (r["rank"] in self.written_dirs)} for r in ranks]
+                tag = shared_tag(self.run_dir, os.getpid())
+            else:
+                tag = f"{os.getpid()}-{abs(hash(str(self.run_dir))) % 10**8}"
             self._host_moves = plan_host_moves(ranks, nodes, weight_bytes(self.meta()), tag)
-            self.message(f"colocated weight moves through host memory: {self._host_moves.describe()}")
+            how = " (shared-memory segments the engines map)" if shared else ""
+            self.message(f"colocated weight moves through host memory: {self._host_moves.describe()}{how}")
         return self._host_moves
 
     def push_files(self, indices: list[int], version: int) -> None:
@@ -189,6 +201,9 @@ class WeightPush:
             for old in sorted(root.glob("adapter-v*"))[:-2]:
                 shutil.rmtree(old, ignore_errors=True)
             return
+        if self.method() == "shared_memory":
+            self._push_shared(indices, engines, version)
+            return
         if self.method() == "inplace":
             moves = self._moves()
             self.written_dirs.update(self.trainer.save_weights_per_node(moves.dirs))
@@ -197,6 +212,32 @@ class WeightPush:
             path = self.trainer.save_weights(str(self.run_dir / "sync" / "latest"))
             folders = [str(Path(path).parent)] * len(indices)
         refs = [e.update_weights_from_path(f, version) for e, f in zip(engines, folders, strict=True)]
+        _bounded(refs, dict(zip(indices, engines, strict=True)))
+
+    def _push_shared(self, indices: list[int], engines: list[Any], version: int) -> None:
+        """`shared_memory`: the writer ranks copy the weights into their node's segment (skipped when every segment
+        holds `version` already: an engine restarted to the current weights, or a retried load), then engines map it.
+
+        After an engine restart re-plans the writers, a rank left with no engine drops its segment in the same
+        collective call, and its folder is removed from the run's list."""
+        from rlc.runtime.rollout.shared_weights import segment_name
+
+        moves = self._moves()
+        meta = self.meta()
+        held = {rank: (folder, version) for rank, folder in moves.dirs.items()}
+        if held != self._shm_held:
+            # The writers' own node's folders of earlier runs go on the first write (`host_moves.stale_glob`).
+            stale = stale_glob(shared_tag(self.run_dir, os.getpid()))
+            written = self.trainer._all("save_weights_shared", moves.dirs, meta, version, stale)
+            for rank in set(self.written_dirs) - set(moves.dirs):  # its writer dropped the segment and folder
+                self.written_dirs.pop(rank)
+            self.written_dirs.update({rank: moves.dirs[rank] for part in written for rank in part})
+            self._shm_held = held
+        # Straight to the actor: `EngineClient` has no typed call for this method yet.
+        refs = [
+            e.actor.update_weights_from_shared_memory.remote(segment_name(moves.folder_for(i), meta), meta, version)
+            for i, e in zip(indices, engines, strict=True)
+        ]
         _bounded(refs, dict(zip(indices, engines, strict=True)))
 
     def _sync_once(self, version: int, deadline: float | None = None) -> None:

@@ -446,6 +446,12 @@ class RolloutEngine:
         """Reload weights from a safetensors file or directory; returns seconds taken."""
         return await self._load_in_workers("load_from_safetensors", (str(path),), version)
 
+    async def update_weights_from_shared_memory(self, path: str, meta: Sequence[TensorMeta], version: int) -> float:
+        """Reload weights from the shared-memory segment a colocated trainer rank wrote at ``path`` on this node,
+        laid out by ``meta`` and holding ``version`` (`shared_weights`); returns seconds taken."""
+        meta = [(n, tuple(s), str(d)) for n, s, d in meta]
+        return await self._load_in_workers("load_from_shared_memory", (str(path), meta, int(version)), version)
+
     async def update_lora_adapter(self, path: str, version: int) -> float:
         """Serve the PEFT adapter in folder ``path`` from now on, as policy ``version``; returns seconds.
 

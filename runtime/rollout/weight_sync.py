@@ -35,6 +35,7 @@ from typing import Any, TypedDict
 import torch
 
 from .routing_capture import RoutingCaptureExtension
+from .shared_weights import SharedWeightsExtension
 from .tp_slices import WireSpec, cut, shard_numel
 
 __all__ = [
@@ -290,7 +291,7 @@ def _received(
             yield i, piece.view(shape)
 
 
-class WeightSyncExtension(RoutingCaptureExtension):
+class WeightSyncExtension(SharedWeightsExtension, RoutingCaptureExtension):
     """vLLM worker extension: methods here become callable through ``LLM.collective_rpc``.
 
     vLLM mixes this class into its Worker, so ``self`` is the worker: ``self.reload_weights``,

@@ -181,6 +181,30 @@ class WeightExport:
         return {self.rank: self._write_hf(sd, out_dirs[self.rank])}
 
     @measured("sync")
+    def save_weights_shared(
+        self, folders: dict[int, str], meta: Sequence[TensorMeta], version: int, stale: str | None = None
+    ) -> dict[int, str]:
+        """Each rank in `folders` (a node's writer) copies the weights into its shared-memory segment there, laid out
+        by `meta` and stamped `version`, for the engines on its node to map (`shared_weights`). Collective.
+
+        The segment is made on a rank's first write (removing `stale`, earlier runs' folders on its node) and
+        rewritten in place after; a rank no longer in `folders` (its engines moved) drops its own. Returns {rank:
+        segment path} for the ranks that wrote (only this rank's entry here).
+        """
+        from ..rollout.shared_weights import SharedWeightsWriter
+
+        sd = self.sync_state_dict(keep=self.rank in folders)
+        writer: SharedWeightsWriter | None = getattr(self, "_shm_writer", None)
+        if writer is not None and writer.folder != folders.get(self.rank):
+            writer.close()
+            writer = self._shm_writer = None
+        if self.rank not in folders or sd is None:
+            return {}
+        if writer is None:
+            writer = self._shm_writer = SharedWeightsWriter(folders[self.rank], stale)
+        return {self.rank: writer.write(sd, meta, version)}
+
+    @measured("sync")
     def sync_weights_broadcast(
         self, host: str, port: int, world_size: int, meta: Sequence[TensorMeta] | None = None
     ) -> float:
