@@ -57,7 +57,7 @@ _HEADER = struct.Struct("<8sqq40s")  # magic, version (-1 while writing), data b
 
 
 def _itemsize(dtype: str) -> int:
-    from .weight_sync import dtype_from_str
+    from .torch_dtypes import dtype_from_str
 
     return dtype_from_str(dtype).itemsize
 
@@ -193,7 +193,7 @@ class SharedWeightsWriter:
 
 
 def _view(buffer: torch.Tensor, offset: int, shape: Sequence[int], dtype: str) -> torch.Tensor:
-    from .weight_sync import dtype_from_str
+    from .torch_dtypes import dtype_from_str
 
     dt = dtype_from_str(dtype)
     return buffer[offset : offset + _numel(shape) * dt.itemsize].view(dt).view(tuple(shape))

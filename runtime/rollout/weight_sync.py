@@ -36,6 +36,7 @@ import torch
 
 from .routing_capture import RoutingCaptureExtension
 from .shared_weights import SharedWeightsExtension
+from .torch_dtypes import dtype_from_str
 from .tp_slices import WireSpec, cut, shard_numel
 
 __all__ = [
@@ -112,14 +113,6 @@ def one_group(host: str, port: int, world_size: int, backend: str) -> SyncGroups
         bucket_bytes=DEFAULT_BUCKET_BYTES,
         slices=None,
     )
-
-
-def dtype_from_str(name: str) -> torch.dtype:
-    """``"bfloat16"`` or ``"torch.bfloat16"`` → ``torch.bfloat16``."""
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
-    return dtype
 
 
 def tensor_meta(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> list[TensorMeta]:
