@@ -26,7 +26,9 @@ MAX_NONFINITE_STEPS = 3
 #: (weight_sync_senders > 1) and "tp_slicing" (weight_sync_slicing "tp"). The planner prices every variant and
 #: picks only among these; the others are stated in the plan as priced but not executable. Widen it when the
 #: runtime lands a path.
-WEIGHT_SYNC_EXECUTABLE: frozenset[str] = frozenset({"broadcast", "disk", "inplace", "senders", "tp_slicing"})
+WEIGHT_SYNC_EXECUTABLE: frozenset[str] = frozenset(
+    {"broadcast", "disk", "inplace", "shared_memory", "senders", "tp_slicing"}
+)
 #: With `weight_sync_slicing: tp`, which parts of a model the runtime cuts into tensor-parallel shards, per vLLM model
 #: class (the catalog's `hf_architecture`): "dense" (attention, dense MLP, embedding and head) and "experts" (the
 #: routed experts of an engine of TP alone; an engine with EP > 1 or attention DP always gets them whole). Every

@@ -192,12 +192,12 @@ def test_plans_state_method_estimate_and_runner_up(monkeypatch: pytest.MonkeyPat
     assert narrow.estimates.weight_sync_s > plan.estimates.weight_sync_s
 
 
-def test_cpu_colocated_picks_shared_memory_once_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_colocated_picks_shared_memory_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _plan(CPU_COLOCATED).schedule.weight_sync == "shared_memory"
+    monkeypatch.setattr(candidates, "WEIGHT_SYNC_EXECUTABLE", frozenset({"broadcast", "disk", "inplace"}))
     plan = _plan(CPU_COLOCATED)
     assert plan.schedule.weight_sync == "inplace"
     assert any(o.method == "shared_memory" and not o.runs for o in plan.schedule.weight_sync_options)
-    monkeypatch.setattr(candidates, "WEIGHT_SYNC_EXECUTABLE", EVERYTHING)
-    assert _plan(CPU_COLOCATED).schedule.weight_sync == "shared_memory"
 
 
 def test_colocated_accelerator_note_names_the_host_path() -> None:
