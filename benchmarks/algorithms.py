@@ -127,6 +127,15 @@ def chosen_variants(parser: argparse.ArgumentParser, only: str, known: list[str]
     return names
 
 
+def keep(results: list[dict[str, float | str]], result: dict[str, float | str], path: Path | None) -> None:
+    """Print one run's result as it lands and add it to `results` (and the `--json` file: a long benchmark stopped
+    part-way keeps what it measured)."""
+    print(json.dumps(result), flush=True)
+    results.append(result)
+    if path:
+        path.write_text(json.dumps(results, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     variant_arguments(parser, 600)
@@ -136,11 +145,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="rlc-algorithms-"))
     results = []
     for name in names:
-        result = run_variant(name, work, args.steps, args.seed)
-        print(json.dumps(result), flush=True)
-        results.append(result)
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=1) + "\n")
+        keep(results, run_variant(name, work, args.steps, args.seed), args.json)
     print(table(results))
 
 

@@ -17,13 +17,12 @@ Run: python benchmarks/routing_replay.py [--steps 400] [--seeds 0,1,2] [--only r
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import tempfile
 from pathlib import Path
 
-from algorithms import ROOT, chosen_variants, fifths, run_spec, variant_arguments
+from algorithms import ROOT, chosen_variants, fifths, keep, run_spec, variant_arguments
 
 SPEC = ROOT / "examples" / "cpu-moe.yaml"
 COMMON = {"train.precision": "bfloat16", "algorithm.minibatches": "2"}
@@ -78,11 +77,7 @@ def main() -> None:
     results = []
     for seed in seeds:  # interleaved: machine drift lands on every variant alike
         for variant in variants:
-            result = run(variant, seed, work, args.steps)
-            print(json.dumps(result), flush=True)
-            results.append(result)
-            if args.json:
-                args.json.write_text(json.dumps(results, indent=1) + "\n")
+            keep(results, run(variant, seed, work, args.steps), args.json)
     print(table(results))
 
 

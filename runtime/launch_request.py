@@ -211,18 +211,30 @@ def weight_sync_path(plan: Plan) -> dict[str, Any]:
         world = 1 + rollout.replicas * workers
         dp = rollout.engine.get("data_parallel_size", 1)
         shape = f"TP {rollout.parallel.tp}" + (f" × attention DP {dp}" if dp > 1 else "")
-        return {
-            "method": "broadcast",
-            "how": f"trainer rank 0 gathers the weights and broadcasts them over a {backend} group of {world} "
-            f"ranks (itself + {rollout.replicas} engine(s) × {shape})",
-            "group_size": world,
-            "backend": backend,
-        }
+        senders = plan.schedule.weight_sync_senders
+        how = (
+            f"trainer rank 0 gathers the weights and broadcasts them over a {backend} group of {world} "
+            f"ranks (itself + {rollout.replicas} engine(s) × {shape})"
+        )
+        if senders > 1:
+            how = (
+                f"trainer ranks 0-{senders - 1} each send their share of the buckets over a {backend} group of "
+                f"their own with every engine worker ({rollout.replicas} engine(s) × {shape})"
+            )
+        if plan.schedule.weight_sync_slicing == "tp":
+            how += "; each engine worker receives only its tensor-parallel shard of the weights rlc slices"
+        return {"method": "broadcast", "how": how, "group_size": world, "backend": backend}
     if method == "disk":
         return {
             "method": "disk",
             "how": "trainer rank 0 writes safetensors to RUN/sync/latest; every engine reloads from there "
             "(the run directory must be on a filesystem every node sees)",
+        }
+    if method == "shared_memory":
+        return {
+            "method": "shared_memory",
+            "how": "each node's first trainer rank writes the gathered weights into one shared-memory segment in its "
+            "node's /dev/shm, rewritten in place every sync; the engines on that node map it and copy from it",
         }
     return {
         "method": "inplace",

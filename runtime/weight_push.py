@@ -228,14 +228,13 @@ class WeightPush:
         if held != self._shm_held:
             # The writers' own node's folders of earlier runs go on the first write (`host_moves.stale_glob`).
             stale = stale_glob(shared_tag(self.run_dir, os.getpid()))
-            written = self.trainer._all("save_weights_shared", moves.dirs, meta, version, stale)
+            written = self.trainer.save_weights_shared(moves.dirs, meta, version, stale)
             for rank in set(self.written_dirs) - set(moves.dirs):  # its writer dropped the segment and folder
                 self.written_dirs.pop(rank)
             self.written_dirs.update({rank: moves.dirs[rank] for part in written for rank in part})
             self._shm_held = held
-        # Straight to the actor: `EngineClient` has no typed call for this method yet.
         refs = [
-            e.actor.update_weights_from_shared_memory.remote(segment_name(moves.folder_for(i), meta), meta, version)
+            e.update_weights_from_shared_memory(segment_name(moves.folder_for(i), meta), meta, version)
             for i, e in zip(indices, engines, strict=True)
         ]
         _bounded(refs, dict(zip(indices, engines, strict=True)))

@@ -79,6 +79,10 @@ class EngineClient:
         """→ float: seconds; load safetensors from `path` as policy `version`."""
         return self.actor.update_weights_from_path.remote(path, version)
 
+    def update_weights_from_shared_memory(self, path: str, meta: Any, version: int) -> Ref:
+        """→ float: seconds; load the weights in the shared-memory segment `path` (laid out by `meta`) as `version`."""
+        return self.actor.update_weights_from_shared_memory.remote(path, meta, version)
+
     def update_lora_adapter(self, path: str, version: int) -> Ref:
         """→ float: seconds; serve the PEFT adapter in `path` as policy `version`."""
         return self.actor.update_lora_adapter.remote(path, version)

@@ -212,6 +212,10 @@ class TrainerGroup:
         parts = ray.get([w.sync_addresses.remote(per_sender) for w in self.workers[:senders]])
         return [address for part in parts for address in part]
 
+    def save_weights_shared(self, dirs: dict[int, str], meta: Any, version: int, stale: Any = None) -> list[Any]:
+        """Each writer rank's shared-memory segment of the current weights (`WeightExport.save_weights_shared`)."""
+        return self._all("save_weights_shared", dirs, meta, version, stale)
+
     def host_info(self) -> dict[str, Any]:
         """Rank 0's Ray node id and free /dev/shm bytes: rank 0 writes the gathered weights."""
         import ray

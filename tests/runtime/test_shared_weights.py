@@ -51,9 +51,6 @@ class Engine:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.version = -1
-        self.actor = types.SimpleNamespace(
-            update_weights_from_shared_memory=types.SimpleNamespace(remote=self.update_weights_from_shared_memory)
-        )
 
     def node_ids(self) -> list[str]:
         return ["node-a"]
@@ -73,8 +70,8 @@ class Trainer:
     def __init__(self, worker) -> None:  # type: ignore[no-untyped-def]
         self.workers = [worker]
 
-    def _all(self, method: str, *args):  # type: ignore[no-untyped-def]
-        return [getattr(w, method)(*args) for w in self.workers]
+    def save_weights_shared(self, *args):  # type: ignore[no-untyped-def]
+        return [w.save_weights_shared(*args) for w in self.workers]
 
     def hosts_info(self) -> list[dict]:
         return [{"rank": 0, "node_id": "node-a", "shm_free": 1 << 40}]
